@@ -1,0 +1,59 @@
+"""The speculation budget: how much draft tree one request may verify per round.
+
+A ``Budget`` is the whole interface between the serving policy and the tree
+expander (TreeSpark, see docs/architecture.md):
+
+* ``theta``      the price of one verified node: expansion stops as soon as the best
+                 frontier candidate's calibrated path survival falls below it;
+* ``node_cap``   the most draft nodes (the root excluded) one tree may hold;
+* ``branch_cap`` the most children one node may have.
+
+A chain is ``branch_cap = 1``; plain decoding is ``node_cap = 0`` (an empty tree).
+Both are ordinary budgets, so there is one decoding path for all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Budget:
+    theta: float
+    node_cap: int
+    branch_cap: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.theta, (int, float)) or math.isnan(self.theta) or self.theta < 0:
+            raise ValueError(f"Budget.theta must be a number >= 0, got {self.theta!r}")
+        if not isinstance(self.node_cap, int) or self.node_cap < 0:
+            raise ValueError(f"Budget.node_cap must be an integer >= 0, got {self.node_cap!r}")
+        if not isinstance(self.branch_cap, int) or self.branch_cap < 1:
+            raise ValueError(f"Budget.branch_cap must be an integer >= 1, got {self.branch_cap!r}")
+
+    @classmethod
+    def chain(cls, k: int) -> Budget:
+        """A fixed chain of (up to) ``k`` draft tokens, the classic speculative decoding."""
+        return cls(theta=0.0, node_cap=k, branch_cap=1)
+
+    @classmethod
+    def off(cls) -> Budget:
+        """No speculation: every round verifies the root alone (plain decoding)."""
+        return cls(theta=0.0, node_cap=0, branch_cap=1)
+
+    @classmethod
+    def adaptive(cls, theta: float = 0.05, node_cap: int = 32, branch_cap: int = 4) -> Budget:
+        """The default adaptive tree: best-first under calibrated survival, stopped by theta."""
+        return cls(theta=theta, node_cap=node_cap, branch_cap=branch_cap)
+
+    @property
+    def is_off(self) -> bool:
+        return self.node_cap == 0 or self.theta >= 1.0
+
+    @property
+    def kind(self) -> str:
+        """A label for reports: 'off', 'chain' or 'tree'."""
+        if self.is_off:
+            return "off"
+        return "chain" if self.branch_cap == 1 else "tree"
