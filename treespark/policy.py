@@ -1,0 +1,139 @@
+"""Speculation policies: which ``Budget`` a replica should run under a given load.
+
+TreeSpark prices one verified draft node by ``theta`` (see ``treespark.budget``):
+at light load verification is nearly free, so trees may grow wide and deep; as
+the batch grows the target forward becomes compute-bound, every extra node costs
+real time, and the tree should shrink to a chain and finally to plain decoding.
+
+A policy maps a ``LoadSnapshot`` (what the cluster controller aggregates from
+replica heartbeats, or what one replica sees of itself when the controller is
+gone) to a ``Budget`` for one replica. ``LadderPolicy`` is the simplest useful
+one: a ladder of budgets indexed by the load per replica (running plus queued
+requests), the serving counterpart of the hand-measured theta-by-batch-size
+ladder of the TreeSpark reference code. A cost-model policy can replace it
+behind the same ``BudgetPolicy`` interface.
+
+This module is pure: no Ray, no HTTP, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from treespark.budget import Budget
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """Load of the serving cluster (or of one replica) at one moment.
+
+    * ``replicas``      replicas currently reporting (>= 1 for a meaningful snapshot);
+    * ``active``        requests running in the engines' batches, summed over replicas;
+    * ``queued``        requests admitted but waiting for a batch slot, summed;
+    * ``step_s``        mean engine step time over replicas, seconds (0 if unknown);
+    * ``tokens_per_s``  generated tokens per second, summed over replicas.
+    """
+
+    replicas: int
+    active: int
+    queued: int
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "active", "queued"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"LoadSnapshot.{name} must be an integer >= 0, got {value!r}")
+        for name in ("step_s", "tokens_per_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+                raise ValueError(f"LoadSnapshot.{name} must be a number >= 0, got {value!r}")
+
+    @property
+    def load_per_replica(self) -> float:
+        """Requests (running + queued) per replica: the batch each replica will run."""
+        return (self.active + self.queued) / max(self.replicas, 1)
+
+    @classmethod
+    def idle(cls, replicas: int = 1) -> LoadSnapshot:
+        return cls(replicas=replicas, active=0, queued=0)
+
+
+@runtime_checkable
+class BudgetPolicy(Protocol):
+    """Anything that prices speculation for one replica under a cluster load."""
+
+    def budget_for(self, load: LoadSnapshot, replica_id: str) -> Budget: ...
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One step of a ladder: ``budget`` applies while load per replica <= ``max_load``."""
+
+    max_load: float
+    budget: Budget
+
+
+def _default_rungs() -> tuple[Rung, ...]:
+    return (
+        Rung(2.0, Budget(theta=0.02, node_cap=32, branch_cap=4)),  # light: wide adaptive tree
+        Rung(6.0, Budget(theta=0.10, node_cap=12, branch_cap=2)),  # medium: narrow tree
+        Rung(16.0, Budget(theta=0.25, node_cap=4, branch_cap=1)),  # heavy: short chain
+        Rung(math.inf, Budget(theta=1.0, node_cap=0, branch_cap=1)),  # very heavy: off
+    )
+
+
+@dataclass(frozen=True)
+class LadderPolicy:
+    """A batch-size ladder of budgets.
+
+    ``rungs`` are sorted by ``max_load``; the first rung whose ``max_load`` is at
+    least the snapshot's load per replica wins, and load beyond the last rung
+    gets the last rung. The ladder must be monotone — ``theta`` non-decreasing,
+    ``node_cap`` and ``branch_cap`` non-increasing as load rises — so more load
+    never buys a bigger tree.
+    """
+
+    rungs: tuple[Rung, ...] = field(default_factory=_default_rungs)
+
+    def __post_init__(self) -> None:
+        rungs = tuple(self.rungs)
+        if not rungs:
+            raise ValueError("LadderPolicy needs at least one rung")
+        for lo, hi in zip(rungs, rungs[1:]):
+            if not hi.max_load > lo.max_load:
+                raise ValueError(f"LadderPolicy rungs must have increasing max_load, got {lo.max_load} then {hi.max_load}")
+            if hi.budget.theta < lo.budget.theta:
+                raise ValueError("LadderPolicy must be monotone: theta may not fall as load rises")
+            if hi.budget.node_cap > lo.budget.node_cap or hi.budget.branch_cap > lo.budget.branch_cap:
+                raise ValueError("LadderPolicy must be monotone: node_cap/branch_cap may not grow as load rises")
+        object.__setattr__(self, "rungs", rungs)
+
+    @classmethod
+    def from_thresholds(cls, thresholds: Sequence[float], budgets: Sequence[Budget]) -> LadderPolicy:
+        """``budgets[i]`` applies up to ``thresholds[i]``; ``budgets`` has one more entry (the top rung)."""
+        if len(budgets) != len(thresholds) + 1:
+            raise ValueError(f"need len(budgets) == len(thresholds) + 1, got {len(budgets)} and {len(thresholds)}")
+        bounds = [float(t) for t in thresholds] + [math.inf]
+        return cls(tuple(Rung(t, b) for t, b in zip(bounds, budgets)))
+
+    def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:
+        x = load.load_per_replica
+        for rung in self.rungs:
+            if x <= rung.max_load:
+                return rung.budget
+        return self.rungs[-1].budget
+
+
+@dataclass(frozen=True)
+class FixedPolicy:
+    """The same budget whatever the load (baselines: a fixed chain, always off, ...)."""
+
+    budget: Budget
+
+    def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:
+        return self.budget
