@@ -9,5 +9,8 @@ Public API (a contract that outside checks call):
 """
 
 from treespark.budget import Budget
+from treespark.calibration import Calibration
+from treespark.decode import Generation, generate
+from treespark.models import ModelPair, random_pair
 
-__all__ = ["Budget"]
+__all__ = ["Budget", "Calibration", "Generation", "ModelPair", "generate", "random_pair"]

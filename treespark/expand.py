@@ -1,0 +1,166 @@
+"""Best-first expansion of a draft tree under calibrated path survival (TreeSpark).
+
+The frontier holds *candidate slots*: "the j-th child of node n". A slot's score is
+survival(n) x e(n, j), the calibrated probability that its token will be accepted.
+Expansion pops the best slot, draws its token, and stops when the best slot scores
+below ``budget.theta`` or the tree holds ``budget.node_cap`` nodes. Depth is capped by
+the drafter's block; siblings by ``budget.branch_cap``.
+
+* T = 0: a node's children are the top-k of q(. | parent, depth), in order;
+  e(n, j) = p_hat(q_j).
+* T > 0: siblings are drawn without replacement from the temperature-scaled q. A
+  slot is chosen on its *expected* acceptance before its token is drawn,
+  e(n, j) = E_{x ~ q without the drawn}[p_hat(q(x))]: a slot kept or dropped on the
+  value of its own draw would bias the output (the proof of recursive rejection
+  sampling needs each sibling to be a fresh draw from its proposal).
+
+``rank`` switches the scoring signal for benchmarks only: "calibrated" (TreeSpark),
+"logq" (raw path log-probability, EAGLE-2 style) and "marginal" (per-depth marginals
+that ignore the parent, the signal of earlier trees: every node at one depth gets the
+same candidates, drawn from the base logits U alone).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from treespark.budget import Budget
+from treespark.calibration import Calibration
+from treespark.sampling import Sampler, draft_probs
+from treespark.tree import DraftTree
+
+Rank = Literal["calibrated", "logq", "marginal"]
+
+
+class Proposal(Protocol):
+    """What the drafter offers the expander for one request and one round."""
+
+    max_depth: int
+    draft_to_target: torch.Tensor | None  # [Vd] token id of each draft index; None = identity
+
+    def logits(self, parent_token: int, depth: int) -> torch.Tensor:
+        """Drafter logits over its vocabulary for a child at ``depth`` (1-based) of a
+        node holding ``parent_token``: U_depth + W2 . W1[parent]."""
+        ...
+
+    def marginal_logits(self, depth: int) -> torch.Tensor:
+        """Parent-free logits at ``depth`` (the base logits U alone)."""
+        ...
+
+
+@dataclass
+class _Slots:
+    """The children of one expanded node: their drawing distribution and what is drawn."""
+
+    q: torch.Tensor          # [Vd] float64, the drawing distribution
+    top_q: list[float]       # T = 0: the top-k probabilities, in order
+    top_idx: list[int]
+    p_hat: torch.Tensor | None = None  # T > 0: calibrated acceptance of each token
+    expected_total: float = 0.0        # T > 0: sum_x q(x) p_hat(x)
+    expected_drawn: float = 0.0
+    mass_drawn: float = 0.0
+    drawn: list[int] | None = None
+    support: int = 0
+
+
+def _edge_value(cal: Calibration, q: float, rank: Rank) -> float:
+    if rank == "calibrated":
+        return cal.p_hat_scalar(q)
+    return q  # logq and marginal multiply raw probabilities along the path
+
+
+def expand(
+    proposal: Proposal,
+    root_token: int,
+    budget: Budget,
+    calibration: Calibration,
+    temperature: float,
+    sampler: Sampler,
+    *,
+    max_depth: int | None = None,
+    rank: Rank = "calibrated",
+) -> DraftTree:
+    """Grow one draft tree best-first under ``budget``; see the module docstring."""
+    tree = DraftTree.root_only(root_token)
+    tree.draft_to_target = proposal.draft_to_target
+    depth_limit = proposal.max_depth if max_depth is None else min(proposal.max_depth, max_depth)
+    if budget.is_off or depth_limit <= 0:
+        return tree
+    greedy = temperature == 0
+    k = budget.branch_cap
+    slots: dict[int, _Slots] = {}
+    heap: list[tuple[float, int, int, int]] = []
+    tie = itertools.count()
+
+    def open_node(n: int) -> None:
+        depth = tree.depths[n] + 1
+        if depth > depth_limit:
+            return
+        if rank == "marginal":  # earlier trees: the same candidates under every parent
+            logits = proposal.marginal_logits(depth)
+        else:
+            logits = proposal.logits(tree.tokens[n], depth)
+        q = draft_probs(logits, temperature).to(torch.float64)
+        st = _Slots(q=q, top_q=[], top_idx=[], support=int((q > 0).sum()))
+        if greedy:
+            top = q.topk(min(k, q.numel()))
+            st.top_idx = top.indices.tolist()
+            st.top_q = top.values.tolist()
+        else:
+            st.drawn = []
+            st.p_hat = calibration.p_hat(q).to(torch.float64) if rank == "calibrated" else q
+            st.expected_total = float((q * st.p_hat).sum())
+        slots[n] = st
+        push(n, 0)
+
+    def slot_score(n: int, j: int) -> float | None:
+        st = slots[n]
+        if j >= k:
+            return None
+        if greedy:
+            if j >= len(st.top_q):
+                return None
+            e = _edge_value(calibration, st.top_q[j], rank)
+        else:
+            remaining = 1.0 - st.mass_drawn
+            if j >= st.support or remaining <= 1e-12:
+                return None
+            e = max(st.expected_total - st.expected_drawn, 0.0) / remaining
+        return tree.survival[n] * e
+
+    def push(n: int, j: int) -> None:
+        s = slot_score(n, j)
+        if s is not None:
+            heapq.heappush(heap, (-s, next(tie), n, j))
+
+    open_node(0)
+    while heap and tree.size < budget.node_cap:
+        neg_score, _, n, j = heapq.heappop(heap)
+        if -neg_score < budget.theta:
+            break
+        st = slots[n]
+        if greedy:
+            d = st.top_idx[j]
+            survival = -neg_score
+        else:
+            remaining = st.q.clone()
+            assert st.drawn is not None
+            if st.drawn:
+                remaining[st.drawn] = 0.0
+            remaining = remaining / remaining.sum()
+            d = sampler.categorical(remaining)
+            st.drawn.append(d)
+            st.mass_drawn += float(st.q[d])
+            st.expected_drawn += float(st.q[d] * st.p_hat[d])
+            survival = tree.survival[n] * _edge_value(calibration, float(st.q[d]), rank)
+        token = d if proposal.draft_to_target is None else int(proposal.draft_to_target[d])
+        i = tree.add(n, token, q=float(st.q[d]), survival=survival)
+        push(n, j + 1)
+        open_node(i)
+    tree.child_q = {n: st.q for n, st in slots.items() if tree.children[n]}
+    return tree

@@ -1,0 +1,100 @@
+"""Preallocated KV storage for the target and the drafter, one row (slot) per request.
+
+Layout per store: [layers, slots, kv_heads, capacity, head_dim]. Running requests
+occupy rows 0..n-1 (the engine keeps them compact, so a batch is a view, never a
+gather), and one extra *staging* row holds the prompt being prefilled. Each step
+writes the round's tree at positions L..L+K-1 of a row; verification then moves the
+accepted nodes' entries down to L+1, L+2, ... (only those entries are copied);
+anything beyond a row's committed length is dead and masked out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StoreShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+class KVStore:
+    """Keys and values of one model."""
+
+    def __init__(self, shape: StoreShape, slots: int, capacity: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        dims = (shape.layers, slots, shape.kv_heads, capacity, shape.head_dim)
+        # zeros, not empty: a masked-out NaN would still poison attention (0 * NaN)
+        self.k = torch.zeros(dims, device=device, dtype=dtype)
+        self.v = torch.zeros(dims, device=device, dtype=dtype)
+
+    def write(self, layer: int, rows: slice, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """pos: [B, S] positions; k, v: [B, kvh, S, hd] for the rows of ``rows``."""
+        b = torch.arange(pos.shape[0], device=pos.device)[:, None].expand_as(pos)
+        self.k[layer, rows][b, :, pos] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[layer, rows][b, :, pos] = v.transpose(1, 2).to(self.v.dtype)
+
+    def write_all(self, rows: slice, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [L, B, kvh, S, hd] for every layer at once."""
+        for layer in range(k.shape[0]):
+            self.write(layer, rows, pos, k[layer], v[layer])
+
+    def move(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy entries at positions ``src`` to ``dst`` within one row (all layers)."""
+        self.k[:, slot, :, dst] = self.k[:, slot, :, src].clone()
+        self.v[:, slot, :, dst] = self.v[:, slot, :, src].clone()
+
+    def copy_row(self, src_slot: int, dst_slot: int, length: int) -> None:
+        self.k[:, dst_slot, :, :length] = self.k[:, src_slot, :, :length]
+        self.v[:, dst_slot, :, :length] = self.v[:, src_slot, :, :length]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class KVCache:
+    """The target's and the drafter's stores, with slot bookkeeping.
+
+    ``lengths[s]`` is the committed length of slot s (0 = free). Slot ``staging``
+    (the last one) is reserved for prefill.
+    """
+
+    def __init__(self, target: StoreShape, drafter: StoreShape, *, max_batch: int,
+                 capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.max_batch = max_batch
+        self.capacity = capacity
+        self.staging = max_batch
+        slots = max_batch + 1
+        self.target = KVStore(target, slots, capacity, device, dtype)
+        self.drafter = KVStore(drafter, slots, capacity, device, dtype)
+        self.lengths = [0] * slots
+
+    def move_entries(self, slot: int, src: list[int], dst: list[int]) -> None:
+        if src == dst:
+            return
+        dev = self.target.k.device
+        s = torch.tensor(src, device=dev)
+        d = torch.tensor(dst, device=dev)
+        self.target.move(slot, s, d)
+        self.drafter.move(slot, s, d)
+
+    def copy_row(self, src_slot: int, dst_slot: int) -> None:
+        n = self.lengths[src_slot]
+        self.target.copy_row(src_slot, dst_slot, n)
+        self.drafter.copy_row(src_slot, dst_slot, n)
+        self.lengths[dst_slot] = n
+        self.lengths[src_slot] = 0
+
+    def free(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    @property
+    def slots_in_use(self) -> int:
+        return sum(1 for n in self.lengths if n > 0)
+
+    def nbytes(self) -> int:
+        return self.target.nbytes() + self.drafter.nbytes()

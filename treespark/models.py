@@ -1,0 +1,82 @@
+"""Model pairs: a target causal LM, its DSpark drafter, a tokenizer and a calibration.
+
+* ``random_pair(vocab_size, seed)``: tiny random weights, built in memory (tests).
+* ``load_pair()``: the embedded default pair (SmolLM2-135M-Instruct + our drafter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from treespark.calibration import Calibration
+from treespark.drafter import DSparkConfig, DSparkDrafter
+
+
+@dataclass
+class ModelPair:
+    target: PreTrainedModel
+    drafter: DSparkDrafter
+    tokenizer: Any | None = None          # a transformers tokenizer; None for random pairs
+    calibration: Calibration = Calibration()
+    name: str = "pair"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.target.parameters()).device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.config.vocab_size
+
+
+def pick_device(device: str | torch.device | None = None) -> torch.device:
+    """The device to run on: the one asked for, else CUDA when present, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _init_(module: torch.nn.Module, generator: torch.Generator, scale: float) -> None:
+    """Re-initialise every weight from ``generator`` (not the global RNG)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                p.copy_(torch.randn(p.shape, generator=generator) * scale / math.sqrt(fan_in))
+
+
+def random_pair(vocab_size: int, seed: int, block_size: int = 4, *, device: str | None = None) -> ModelPair:
+    """A tiny random-weight Llama target and a random DSpark drafter, in memory.
+
+    Weights are scaled so both models' next-token distributions are peaked (argmax
+    ties, which would make greedy comparisons ill-posed, do not occur in practice).
+    """
+    if vocab_size < 2:
+        raise ValueError("vocab_size must be >= 2")
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    g = torch.Generator().manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        tie_word_embeddings=False, rms_norm_eps=1e-6,
+    )
+    target = LlamaForCausalLM(cfg)
+    _init_(target, g, scale=2.0)
+    dcfg = DSparkConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=block_size,
+        target_layer_ids=(0, 2), mask_token_id=0, markov_rank=8, rope_theta=10000.0,
+    )
+    drafter = DSparkDrafter(dcfg)
+    _init_(drafter, g, scale=2.0)
+    dev = pick_device(device)
+    return ModelPair(target=target.to(dev).eval(), drafter=drafter.to(dev).eval(),
+                     tokenizer=None, name=f"random-v{vocab_size}-s{seed}")

@@ -1,0 +1,85 @@
+"""Randomness and target distributions.
+
+Every random draw in TreeSpark goes through a ``Sampler``, one per request, built on
+an explicit ``torch.Generator`` (never the global RNG). The interface is two calls,
+``categorical`` and ``bernoulli``, so exact tests can replace it by a sampler that
+enumerates every outcome with its probability.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+
+class Sampler(Protocol):
+    def categorical(self, probs: torch.Tensor) -> int:
+        """Draw an index from ``probs`` ([V], non-negative, summing to 1)."""
+        ...
+
+    def bernoulli(self, p: float) -> bool:
+        """True with probability ``p``."""
+        ...
+
+
+class TorchSampler:
+    """A request's sampler: one CPU ``torch.Generator``, seeded or fresh."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator(device="cpu")
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(int(seed))
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        probs = probs.detach().to("cpu", torch.float64)
+        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+    def bernoulli(self, p: float) -> bool:
+        if p >= 1.0:
+            # still consume one draw so the stream does not depend on p's value
+            torch.rand((), generator=self.generator, dtype=torch.float64)
+            return True
+        return bool(torch.rand((), generator=self.generator, dtype=torch.float64).item() < p)
+
+
+def validate_temperature(temperature: float) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a number, got {temperature!r}")
+    if math.isnan(temperature) or temperature < 0 or math.isinf(temperature):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    return float(temperature)
+
+
+def validate_top_p(top_p: float) -> float:
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or math.isnan(top_p):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    return float(top_p)
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution the output must follow: softmax(logits / T), nucleus-filtered.
+
+    logits: [..., V] -> probabilities [..., V] in float64 (exact tests need the precision).
+    """
+    assert temperature > 0, "greedy decoding uses argmax, not probabilities"
+    probs = torch.softmax(logits.to(torch.float64) / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The drafter's distribution q at a temperature (T = 0 ranks with T = 1)."""
+    t = temperature if temperature > 0 else 1.0
+    return torch.softmax(logits.to(torch.float32) / t, dim=-1)

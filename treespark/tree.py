@@ -1,0 +1,108 @@
+"""The draft tree: flat arrays, a root, and the tensors the target needs to verify it.
+
+Node 0 is the *root*: the last emitted token, which the target has not processed yet.
+Every other node ``i`` is a draft token with a parent ``parents[i] < i`` (nodes are
+appended after their parents), a depth ``depths[i] = depths[parent] + 1``, the
+drafter probability ``q[i]`` of its token under the distribution it was drawn from,
+and its calibrated path survival ``survival[i]`` = P(node i is accepted).
+Children are kept in draw order: verification visits siblings in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    q: list[float]
+    survival: list[float]
+    children: list[list[int]]
+    # parent node -> the distribution its children were drawn from, over the drafter's
+    # vocabulary (``draft_to_target`` maps its indices to token ids; None = identity)
+    child_q: dict[int, torch.Tensor] = field(default_factory=dict)
+    draft_to_target: torch.Tensor | None = None
+
+    @classmethod
+    def root_only(cls, root_token: int) -> DraftTree:
+        return cls(tokens=[root_token], parents=[-1], depths=[0], q=[1.0], survival=[1.0], children=[[]])
+
+    def add(self, parent: int, token: int, q: float, survival: float) -> int:
+        assert 0 <= parent < len(self.tokens), "parent must already be in the tree"
+        i = len(self.tokens)
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.q.append(float(q))
+        self.survival.append(float(survival))
+        self.children.append([])
+        self.children[parent].append(i)
+        return i
+
+    # -- shape statistics --------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        """Tokens verified in one round: the root plus the draft nodes."""
+        return len(self.tokens)
+
+    @property
+    def size(self) -> int:
+        """Draft nodes, the root excluded (0 for plain decoding)."""
+        return len(self.tokens) - 1
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    @property
+    def width(self) -> int:
+        """The most draft nodes at one depth (1 for a chain, 0 for an empty tree)."""
+        if self.size == 0:
+            return 0
+        counts: dict[int, int] = {}
+        for d in self.depths[1:]:
+            counts[d] = counts.get(d, 0) + 1
+        return max(counts.values())
+
+    # -- tensors for the verify forward -------------------------------------------------
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N, N] bool: mask[i, j] is True iff node j is node i or one of its ancestors."""
+        n = self.num_nodes
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            mask[i, i] = True
+            p = self.parents[i]
+            if p >= 0:
+                mask[i] |= mask[p]
+        return mask
+
+    def position_offsets(self) -> torch.Tensor:
+        """[N] long: each node's position relative to the root (its depth)."""
+        return torch.tensor(self.depths, dtype=torch.long)
+
+    def child_probs_full(self, node: int, vocab_size: int) -> torch.Tensor:
+        """The distribution ``node``'s children were drawn from, over the target vocabulary."""
+        qd = self.child_q[node].to(torch.float64)
+        if self.draft_to_target is None:
+            assert qd.numel() == vocab_size
+            return qd
+        full = torch.zeros(vocab_size, dtype=torch.float64)
+        full[self.draft_to_target] = qd
+        return full
+
+    def check(self) -> None:
+        """Assert the structural invariants (used by tests and debug runs)."""
+        n = self.num_nodes
+        assert len(self.parents) == len(self.depths) == len(self.q) == len(self.survival) == n
+        assert self.parents[0] == -1 and self.depths[0] == 0
+        for i in range(1, n):
+            p = self.parents[i]
+            assert 0 <= p < i and self.depths[i] == self.depths[p] + 1
+            assert i in self.children[p]
+            siblings = [self.tokens[c] for c in self.children[p]]
+            assert len(set(siblings)) == len(siblings), "siblings must be distinct tokens"
