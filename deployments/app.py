@@ -1,0 +1,49 @@
+"""The typed Serve application builder: ``serve run configs/cluster.yaml`` calls
+``build_app`` with the validated ``AppArgs``.
+
+The graph: ``Api`` (HTTP ingress, no CPU) -> ``Replica`` (one engine each, scaled by
+Serve) ; both talk to one named, detached ``Controller`` actor, created here when Ray
+is up (and by any replica that finds it gone)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.serve import Application
+
+from deployments.api import Api
+from deployments.config import AppArgs
+from deployments.controller import get_or_create_controller
+from deployments.replica import Replica
+
+
+def replica_options(args: AppArgs) -> dict[str, Any]:
+    r = args.replica
+    opts: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
+        "max_ongoing_requests": 2 * args.max_batch_size,  # a batch running and one waiting
+        "max_queued_requests": r.max_queued_requests,
+    }
+    if r.autoscaling is not None:
+        a = r.autoscaling
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min_replicas,
+            "initial_replicas": max(a.min_replicas, 1),
+            "max_replicas": a.max_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+        }
+    else:
+        opts["num_replicas"] = r.num_replicas or 1
+    return opts
+
+
+def build_app(args: AppArgs) -> Application:
+    wire = args.wire()
+    replica = Replica.options(**replica_options(args)).bind(wire)
+    if ray.is_initialized():
+        controller = get_or_create_controller(wire)
+        ray.get(controller.configure.remote(wire), timeout=30)
+    return Api.bind(replica, wire)

@@ -1,0 +1,137 @@
+"""Typed arguments of the Serve application (pydantic: this is the edge of the system).
+
+``AppArgs`` is what ``serve run configs/*.yaml`` passes to ``deployments.app:build_app``
+under ``args:``. Every deployment receives the validated model as a plain dict and
+re-validates it, so the same object governs the replica, the controller and the API.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from treespark.budget import Budget
+from treespark.policy import BudgetPolicy, FixedPolicy, LadderPolicy
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BudgetArgs(_Strict):
+    theta: float = Field(ge=0.0)
+    node_cap: int = Field(ge=0)
+    branch_cap: int = Field(ge=1)
+
+    def to_budget(self) -> Budget:
+        return Budget(theta=self.theta, node_cap=self.node_cap, branch_cap=self.branch_cap)
+
+    @classmethod
+    def of(cls, b: Budget) -> BudgetArgs:
+        return cls(theta=b.theta, node_cap=b.node_cap, branch_cap=b.branch_cap)
+
+
+def _default_ladder_budgets() -> list[BudgetArgs]:
+    return [BudgetArgs.of(r.budget) for r in LadderPolicy().rungs]
+
+
+class PolicyArgs(_Strict):
+    """``ladder``: ``budgets[i]`` while load per replica <= ``thresholds[i]``, the last
+    budget beyond; ``fixed``: always ``budget`` (baselines)."""
+
+    kind: Literal["ladder", "fixed"] = "ladder"
+    thresholds: list[float] = Field(default_factory=lambda: [r.max_load for r in LadderPolicy().rungs[:-1]])
+    budgets: list[BudgetArgs] = Field(default_factory=_default_ladder_budgets)
+    budget: BudgetArgs | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicyArgs:
+        self.build()  # raises ValueError (-> ValidationError) on a non-monotone ladder
+        return self
+
+    def build(self) -> BudgetPolicy:
+        if self.kind == "fixed":
+            if self.budget is None:
+                raise ValueError("policy kind 'fixed' needs 'budget'")
+            return FixedPolicy(self.budget.to_budget())
+        return LadderPolicy.from_thresholds(self.thresholds, [b.to_budget() for b in self.budgets])
+
+
+class AutoscalingArgs(_Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(2, ge=1)
+    target_ongoing_requests: float = Field(4.0, gt=0)
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalingArgs:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("autoscaling max_replicas must be >= min_replicas")
+        return self
+
+
+class ReplicaArgs(_Strict):
+    """Ray resources and Serve options of the engine replica deployment."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    num_replicas: int | None = Field(None, ge=1)
+    autoscaling: AutoscalingArgs | None = None
+    max_queued_requests: int = Field(64, ge=-1)  # beyond this the API answers 503
+    torch_threads: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> ReplicaArgs:
+        if self.num_replicas is not None and self.autoscaling is not None:
+            raise ValueError("set either replica.num_replicas or replica.autoscaling, not both")
+        return self
+
+
+class ControllerArgs(_Strict):
+    name: str = "treespark-controller"
+    namespace: str = "treespark"
+    heartbeat_s: float = Field(0.25, gt=0, le=0.5)  # replicas report (and pull their budget) this often
+    heartbeat_timeout_s: float = Field(2.0, gt=0)  # a replica silent this long is dropped
+    rpc_timeout_s: float = Field(1.0, gt=0)
+    online_calibration: bool = False  # refit (a, b) from serving records and push it
+    min_calibration_records: int = Field(2000, ge=10)
+
+
+class AppArgs(_Strict):
+    """Arguments of ``build_app``. ``model``: ``default`` (the embedded SmolLM2 pair),
+    ``random`` (a tiny random pair, no tokenizer: byte-level text), or a target model id
+    with ``drafter`` a drafter checkpoint id."""
+
+    model: str = "default"
+    drafter: str | None = None
+    served_model_name: str | None = None
+    vocab_size: int = Field(512, ge=2)  # model: random only
+    seed: int = 0
+    max_batch_size: int = Field(8, ge=1)
+    max_context: int = Field(1024, ge=2)
+    default_max_tokens: int = Field(256, ge=1)  # chat requests without max_tokens
+    device: str | None = None
+    engine_factory: str = "deployments.replica:build_engine"  # "module:callable(AppArgs) -> (engine, tokenizer)"
+    policy: PolicyArgs = Field(default_factory=PolicyArgs)
+    replica: ReplicaArgs = Field(default_factory=ReplicaArgs)
+    controller: ControllerArgs = Field(default_factory=ControllerArgs)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return {"default": "treespark-smollm2", "random": "treespark-random"}.get(self.model, self.model)
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def import_attr(path: str) -> Any:
+    """``'pkg.module:attr'`` -> the attribute."""
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise ValueError(f"expected 'module:attribute', got {path!r}")
+    return getattr(importlib.import_module(module), attr)

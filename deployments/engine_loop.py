@@ -1,0 +1,213 @@
+"""One synchronous ``Engine`` driven by one dedicated thread, bridged to asyncio.
+
+The engine is not thread-safe, so only the loop thread touches it. Callers post
+commands (add, abort, set_budget, set_calibration) on a thread-safe queue; the thread
+drains the queue, runs ``engine.step()`` while there is work, and otherwise blocks on
+the queue. Each request has a *sink*, a callable the loop thread invokes with:
+
+* ``ACCEPTED``           once, when ``add_request`` succeeded;
+* ``Failed(error)``      once, final: ``add_request`` raised (``ValueError`` = bad input)
+                         or the engine crashed;
+* a ``RequestOutput``    per step with new tokens; the one with ``finished`` is final;
+* ``Aborted(id)``        once, final, right after ``abort`` (later outputs are dropped).
+
+Sinks must be cheap and thread-safe; ``asyncio_sink`` hands items to an
+``asyncio.Queue`` on the caller's event loop. No Ray here: tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ACCEPTED = object()
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class Aborted:
+    request_id: str
+
+
+Sink = Callable[[Any], None]
+
+
+def asyncio_sink(q: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> Sink:
+    def sink(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
+
+    return sink
+
+
+@dataclass(frozen=True)
+class LoopLoad:
+    running: int
+    waiting: int
+    alive: bool
+
+
+class EngineLoop:
+    """Owns ``engine`` in a daemon thread. ``step_stats`` keeps the engine's recent
+    ``StepStats`` for heartbeats (``drain_step_stats``)."""
+
+    def __init__(self, engine: Any, *, name: str = "treespark-engine", max_step_stats: int = 4096) -> None:
+        self.engine = engine
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._stats: deque = deque(maxlen=max_step_stats)
+        self._stats_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._load = LoopLoad(0, 0, False)
+        self.steps = 0
+        self.last_error: str | None = None
+        self._user_on_step = getattr(engine, "on_step", None)
+        engine.on_step = self._on_step
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # -- callers (any thread) ------------------------------------------------
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._cmds.put(("wake",))
+        self._thread.join(timeout)
+
+    def add(self, request_id: str, prompt_ids: list[int], params: Any, sink: Sink) -> None:
+        self._cmds.put(("add", request_id, prompt_ids, params, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    def set_budget(self, budget: Any) -> None:
+        self._cmds.put(("budget", budget))
+
+    def set_calibration(self, a: float, b: float) -> None:
+        self._cmds.put(("calibration", a, b))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def load(self) -> LoopLoad:
+        """Running and waiting requests as of the last loop iteration, plus requests
+        whose ``add`` is still in the command queue (counted as waiting)."""
+        l = self._load
+        return LoopLoad(l.running, l.waiting + self._cmds.qsize(), self.alive)
+
+    def drain_step_stats(self) -> list[Any]:
+        with self._stats_lock:
+            out = list(self._stats)
+            self._stats.clear()
+        return out
+
+    # -- the loop thread -------------------------------------------------------
+    def _on_step(self, stats: Any) -> None:
+        with self._stats_lock:
+            self._stats.append((time.monotonic(), stats))
+        if self._user_on_step is not None:
+            self._user_on_step(stats)
+
+    def _run(self) -> None:
+        self._snapshot_load()
+        while not self._stop.is_set():
+            busy = self._has_work()
+            try:
+                cmd = self._cmds.get(block=not busy, timeout=None if busy else 0.5)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._apply(cmd)
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._stop.is_set():
+                break
+            if self._has_work():
+                self._step()
+            self._snapshot_load()
+        for rid in list(self._sinks):
+            self._finish(rid, Failed(RuntimeError("engine loop stopped")))
+
+    def _has_work(self) -> bool:
+        try:
+            return bool(self.engine.has_unfinished())
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _snapshot_load(self) -> None:
+        e = self.engine
+        self._load = LoopLoad(int(e.num_running), int(e.num_waiting), True)
+
+    def _finish(self, request_id: str, item: Any) -> None:
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink(item)
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt_ids, params, sink = cmd
+            if rid in self._sinks:
+                sink(Failed(ValueError(f"duplicate request id {rid!r}")))
+                return
+            try:
+                self.engine.add_request(rid, prompt_ids, params)
+            except Exception as err:  # noqa: BLE001 - ValueError is bad input, anything else is ours
+                sink(Failed(err))
+                return
+            self._sinks[rid] = sink
+            sink(ACCEPTED)
+        elif kind == "abort":
+            rid = cmd[1]
+            if rid in self._sinks:
+                try:
+                    self.engine.abort(rid)
+                except Exception:  # noqa: BLE001
+                    log.exception("engine.abort(%s) failed", rid)
+                self._finish(rid, Aborted(rid))
+        elif kind == "budget":
+            self.engine.set_budget(cmd[1])
+        elif kind == "calibration":
+            self.engine.set_calibration(cmd[1], cmd[2])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # noqa: BLE001 - fail the batch, keep the loop alive
+            log.exception("engine.step() failed")
+            self.last_error = repr(err)
+            for rid in list(self._sinks):
+                try:
+                    self.engine.abort(rid)
+                except Exception:  # noqa: BLE001
+                    pass
+                self._finish(rid, Failed(RuntimeError(f"engine step failed: {err!r}")))
+            return
+        self.steps += 1
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:  # aborted earlier: already finished for the caller
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            sink(out)

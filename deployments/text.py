@@ -1,0 +1,108 @@
+"""Text around the engine: prompt encoding, chat templates, incremental detokenization
+and stop strings. Pure Python; the tokenizer is a Hugging Face tokenizer or, for pairs
+without one (``random_pair``), ``ByteTokenizer``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (``byte % vocab_size``): enough to run HTTP end to end on a
+    random pair. Ids >= 256 decode to ``id % 256``."""
+
+    eos_token_id = None
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [b % self.vocab_size for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+    def chat_text(self, messages: Sequence[dict[str, str]]) -> str:
+        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """The tokenizer's chat template with the assistant turn opened."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(tokenizer.chat_text(messages))
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.decode(ids)
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes the whole generation each time (contexts are short) and holds back a
+    trailing replacement character, which usually means an incomplete multi-byte
+    sequence that the next token completes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(int(i) for i in new_ids)
+        text = decode(self.tokenizer, self.ids)
+        stable = text.rstrip(REPLACEMENT)
+        # A later token may rewrite the tail (rare merges): wait until the text extends
+        # what was already sent.
+        delta = stable[len(self.emitted):] if stable.startswith(self.emitted) else ""
+        self.emitted += delta
+        return delta
+
+    def flush(self) -> str:
+        text = decode(self.tokenizer, self.ids)
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted += delta
+        return delta
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text. ``feed`` returns the text safe to emit and
+    whether a stop string was hit (the stop string itself is not emitted). Holds back
+    the last ``max(len(stop)) - 1`` characters until they cannot start a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.buffer = ""
+        self.stopped = False
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return delta, False
+        self.buffer += delta
+        hits = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.buffer, self.stopped = self.buffer[: min(hits)], "", True
+            return out, True
+        cut = max(len(self.buffer) - self.hold, 0)
+        out, self.buffer = self.buffer[:cut], self.buffer[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buffer = ("" if self.stopped else self.buffer), ""
+        return out

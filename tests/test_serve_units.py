@@ -1,0 +1,200 @@
+"""Serving pieces without Ray: controller math, the engine loop, the replica core, text."""
+
+import asyncio
+import math
+import random
+
+import pytest
+import yaml
+
+from deployments.config import AppArgs
+from deployments.controller import ControllerState, ReplicaReport, TreeStats, aggregate_load, assign_budgets, expired, fit_calibration
+from deployments.engine_loop import ACCEPTED, Aborted, EngineLoop, Failed
+from deployments.metrics import render
+from deployments.replica import ReplicaCore
+from deployments.text import ByteTokenizer, Detokenizer, StopMatcher
+from tests.serve.fake_engine import FakeEngine, SamplingParams
+from treespark.budget import Budget
+from treespark.policy import LadderPolicy, LoadSnapshot
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def rep(rid, active=0, queued=0, steps=0, step_s=0.0, counters=None, records=()):
+    return ReplicaReport(rid, active, queued, 10.0, TreeStats(steps=steps, step_s=step_s), {"theta": 0.0, "node_cap": 0, "branch_cap": 1},
+                         "local", counters or {}, tuple(records))
+
+
+# -- controller math ---------------------------------------------------------------
+
+def test_aggregate_and_assign():
+    load = aggregate_load([rep("a", 3, 1, steps=2, step_s=0.1), rep("b", 5, 0), rep("c", 0, 0, steps=1, step_s=0.3)])
+    assert (load.replicas, load.active, load.queued, load.tokens_per_s) == (3, 8, 1, 30.0)
+    assert load.step_s == pytest.approx(0.2)
+    p = LadderPolicy()
+    assert assign_budgets(p, load, ["a", "b"]) == {"a": p.budget_for(load, "a"), "b": p.budget_for(load, "b")}
+    assert set(assign_budgets(p, load, ["a"], override=Budget.chain(3)).values()) == {Budget.chain(3)}
+    assert expired({"a": 0.0, "b": 1.5}, now=2.5, timeout_s=2.0) == ["a"]
+
+
+def test_controller_registers_prices_and_drops():
+    clock = Clock()
+    s = ControllerState(LadderPolicy(), heartbeat_timeout_s=2.0, clock=clock)
+    r = s.report(rep("a"))
+    assert r["registered"] and r["budget"]["branch_cap"] == 4  # idle: wide tree
+    assert not s.report(rep("a"))["registered"]
+    # load rises: both replicas get the heavier budget at once
+    s.report(rep("b", active=20, counters={"requests": 5}))
+    assert s.replicas["a"].budget == s.replicas["b"].budget == LadderPolicy().budget_for(LoadSnapshot(2, 20, 0), "")
+    assert s.report(rep("a"))["budget"]["node_cap"] <= 12
+    # b goes silent: dropped, its counters kept
+    clock.t = 1.5
+    s.report(rep("a"))
+    clock.t = 3.0
+    assert s.prune() == ["b"] and list(s.replicas) == ["a"]
+    assert s.counters()["requests"] == 5 and s.dropped == 1
+    # a new replica gets the current (override) budget at registration
+    s.set_override(Budget.chain(2))
+    assert s.report(rep("c"))["budget"] == {"theta": 0.0, "node_cap": 2, "branch_cap": 1}
+    st = s.status()
+    assert set(st["replicas"]) == {"a", "c"} and st["override"]["node_cap"] == 2
+
+
+def test_fit_calibration_recovers_parameters():
+    rng = random.Random(0)
+    a, b = 1.7, -0.4
+    recs = []
+    for _ in range(4000):
+        x = rng.uniform(-4, 3)
+        recs.append((x, rng.random() < 1 / (1 + math.exp(-(a * x + b)))))
+    fa, fb = fit_calibration(recs)
+    assert abs(fa - a) < 0.2 and abs(fb - b) < 0.2
+
+
+def test_online_calibration_is_pushed():
+    s = ControllerState(LadderPolicy(), online_calibration=True, min_calibration_records=10)
+    out = s.report(rep("a", records=[(1.0, True), (-1.0, False)] * 10 + [(1.0, False), (-1.0, True)] * 2))
+    assert out["calibration"] is not None and out["calibration"][0] > 0
+
+
+def test_metrics_render():
+    s = ControllerState(LadderPolicy())
+    s.report(rep("a", counters={"draft_tokens": 7, "accepted_tokens": 3}))
+    text = render(s.status(), "m")
+    assert 'treespark:spec_decode_num_draft_tokens_total{model_name="m"} 7.0' in text
+    assert 'treespark:spec_decode_theta{model_name="m",replica="a"}' in text
+
+
+# -- text ---------------------------------------------------------------------------
+
+def test_detokenizer_holds_incomplete_utf8():
+    tok = ByteTokenizer(512)
+    ids = tok.encode("hé!")
+    d = Detokenizer(tok)
+    assert d.push(ids[:2]) == "h"  # 'é' is two bytes: wait for the second
+    assert d.push(ids[2:]) == "é!"
+
+
+def test_stop_matcher_across_deltas():
+    m = StopMatcher(["END"])
+    out = []
+    for piece in ["ab", "cE", "N", "Dxyz"]:
+        text, hit = m.feed(piece)
+        out.append(text)
+    assert "".join(out) == "abc" and hit
+    m2 = StopMatcher(["zz"])
+    assert m2.feed("abz") == ("ab", False) and m2.flush() == "z"
+
+
+# -- the engine loop and the replica core ---------------------------------------------
+
+def test_engine_loop_add_error_abort():
+    loop = EngineLoop(FakeEngine(step_sleep_s=0.005)).start()
+    got = {"a": [], "b": [], "c": []}
+    loop.add("a", [1, 2], SamplingParams(max_tokens=5), got["a"].append)
+    loop.add("b", [], SamplingParams(), got["b"].append)
+    loop.add("c", [1], SamplingParams(max_tokens=500), got["c"].append)
+    import time
+
+    deadline = time.time() + 5
+    while time.time() < deadline and not (got["a"] and getattr(got["a"][-1], "finished", False)):
+        time.sleep(0.01)
+    loop.abort("c")
+    time.sleep(0.1)
+    loop.stop()
+    assert got["a"][0] is ACCEPTED and got["a"][-1].finish_reason == "length"
+    assert sum(len(o.new_token_ids) for o in got["a"][1:]) == 5
+    assert isinstance(got["b"][0], Failed) and isinstance(got["b"][0].error, ValueError)
+    assert isinstance(got["c"][-1], Aborted) and "c" in loop.engine.aborted_ids
+    assert loop.drain_step_stats()
+
+
+def _core(**kw):
+    args = AppArgs(model="random", engine_factory="tests.serve.fake_engine:build_fake_engine", max_context=64, **kw)
+    return ReplicaCore(args, "r0", connect=None)
+
+
+async def _collect(core, req):
+    return [ev async for ev in core.generate(req)]
+
+
+def test_replica_core_generate_and_errors():
+    core = _core()
+    try:
+        evs = asyncio.run(_collect(core, {"prompt": "ab", "max_tokens": 6, "temperature": 0.0}))
+        assert evs[0]["type"] == "start" and evs[-1]["type"] == "end"
+        assert evs[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+        assert "".join(e["text"] for e in evs if e["type"] == "delta") == "cdefgh"
+        # stop string: 'e' ends the text before it
+        evs = asyncio.run(_collect(core, {"prompt": "ab", "max_tokens": 30, "stop": ["ef"]}))
+        assert "".join(e["text"] for e in evs if e["type"] == "delta") == "cd" and evs[-1]["finish_reason"] == "stop"
+        # stop token id
+        evs = asyncio.run(_collect(core, {"prompt": "ab", "max_tokens": 30, "stop_token_ids": [ord("e")]}))
+        assert evs[-1]["finish_reason"] == "stop" and evs[-1]["usage"]["completion_tokens"] == 3
+        for req, param in [({"prompt": "", "max_tokens": 2}, "prompt"), ({"prompt": "x" * 70}, "prompt"),
+                           ({"prompt": "ab", "max_tokens": 63}, "max_tokens"), ({"prompt_ids": [9999]}, "prompt")]:
+            (ev,) = asyncio.run(_collect(core, req))
+            assert ev["type"] == "error" and ev["status"] == 400 and ev["param"] == param, (req, ev)
+        # a consumer that goes away aborts the request in the engine
+        async def partial():
+            agen = core.generate({"prompt": "ab", "max_tokens": 50, "request_id": "gone"})
+            await agen.__anext__()
+            await agen.__anext__()
+            await agen.aclose()
+            await asyncio.sleep(0.1)
+        asyncio.run(partial())
+        assert "gone" in core.bundle.engine.aborted_ids
+        report = core.make_report(1.0)
+        assert report["counters"]["requests"] == 3 and report["counters"]["requests_aborted"] == 1
+        assert report["tree"]["steps"] > 0
+    finally:
+        core.shutdown()
+
+
+def test_configs_validate():
+    for path in ("configs/cluster.yaml", "configs/gpu-cluster.yaml"):
+        cfg = yaml.safe_load(open(path))
+        from ray.serve.schema import ServeDeploySchema
+
+        ServeDeploySchema.model_validate(cfg)
+        (app,) = cfg["applications"]
+        args = AppArgs.model_validate(app["args"])
+        assert app["import_path"] == "deployments.app:build_app"
+        assert cfg["http_options"]["host"] == "127.0.0.1"
+        from deployments.app import build_app, replica_options
+
+        build_app(args)  # builds the graph; nothing runs
+        opts = replica_options(args)
+        assert set(opts["ray_actor_options"]) == {"num_cpus", "num_gpus"}
+        assert opts["autoscaling_config"]["max_replicas"] >= 2
+        if "gpu" in path:
+            assert args.model == "Qwen/Qwen3-4B" and args.drafter == "deepseek-ai/dspark_qwen3_4b_block7"
+            assert opts["ray_actor_options"]["num_gpus"] == 1
+        else:
+            assert opts["ray_actor_options"]["num_gpus"] == 0
