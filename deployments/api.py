@@ -11,7 +11,6 @@ in the engine replica, which owns the tokenizer. Every bad input is a 4xx with a
 OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
 """
 
-from __future__ import annotations
 
 import asyncio
 import json

@@ -110,8 +110,8 @@ class EngineLoop:
     def load(self) -> LoopLoad:
         """Running and waiting requests as of the last loop iteration, plus requests
         whose ``add`` is still in the command queue (counted as waiting)."""
-        l = self._load
-        return LoopLoad(l.running, l.waiting + self._cmds.qsize(), self.alive)
+        last = self._load
+        return LoopLoad(last.running, last.waiting + self._cmds.qsize(), self.alive)
 
     def drain_step_stats(self) -> list[Any]:
         with self._stats_lock:

@@ -54,19 +54,23 @@ def load_model_pair(args: AppArgs) -> Any:
     import treespark
 
     if args.model == "random":
-        return treespark.random_pair(vocab_size=args.vocab_size, seed=args.seed)
+        return treespark.random_pair(vocab_size=args.vocab_size, seed=args.seed, device=args.device)
+    load_pair = getattr(treespark, "load_pair", None)
+    if load_pair is None:
+        raise RuntimeError(f"model {args.model!r} needs treespark.load_pair, which this build lacks; use model: random")
     if args.model == "default":
-        return treespark.load_pair()
+        return load_pair()
     # A target/drafter pair by id (e.g. Qwen/Qwen3-4B + deepseek-ai/dspark_qwen3_4b_block7).
-    return treespark.load_pair(target=args.model, drafter=args.drafter)
+    return load_pair(target=args.model, drafter=args.drafter, device=args.device)
 
 
 def build_engine(args: AppArgs) -> EngineBundle:
-    """The default ``engine_factory``: the real engine on the configured model pair."""
+    """The default ``engine_factory``: the real engine on the configured model pair
+    (the pair decides the device)."""
     from treespark.engine import Engine, EngineConfig, SamplingParams
 
     pair = load_model_pair(args)
-    engine = Engine(pair, EngineConfig(max_batch_size=args.max_batch_size, max_context=args.max_context, device=args.device))
+    engine = Engine(pair, EngineConfig(max_batch_size=args.max_batch_size, max_context=args.max_context))
     tok = getattr(pair, "tokenizer", None)
     eos: tuple[int, ...] = ()
     if tok is None:
@@ -127,6 +131,9 @@ class ReplicaCore:
         self.calibration: tuple[float, float] | None = None
         self.controller_ok = False
         self.registrations = 0
+        self.heartbeats_ok = 0
+        self.heartbeats_failed = 0
+        self.last_heartbeat_error: str | None = None
         self.last_tree = TreeStats()
         self._connect = connect
         self._stop = threading.Event()
@@ -333,33 +340,44 @@ class ReplicaCore:
         handle, last, retry_at = None, time.monotonic(), 0.0
         while not self._stop.wait(period):
             now = time.monotonic()
+            if handle is None and now < retry_at:  # controller down: back off a little
+                self._use_local_policy()
+                continue
             try:
                 if handle is None:
-                    if now < retry_at:
-                        raise ConnectionError("controller down, waiting to retry")
                     handle = self._connect()
                 self.heartbeat_once(handle, now - last)
                 self.controller_ok = True
+                self.heartbeats_ok += 1
             except Exception as err:  # noqa: BLE001 - controller unreachable: serve on
-                if self.controller_ok or handle is not None:
+                self.heartbeats_failed += 1
+                self.last_heartbeat_error = repr(err)[:500]
+                if self.controller_ok:
                     log.warning("replica %s: controller unreachable (%r); using the local policy", self.replica_id, err)
                 self.controller_ok = False
                 handle, retry_at = None, time.monotonic() + 0.5
-                l = self.loop.load
-                self.apply_budget(self.policy.budget_for(LoadSnapshot(1, l.running, l.waiting), self.replica_id), "local")
+                self._use_local_policy()
             last = now
 
+    def _use_local_policy(self) -> None:
+        load = self.loop.load
+        self.apply_budget(self.policy.budget_for(LoadSnapshot(1, load.running, load.waiting), self.replica_id), "local")
+
     def status(self) -> dict[str, Any]:
-        l = self.loop.load
+        load = self.loop.load
         return {
             "replica_id": self.replica_id,
             "budget": budget_to_wire(self.budget),
             "budget_source": self.budget_source,
             "controller_ok": self.controller_ok,
             "registrations": self.registrations,
-            "running": l.running,
-            "waiting": l.waiting,
-            "engine_alive": l.alive,
+            "heartbeats_ok": self.heartbeats_ok,
+            "heartbeats_failed": self.heartbeats_failed,
+            "last_heartbeat_error": self.last_heartbeat_error,
+            "heartbeat_alive": self._hb.is_alive(),
+            "running": load.running,
+            "waiting": load.waiting,
+            "engine_alive": load.alive,
             "steps": self.loop.steps,
             "tree": self.last_tree.__dict__,
         }

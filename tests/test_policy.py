@@ -33,7 +33,7 @@ def test_monotone_in_load():
     p = LadderPolicy()
     pts = sorted(_loads(), key=lambda s: s.load_per_replica)
     budgets = [p.budget_for(s, "r") for s in pts]
-    for a, b in zip(budgets, budgets[1:]):
+    for a, b in zip(budgets, budgets[1:], strict=False):
         assert b.theta >= a.theta
         assert b.node_cap <= a.node_cap
         assert b.branch_cap <= a.branch_cap

@@ -8,7 +8,15 @@ import pytest
 import yaml
 
 from deployments.config import AppArgs
-from deployments.controller import ControllerState, ReplicaReport, TreeStats, aggregate_load, assign_budgets, expired, fit_calibration
+from deployments.controller import (
+    ControllerState,
+    ReplicaReport,
+    TreeStats,
+    aggregate_load,
+    assign_budgets,
+    expired,
+    fit_calibration,
+)
 from deployments.engine_loop import ACCEPTED, Aborted, EngineLoop, Failed
 from deployments.metrics import render
 from deployments.replica import ReplicaCore

@@ -104,7 +104,7 @@ class LadderPolicy:
         rungs = tuple(self.rungs)
         if not rungs:
             raise ValueError("LadderPolicy needs at least one rung")
-        for lo, hi in zip(rungs, rungs[1:]):
+        for lo, hi in zip(rungs, rungs[1:], strict=False):
             if not hi.max_load > lo.max_load:
                 raise ValueError(f"LadderPolicy rungs must have increasing max_load, got {lo.max_load} then {hi.max_load}")
             if hi.budget.theta < lo.budget.theta:
@@ -119,7 +119,7 @@ class LadderPolicy:
         if len(budgets) != len(thresholds) + 1:
             raise ValueError(f"need len(budgets) == len(thresholds) + 1, got {len(budgets)} and {len(thresholds)}")
         bounds = [float(t) for t in thresholds] + [math.inf]
-        return cls(tuple(Rung(t, b) for t, b in zip(bounds, budgets)))
+        return cls(tuple(Rung(t, b) for t, b in zip(bounds, budgets, strict=True)))
 
     def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:
         x = load.load_per_replica
