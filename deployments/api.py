@@ -305,7 +305,14 @@ class Api:
                                              "max_model_len": self.args.max_context}]}
 
     @app.get("/health")
-    async def health(self) -> dict[str, str]:
+    async def health(self) -> Any:
+        """200 once an engine replica answers (readiness), 503 before."""
+        try:
+            status = await asyncio.wait_for(self.replica.status.remote(), timeout=5.0)
+        except Exception as err:  # noqa: BLE001
+            return error_response(503, f"no engine replica is ready: {err!r}", code="not_ready")
+        if not status.get("engine_alive", False):
+            return error_response(503, "the engine loop is not running", code="not_ready")
         return {"status": "ok"}
 
     @app.get("/v1/speculation")

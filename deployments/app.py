@@ -5,8 +5,6 @@ The graph: ``Api`` (HTTP ingress, no CPU) -> ``Replica`` (one engine each, scale
 Serve) ; both talk to one named, detached ``Controller`` actor, created here when Ray
 is up (and by any replica that finds it gone)."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import ray
@@ -41,6 +39,10 @@ def replica_options(args: AppArgs) -> dict[str, Any]:
 
 
 def build_app(args: AppArgs) -> Application:
+    # (no `from __future__ import annotations` here: Serve reads this annotation to
+    # validate the YAML args into AppArgs)
+    if not isinstance(args, AppArgs):
+        args = AppArgs.model_validate(args)
     wire = args.wire()
     replica = Replica.options(**replica_options(args)).bind(wire)
     if ray.is_initialized():

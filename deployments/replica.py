@@ -19,6 +19,7 @@ controller registers it again on the first report that gets through.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -290,6 +291,8 @@ class ReplicaCore:
         tree = summarize_steps(window)
         if window:
             self.last_tree = tree
+        else:  # idle: keep showing the last trees, marked as no steps in this window
+            tree = dataclasses.replace(self.last_tree, steps=0)
         records: list[tuple[float, bool]] = []
         with self._lock:
             for s in window:
