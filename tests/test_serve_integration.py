@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from deployments.config import AppArgs, AutoscalingArgs, ControllerArgs, ReplicaArgs
-from tests.serve.harness import serve_app, wait_for
+from serving.harness import serve_app, wait_for
 
 pytestmark = pytest.mark.integration
 

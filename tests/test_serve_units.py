@@ -21,7 +21,7 @@ from deployments.engine_loop import ACCEPTED, Aborted, EngineLoop, Failed
 from deployments.metrics import render
 from deployments.replica import ReplicaCore
 from deployments.text import ByteTokenizer, Detokenizer, StopMatcher
-from tests.serve.fake_engine import FakeEngine, SamplingParams
+from serving.fake_engine import FakeEngine, SamplingParams
 from treespark.budget import Budget
 from treespark.policy import LadderPolicy, LoadSnapshot
 
@@ -144,7 +144,7 @@ def test_engine_loop_add_error_abort():
 
 
 def _core(**kw):
-    args = AppArgs(model="random", engine_factory="tests.serve.fake_engine:build_fake_engine", max_context=64, **kw)
+    args = AppArgs(model="random", engine_factory="serving.fake_engine:build_fake_engine", max_context=64, **kw)
     return ReplicaCore(args, "r0", connect=None)
 
 

@@ -27,7 +27,7 @@ def serve_app(args: AppArgs) -> Iterator[str]:
     """Yields the base URL of a running app; tears Serve and Ray down afterwards."""
     env = {
         "RAY_AUTH_MODE": "disabled",
-        # workers import deployments/ and tests/ from this checkout
+        # workers import deployments/ from this checkout, installed or not
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         # autoscaling decisions within seconds, for the scaling test
         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",

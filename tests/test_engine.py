@@ -1,0 +1,129 @@
+"""The continuous-batching engine: equivalence, isolation across a batch, limits, leaks."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from treespark import Budget, generate
+from treespark.engine import Engine, EngineConfig
+from treespark.params import SamplingParams, StepStats
+
+
+def run(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
+        abort_at: dict[int, list[str]] | None = None, max_steps: int = 10_000):
+    """Step the engine; add requests at the given steps; collect tokens and finish reasons."""
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    step = 0
+    while step < max_steps and (engine.has_unfinished() or any(s >= step for s in arrivals)):
+        for rid, prompt, params in arrivals.get(step, []):
+            engine.add_request(rid, prompt, params)
+            tokens[rid] = []
+        for rid in (abort_at or {}).get(step, []):
+            engine.abort(rid)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        step += 1
+    return tokens, reasons
+
+
+def prompts(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("budget", [Budget.adaptive(), Budget.chain(3), Budget(0.0, 16, 4)])
+def test_batched_greedy_equals_generate_and_plain(mimic16, budget):
+    ps = prompts(8, 16, seed=1)
+    lengths = [5, 17, 9, 30, 2, 12, 21, 7]
+    arrivals = {}
+    for i, (p, n) in enumerate(zip(ps, lengths)):
+        arrivals.setdefault(i * 2, []).append((f"r{i}", p, SamplingParams(max_tokens=n)))
+    engine = Engine(mimic16, EngineConfig(max_batch_size=8, max_context=128, prefill_chunk=7), budget=budget)
+    seen_batches = []
+    engine.on_step = lambda s: seen_batches.append(s.batch_size)
+    tokens, reasons = run(engine, arrivals)
+    assert max(seen_batches) >= 4, "requests must actually share steps"
+    for i, (p, n) in enumerate(zip(ps, lengths)):
+        plain = generate(mimic16, p, max_new_tokens=n, budget=Budget.off()).token_ids
+        assert tokens[f"r{i}"] == plain == generate(mimic16, p, max_new_tokens=n, budget=budget).token_ids
+        assert reasons[f"r{i}"] == "length"
+
+
+def test_sampled_request_is_identical_alone_and_in_a_batch(mimic16):
+    params = SamplingParams(temperature=0.9, max_tokens=20, seed=42)
+    alone, _ = run(Engine(mimic16, EngineConfig(max_batch_size=4, max_context=64)),
+                   {0: [("x", [1, 2, 3], params)]})
+    others = [(f"o{i}", p, SamplingParams(temperature=1.0, max_tokens=15, seed=i))
+              for i, p in enumerate(prompts(5, 16, seed=3))]
+    batched, _ = run(Engine(mimic16, EngineConfig(max_batch_size=4, max_context=64)),
+                     {0: others[:2], 1: [("x", [1, 2, 3], params)], 3: others[2:]})
+    assert batched["x"] == alone["x"]
+    assert alone["x"] == generate(mimic16, [1, 2, 3], max_new_tokens=20, temperature=0.9, seed=42).token_ids
+
+
+def test_full_engine_queues_and_limits_refuse_up_front(pair64):
+    engine = Engine(pair64, EngineConfig(max_batch_size=2, max_context=40))
+    with pytest.raises(ValueError, match="max_context"):
+        engine.add_request("long", list(range(30)), SamplingParams(max_tokens=11))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", [1, 99], SamplingParams(max_tokens=2))
+    arrivals = {0: [(f"q{i}", [i + 1, 2], SamplingParams(max_tokens=6)) for i in range(6)]}
+    peak = []
+    engine.on_step = lambda s: peak.append(s.batch_size)
+    tokens, reasons = run(engine, arrivals)
+    assert max(peak) == 2 and len(reasons) == 6 and all(len(t) == 6 for t in tokens.values())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [1], SamplingParams(max_tokens=30))
+        engine.add_request("dup", [1], SamplingParams(max_tokens=30))
+
+
+def test_no_leaks_after_200_requests_with_aborts(pair64):
+    engine = Engine(pair64, EngineConfig(max_batch_size=6, max_context=64, prefill_chunk=8))
+    arrivals, aborts = {}, {}
+    for i, p in enumerate(prompts(200, 64, seed=5)):
+        arrivals.setdefault(i // 3, []).append((f"r{i}", p, SamplingParams(max_tokens=1 + i % 13)))
+        if i % 7 == 0:
+            aborts.setdefault(i // 3 + 2, []).append(f"r{i}")
+    tokens, reasons = run(engine, arrivals, aborts)
+    assert len(reasons) == 200
+    assert "abort" in reasons.values() and "length" in reasons.values()
+    assert engine.kv.slots_in_use == 0 and sum(engine.kv.lengths) == 0
+    assert not engine.has_unfinished() and engine.num_running == 0 and engine.num_waiting == 0
+    assert not engine._ids
+
+
+def test_abort_frees_the_row_at_once(pair64):
+    engine = Engine(pair64, EngineConfig(max_batch_size=4, max_context=64))
+    for i in range(3):
+        engine.add_request(f"r{i}", [1, 2, 3 + i], SamplingParams(max_tokens=40))
+    for _ in range(5):
+        engine.step()
+    assert engine.kv.slots_in_use == 3
+    engine.abort("r0")
+    assert engine.kv.slots_in_use == 2 and engine.num_running == 2
+    outs = engine.step()
+    assert any(o.request_id == "r0" and o.finish_reason == "abort" for o in outs)
+
+
+def test_budget_changes_between_steps_and_per_request(mimic16):
+    engine = Engine(mimic16, EngineConfig(max_batch_size=4, max_context=128), budget=Budget(0.0, 12, 3))
+    stats: list[StepStats] = []
+    engine.on_step = stats.append
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=60))
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=60), budget=Budget.chain(2))
+    for _ in range(6):
+        engine.step()
+    engine.set_budget(Budget.off())
+    for _ in range(4):
+        engine.step()
+    wide, off = stats[2:5], stats[-3:]
+    assert all(s.tree_sizes[0] > 2 for s in wide) and all(s.tree_sizes[1] <= 2 for s in wide)
+    assert all(s.tree_sizes[0] == 0 and s.tree_sizes[1] <= 2 for s in off)
+    s = stats[-1]
+    assert s.batch_size == 2 and s.tokens_verified == sum(s.tree_sizes) + 2 and s.verify_s > 0
+    assert s.calibration_records and all(0 < q <= 1 for q, _ in s.calibration_records)

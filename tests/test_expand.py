@@ -1,0 +1,106 @@
+"""Tree structure and best-first expansion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treespark import Budget, Calibration
+from treespark.expand import expand
+from treespark.sampling import TorchSampler
+from treespark.tree import DraftTree
+
+
+class PeakedProposal:
+    """Logits with a clear preference order under every parent."""
+
+    draft_to_target = None
+
+    def __init__(self, vocab=12, max_depth=5, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab, max_depth, vocab, generator=g) * 3
+        self.max_depth = max_depth
+
+    def logits(self, parent_token, depth):
+        return self.table[parent_token, depth - 1]
+
+    def marginal_logits(self, depth):
+        return self.table[:, depth - 1].mean(0)
+
+
+def grow(budget, temperature=0.0, seed=0, rank="calibrated", cal=Calibration()):
+    return expand(PeakedProposal(), 0, budget, cal, temperature, TorchSampler(seed), rank=rank)
+
+
+def test_ancestor_mask_and_positions():
+    t = DraftTree.root_only(5)
+    a = t.add(0, 1, 0.5, 0.5)
+    b = t.add(0, 2, 0.3, 0.3)
+    c = t.add(a, 3, 0.4, 0.2)
+    t.check()
+    m = t.ancestor_mask()
+    assert m[c].tolist() == [True, True, False, True]
+    assert m[b].tolist() == [True, False, True, False]
+    assert t.position_offsets().tolist() == [0, 1, 1, 2]
+    assert (t.size, t.depth, t.width) == (3, 2, 2)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chain_and_off_are_ordinary_budgets(temperature):
+    chain = grow(Budget.chain(4), temperature)
+    chain.check()
+    assert chain.size == 4 and chain.width == 1 and chain.depth == 4
+    assert grow(Budget.off(), temperature).size == 0
+    assert grow(Budget(theta=1.0, node_cap=16, branch_cap=4), temperature).size == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_caps_are_respected_and_siblings_distinct(temperature):
+    for seed in range(5):
+        t = grow(Budget(theta=0.0, node_cap=20, branch_cap=3), temperature, seed)
+        t.check()
+        assert t.size == 20
+        assert max(len(c) for c in t.children) <= 3
+        assert t.depth <= 5
+
+
+def test_theta_shrinks_trees_monotonically():
+    sizes = [grow(Budget(theta=th, node_cap=64, branch_cap=4)).size for th in (0.0, 0.01, 0.05, 0.2, 0.5)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+
+
+def test_survival_is_a_product_along_paths():
+    cal = Calibration(1.3, -0.2)
+    t = grow(Budget(theta=0.0, node_cap=16, branch_cap=3), cal=cal)
+    for i in range(1, t.num_nodes):
+        expected = t.survival[t.parents[i]] * cal.p_hat_scalar(t.q[i])
+        assert t.survival[i] == pytest.approx(expected)
+        assert t.survival[i] <= t.survival[t.parents[i]]
+
+
+def test_greedy_children_are_the_top_k():
+    t = grow(Budget(theta=0.0, node_cap=3, branch_cap=3))
+    top = torch.softmax(PeakedProposal().logits(0, 1), -1).topk(3).indices.tolist()
+    assert [t.tokens[c] for c in t.children[0]] == top[: len(t.children[0])]
+
+
+def test_best_first_takes_the_most_likely_nodes():
+    """With theta 0 and a node cap, every excluded slot scores below every included node."""
+    t = grow(Budget(theta=0.0, node_cap=10, branch_cap=2))
+    big = grow(Budget(theta=0.0, node_cap=40, branch_cap=2))
+    small_set = sorted(t.survival[1:], reverse=True)
+    assert small_set == sorted(big.survival[1:], reverse=True)[:10]
+
+
+def test_rankings_differ():
+    b = Budget(theta=0.0, node_cap=12, branch_cap=3)
+    cal = grow(b, rank="calibrated", cal=Calibration(3.0, -2.0))
+    logq = grow(b, rank="logq")
+    marg = grow(b, rank="marginal")
+    for t in (cal, logq, marg):
+        t.check()
+        assert t.size == 12
+    # marginal ranking gives every parent the same candidates
+    firsts = {tuple(sorted(marg.tokens[c] for c in marg.children[n])) for n in range(marg.num_nodes)
+              if len(marg.children[n]) == 3}
+    assert len(firsts) <= 5

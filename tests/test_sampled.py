@@ -1,0 +1,80 @@
+"""Layers c and d: sampled decoding follows the target's marginals; seeds reproduce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from treespark import Budget, generate
+
+PROMPT = [3, 1, 4]
+
+
+@torch.no_grad()
+def exact_marginals(pair, prompt, temperature):
+    """Exact marginals of the 2nd and 3rd generated tokens under the target."""
+    v = pair.vocab_size
+    def probs(seqs):
+        logits = pair.target(torch.tensor(seqs)).logits[:, -1].double()
+        return torch.softmax(logits / temperature, -1)
+    p1 = probs([prompt])[0]                                                  # [V]
+    p2 = probs([prompt + [a] for a in range(v)])                            # [V, V]
+    p3 = probs([prompt + [a, b] for a in range(v) for b in range(v)]).view(v, v, v)
+    joint12 = p1[:, None] * p2
+    return joint12.sum(0), (joint12[:, :, None] * p3).sum((0, 1))
+
+
+def chi2_pvalue(samples: list[int], expected_p: torch.Tensor) -> float:
+    n = len(samples)
+    observed = torch.bincount(torch.tensor(samples), minlength=expected_p.numel()).double()
+    expected = expected_p * n
+    big = expected >= 5                      # pool the rare tokens into one bin
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    if exp[-1] < 5:                          # nothing rare: drop the empty pooled bin
+        obs, exp = obs[:-1], exp[:-1]
+    exp = exp * obs.sum() / exp.sum()
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_second_and_third_tokens_follow_the_target(mimic16, temperature):
+    n = 5000
+    second, third, accepted = [], [], 0
+    for seed in range(n):
+        out = generate(mimic16, PROMPT, max_new_tokens=3, temperature=temperature, seed=seed,
+                       budget=Budget(theta=0.0, node_cap=6, branch_cap=3))
+        second.append(out.token_ids[1])
+        third.append(out.token_ids[2])
+        accepted += sum(r.accepted for r in out.rounds)
+    m2, m3 = exact_marginals(mimic16, PROMPT, temperature)
+    assert chi2_pvalue(second, m2) > 0.01
+    assert chi2_pvalue(third, m3) > 0.01
+    assert accepted > n // 2, "the trees must be accepted often for the test to mean something"
+
+
+def test_the_chi2_check_rejects_a_wrong_distribution(mimic16):
+    m2, _ = exact_marginals(mimic16, PROMPT, 1.0)
+    g = torch.Generator().manual_seed(0)
+    skewed = (m2 ** 2) / (m2 ** 2).sum()     # a plausible but wrong distribution
+    samples = torch.multinomial(skewed, 5000, replacement=True, generator=g).tolist()
+    assert chi2_pvalue(samples, m2) < 1e-6
+
+
+def test_same_seed_same_tokens(pair64, mimic16):
+    for pair in (pair64, mimic16):
+        a = generate(pair, [5, 6, 7], max_new_tokens=24, temperature=1.0, seed=123)
+        b = generate(pair, [5, 6, 7], max_new_tokens=24, temperature=1.0, seed=123)
+        assert a.token_ids == b.token_ids
+        assert [r.tree_size for r in a.rounds] == [r.tree_size for r in b.rounds]
+    outs = {tuple(generate(pair64, [5, 6, 7], max_new_tokens=12, temperature=1.0, seed=s).token_ids)
+            for s in range(5)}
+    assert len(outs) > 1, "different seeds should give different samples"
+
+
+def test_first_token_is_sampled_not_argmax(pair64):
+    """The reference engine took argmax after prefill at T > 0; we sample it."""
+    firsts = {generate(pair64, [9], max_new_tokens=1, temperature=2.0, seed=s).token_ids[0]
+              for s in range(40)}
+    assert len(firsts) > 1
