@@ -9,9 +9,9 @@ import time
 
 import pytest
 import requests
+from serving.harness import serve_app, wait_for
 
 from deployments.config import AppArgs, AutoscalingArgs, ControllerArgs, ReplicaArgs
-from serving.harness import serve_app, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import yaml
+from serving.fake_engine import FakeEngine, SamplingParams
 
 from deployments.config import AppArgs
 from deployments.controller import (
@@ -21,7 +22,6 @@ from deployments.engine_loop import ACCEPTED, Aborted, EngineLoop, Failed
 from deployments.metrics import render
 from deployments.replica import ReplicaCore
 from deployments.text import ByteTokenizer, Detokenizer, StopMatcher
-from serving.fake_engine import FakeEngine, SamplingParams
 from treespark.budget import Budget
 from treespark.policy import LadderPolicy, LoadSnapshot
 
