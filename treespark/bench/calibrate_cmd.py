@@ -1,0 +1,74 @@
+"""Fit the drafter's calibration on verification traces, report ECE/Brier, plot it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from treespark.bench.common import bench_prompts, run_engine
+from treespark.budget import Budget
+from treespark.calibration import CalibrationReport, calibrate
+from treespark.models import ModelPair
+
+
+def collect_records(pair: ModelPair, prompts, *, temperature: float, max_tokens: int,
+                    budget: Budget) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, accepted) of every edge below an accepted node, from real verification rounds."""
+    r = run_engine(pair, prompts, budget, max_tokens=max_tokens, batch_size=8, temperature=temperature)
+    recs = [rec for s in r.step_stats for rec in s.calibration_records]
+    q = torch.tensor([x for x, _ in recs], dtype=torch.float64)
+    y = torch.tensor([a for _, a in recs], dtype=torch.bool)
+    return q, y
+
+
+def reliability_png(q: torch.Tensor, y: torch.Tensor, report: CalibrationReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bins = torch.linspace(0, 1, 11)
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    for label, p in (("raw q", q), ("calibrated p_hat", report.calibration.p_hat(q).double())):
+        idx = (p * 10).long().clamp(max=9)
+        xs, ys = [], []
+        for b in range(10):
+            m = idx == b
+            if int(m.sum()) >= 20:
+                xs.append(float(p[m].mean()))
+                ys.append(float(y[m].double().mean()))
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+    ax.set(xlabel="predicted acceptance", ylabel="observed acceptance", xlim=(0, 1), ylim=(0, 1),
+           title=f"ECE {report.ece_before:.3f} -> {report.ece_after:.3f} (n={report.n})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    del bins
+
+
+def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_tokens: int = 64,
+                   temperatures=(0.0, 1.0), log=print) -> CalibrationReport:
+    prompts = bench_prompts(pair, n_prompts, split="train")
+    qs, ys = [], []
+    for t in temperatures:
+        q, y = collect_records(pair, prompts, temperature=t, max_tokens=max_tokens,
+                               budget=Budget(0.0, 24, 4))
+        log(f"T={t}: {len(q)} edge records, acceptance {float(y.double().mean()):.3f}")
+        qs.append(q)
+        ys.append(y)
+    q, y = torch.cat(qs), torch.cat(ys)
+    report = calibrate(q, y)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report.calibration.save(out_dir / "calibration.json", n=report.n,
+                            ece_before=round(report.ece_before, 4), ece_after=round(report.ece_after, 4),
+                            brier_before=round(report.brier_before, 4), brier_after=round(report.brier_after, 4))
+    try:
+        reliability_png(q, y, report, out_dir / "reliability.png")
+    except ImportError:
+        log("matplotlib is not installed: no reliability diagram (pip install '.[loadtest]')")
+    log(f"a={report.calibration.a:.3f} b={report.calibration.b:.3f}  ECE {report.ece_before:.4f} -> "
+        f"{report.ece_after:.4f}  Brier {report.brier_before:.4f} -> {report.brier_after:.4f}")
+    return report

@@ -1,0 +1,86 @@
+"""What the benchmarks share: pairs by name, prompt sets, engine runs, tables."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from treespark.budget import Budget
+from treespark.engine import Engine, EngineConfig
+from treespark.models import ModelPair, load_pair, random_pair
+from treespark.params import SamplingParams, StepStats
+
+
+def pair_by_name(name: str) -> ModelPair:
+    if name == "default":
+        return load_pair()
+    if name == "random":
+        return random_pair(512, 0, block_size=4)
+    raise ValueError(f"unknown pair {name!r}: use 'default' or 'random'")
+
+
+def bench_prompts(pair: ModelPair, n: int, split: str = "heldout", seed: int = 0) -> list[list[int]]:
+    """Held-out chat-templated prompts for a real pair; random token prompts otherwise."""
+    if pair.tokenizer is not None:
+        from treespark.prompts import load_prompts
+        from treespark.recipe import chat_ids
+
+        texts = [p.text for p in load_prompts(split)]
+        return [chat_ids(pair.tokenizer, texts[i % len(texts)]) for i in range(n)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, pair.vocab_size, (24,), generator=g).tolist() for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    tokens: int
+    wall_s: float
+    steps: int
+    rounds: int
+    accepted: int
+    drafted: int
+    step_stats: tuple[StepStats, ...]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per target forward, per request (accepted + 1 per round)."""
+        return (self.accepted + self.rounds) / max(self.rounds, 1)
+
+
+def run_engine(pair: ModelPair, prompts: list[list[int]], budget: Budget, *, max_tokens: int,
+               batch_size: int, temperature: float = 0.0, rank: str = "calibrated",
+               seed: int = 0) -> RunResult:
+    """Serve every prompt through one engine (batch_size rows) and time it."""
+    eos = pair.tokenizer.eos_token_id if pair.tokenizer is not None else None
+    longest = max(len(p) for p in prompts)
+    engine = Engine(pair, EngineConfig(max_batch_size=batch_size, max_context=longest + max_tokens),
+                    budget=budget, rank=rank)
+    stats: list[StepStats] = []
+    engine.on_step = stats.append
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, seed=seed + i,
+            stop_token_ids=(eos,) if eos is not None else ()))
+    tokens = rounds = accepted = drafted = steps = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            if out.finished and out.stats is not None:
+                rounds += out.stats.rounds
+                accepted += out.stats.accepted_tokens
+                drafted += out.stats.drafted_tokens
+        steps += 1
+    return RunResult(tokens, time.perf_counter() - t0, steps, rounds, accepted, drafted, tuple(stats))
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""The ``treespark`` command line: fetch, generate, train, calibrate, benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from treespark.budget import Budget
+
+
+def parse_budget(text: str) -> Budget:
+    """'adaptive', 'off', 'chain:K' or 'THETA,NODE_CAP,BRANCH_CAP'."""
+    if text == "adaptive":
+        return Budget.adaptive()
+    if text == "off":
+        return Budget.off()
+    if text.startswith("chain:"):
+        return Budget.chain(int(text.split(":", 1)[1]))
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError("budget: adaptive | off | chain:K | THETA,NODE_CAP,BRANCH_CAP")
+    return Budget(float(parts[0]), int(parts[1]), int(parts[2]))
+
+
+def _write(text: str, out: str | None) -> None:
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+        print(f"written to {out}", file=sys.stderr)
+
+
+def cmd_fetch(args) -> None:
+    from treespark.fetch import fetch_default_target
+
+    print(fetch_default_target(Path(args.cache_dir) if args.cache_dir else None))
+
+
+def cmd_generate(args) -> None:
+    from treespark import generate, load_pair
+    from treespark.recipe import chat_ids
+
+    pair = load_pair(device=args.device)
+    ids = chat_ids(pair.tokenizer, args.prompt) if not args.raw else pair.tokenizer.encode(args.prompt)
+    eos = (pair.tokenizer.eos_token_id,)
+    out = generate(pair, ids, max_new_tokens=args.max_tokens, temperature=args.temperature,
+                   seed=args.seed, budget=args.budget, stop_token_ids=eos)
+    print(pair.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+    print(f"\n[{len(out.token_ids)} tokens in {len(out.rounds) + 1} target forwards "
+          f"(prefill + {len(out.rounds)} rounds), {out.tokens_per_round:.2f} tokens/round]", file=sys.stderr)
+    if args.rounds:
+        for i, r in enumerate(out.rounds):
+            print(f"round {i:3d}: tree {r.tree_size:2d} depth {r.depth} width {r.width} "
+                  f"accepted {r.accepted} theta {r.theta:.3f}", file=sys.stderr)
+    if args.check and args.temperature == 0:
+        plain = generate(pair, ids, max_new_tokens=args.max_tokens, budget=Budget.off(), stop_token_ids=eos)
+        same = plain.token_ids == out.token_ids
+        print(f"identical to plain greedy decoding: {same}", file=sys.stderr)
+        if not same:
+            sys.exit(1)
+
+
+def cmd_train(args) -> None:
+    from treespark.fetch import load_default_target
+    from treespark.recipe import DrafterRecipe, build_drafter
+    from treespark.train import TrainConfig
+
+    recipe = DrafterRecipe(corpus_tokens=args.corpus_tokens, answer_tokens=args.answer_tokens,
+                           train=TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed), seed=args.seed)
+    target, tok = load_default_target(device=args.device)
+    report = build_drafter(recipe, target, tok, Path(args.work_dir), Path(args.out))
+    print(f"held-out top-1 agreement by offset: {report['heldout_top1_agreement_by_offset']}")
+
+
+def cmd_calibrate(args) -> None:
+    from treespark import load_pair
+    from treespark.bench.calibrate_cmd import calibrate_pair
+
+    pair = load_pair(args.drafter, device=args.device)
+    calibrate_pair(pair, Path(args.out or args.drafter or _default_dir()))
+
+
+def _default_dir() -> str:
+    from treespark.models import default_drafter_dir
+
+    return str(default_drafter_dir())
+
+
+def cmd_bench(args) -> None:
+    from treespark.bench.common import pair_by_name
+
+    pair = pair_by_name(args.pair)
+    if args.what == "engine":
+        from treespark.bench.engine_bench import engine_benchmark
+
+        table = engine_benchmark(pair, batch_sizes=tuple(args.batch_sizes), max_tokens=args.max_tokens)
+    elif args.what == "acceptance":
+        from treespark.bench.acceptance import acceptance_benchmark
+
+        table = acceptance_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts)
+    else:
+        from treespark.bench.wallclock import wallclock_benchmark
+
+        table = wallclock_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts)
+    _write(table, args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="treespark", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("fetch-model", help="download and convert the default target (once)")
+    f.add_argument("--cache-dir")
+    f.set_defaults(func=cmd_fetch)
+
+    g = sub.add_parser("generate", help="generate text with the default pair")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--budget", type=parse_budget, default=Budget.adaptive())
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.add_argument("--rounds", action="store_true", help="print per-round tree statistics")
+    g.add_argument("--check", action="store_true", help="at T=0, compare with plain greedy decoding")
+    g.add_argument("--device")
+    g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("train-drafter", help="distil a DSpark drafter from the default target")
+    t.add_argument("--out", required=True)
+    t.add_argument("--work-dir", default="runs/drafter-work")
+    t.add_argument("--steps", type=int, default=2500)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--corpus-tokens", type=int, default=160_000)
+    t.add_argument("--answer-tokens", type=int, default=128)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device")
+    t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("calibrate", help="fit (a, b) on verification traces; writes calibration.json")
+    c.add_argument("--drafter", help="drafter directory (default: the shipped one)")
+    c.add_argument("--out")
+    c.add_argument("--device")
+    c.set_defaults(func=cmd_calibrate)
+
+    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock")
+    b.add_argument("what", choices=["engine", "acceptance", "wallclock"])
+    b.add_argument("--pair", default="default", choices=["default", "random"])
+    b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--prompts", type=int, default=16)
+    b.add_argument("--out", help="also write the markdown table here")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"treespark: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
