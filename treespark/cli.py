@@ -106,6 +106,37 @@ def cmd_bench(args) -> None:
     _write(table, args.out)
 
 
+def cmd_cost_model(args) -> None:
+    import time
+
+    from treespark.costmodel import MeasureConfig, format_table, measure_cost_model
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.pair == "default":  # only the target is timed: no drafter needed
+        from treespark.fetch import load_default_target
+
+        target, name = load_default_target()[0], "smollm2-135m-instruct"
+    else:
+        from treespark.bench.common import pair_by_name
+
+        target, name = pair_by_name("random").target, "random-v512-s0"
+    cfg = MeasureConfig(tuple(args.batch_sizes), tuple(args.tokens), args.context, args.repeats,
+                        args.max_step_tokens)
+    t0 = time.perf_counter()
+
+    def progress(bs: int, k: int, s: float, done: int, total: int) -> None:
+        print(f"[{done:3d}/{total}] bs={bs:<3d} k={k:<3d} {s * 1e3:8.1f} ms  "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    cost = measure_cost_model(target, cfg, name=name, on_cell=progress)
+    cost.save(args.out)
+    print(format_table(cost))
+    print(f"written to {args.out}", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="treespark", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -151,6 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", type=int, default=16)
     b.add_argument("--out", help="also write the markdown table here")
     b.set_defaults(func=cmd_bench)
+
+    m = sub.add_parser("cost-model", help="measure the verify-forward time T(bs, k); writes JSON for the policy")
+    m.add_argument("--pair", default="default", choices=["default", "random"])
+    m.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    m.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
+                   help="tokens per row (root + draft nodes); must start at 1")
+    m.add_argument("--context", type=int, default=256, help="committed KV tokens per row")
+    m.add_argument("--repeats", type=int, default=3, help="timed forwards per cell (median)")
+    m.add_argument("--max-step-tokens", type=int, default=2048,
+                   help="skip (extrapolate) cells with batch x tokens above this")
+    m.add_argument("--threads", type=int, help="torch threads (match the replicas' torch_threads)")
+    m.add_argument("--out", default="configs/costmodel.json")
+    m.set_defaults(func=cmd_cost_model)
     return p
 
 
