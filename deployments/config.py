@@ -8,12 +8,17 @@ re-validates it, so the same object governs the replica, the controller and the 
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from treespark.budget import Budget
-from treespark.policy import BudgetPolicy, FixedPolicy, LadderPolicy
+from treespark.costmodel import AcceptanceProfile, CostModel
+from treespark.policy import BudgetPolicy, CostModelPolicy, FixedPolicy, LadderPolicy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Strict(BaseModel):
@@ -39,19 +44,45 @@ def _default_ladder_budgets() -> list[BudgetArgs]:
 
 class PolicyArgs(_Strict):
     """``ladder``: ``budgets[i]`` while load per replica <= ``thresholds[i]``, the last
-    budget beyond; ``fixed``: always ``budget`` (baselines)."""
+    budget beyond; ``fixed``: always ``budget`` (baselines); ``costmodel``: theta priced
+    from a measured ``treespark cost-model`` JSON (``cost_model``: a path, relative paths
+    from the repository root, or the JSON object itself) and the acceptance per tree size
+    (a saturating prior ``prior_ceiling * (1 - exp(-n / prior_scale))`` refined online)."""
 
-    kind: Literal["ladder", "fixed"] = "ladder"
+    kind: Literal["ladder", "fixed", "costmodel"] = "ladder"
     thresholds: list[float] = Field(default_factory=lambda: [r.max_load for r in LadderPolicy().rungs[:-1]])
     budgets: list[BudgetArgs] = Field(default_factory=_default_ladder_budgets)
     budget: BudgetArgs | None = None
+    cost_model: str | dict[str, Any] | None = None
+    max_nodes: int = Field(32, ge=0)
+    max_branch: int = Field(4, ge=1)
+    queue_weight: float = Field(1.0, ge=0)
+    prior_ceiling: float = Field(1.3, ge=0)
+    prior_scale: float = Field(5.0, gt=0)
+    prior_weight: float = Field(200.0, ge=0)
+    min_gain: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> PolicyArgs:
         self.build()  # raises ValueError (-> ValidationError) on a non-monotone ladder
         return self
 
+    def load_cost_model(self) -> CostModel:
+        if self.cost_model is None:
+            raise ValueError("policy kind 'costmodel' needs 'cost_model' (a `treespark cost-model` JSON)")
+        if isinstance(self.cost_model, dict):
+            return CostModel.from_json(self.cost_model)
+        path = Path(self.cost_model)
+        if not path.is_absolute() and not path.exists():
+            path = ROOT / path
+        return CostModel.from_json(json.loads(path.read_text()))
+
     def build(self) -> BudgetPolicy:
+        if self.kind == "costmodel":
+            prior = AcceptanceProfile.saturating(self.prior_ceiling, self.prior_scale, max(self.max_nodes, 1))
+            return CostModelPolicy(self.load_cost_model(), prior, max_nodes=self.max_nodes,
+                                   max_branch=self.max_branch, queue_weight=self.queue_weight,
+                                   prior_weight=self.prior_weight, min_gain=self.min_gain)
         if self.kind == "fixed":
             if self.budget is None:
                 raise ValueError("policy kind 'fixed' needs 'budget'")
@@ -98,6 +129,7 @@ class ControllerArgs(_Strict):
     rpc_timeout_s: float = Field(1.0, gt=0)
     online_calibration: bool = False  # refit (a, b) from serving records and push it
     min_calibration_records: int = Field(2000, ge=10)
+    calibration_prior_records: int = Field(2000, ge=0)  # online fit shrunk toward the stored one
 
 
 class AppArgs(_Strict):

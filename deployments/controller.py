@@ -10,7 +10,11 @@ reaches every replica within one heartbeat, well under a second). The controller
 * aggregates the live reports into a ``LoadSnapshot`` and asks the ``BudgetPolicy``
   for each replica's budget (an operator ``override`` pins one budget for all);
 * keeps cluster counters (monotone across dropped replicas) and calibration records
-  (logit q, accepted) and, if enabled, refits the calibration (a, b) online.
+  (logit q, accepted) and, if enabled, refits the calibration (a, b) online: the fit is
+  shrunk toward the replicas' stored calibration while records are few, and the status
+  reports the ECE of the stored and of the pushed calibration on the same records;
+* keeps per-round (tree size, accepted) records, so a cost-model policy learns what a
+  tree of n nodes buys under the current traffic (``LoadSnapshot.acceptance``).
 
 All the math is in ``ControllerState`` and free functions, testable without Ray;
 ``Controller`` is the thin actor around it.
@@ -26,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from treespark.budget import Budget
+from treespark.costmodel import AcceptanceStats
 from treespark.policy import BudgetPolicy, LoadSnapshot
 
 COUNTERS = (
@@ -68,6 +73,8 @@ class ReplicaReport:
     counters: dict[str, float]
     calibration_records: tuple[tuple[float, bool], ...] = ()
     calibration: tuple[float, float] | None = None
+    round_records: tuple[tuple[int, int], ...] = ()         # (tree size, accepted) per request-round
+    base_calibration: tuple[float, float] | None = None     # the replica's stored (a, b)
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:
@@ -76,6 +83,9 @@ class ReplicaReport:
         d["calibration_records"] = tuple((float(x), bool(y)) for x, y in d.get("calibration_records", ()))
         if d.get("calibration") is not None:
             d["calibration"] = tuple(d["calibration"])
+        if d.get("base_calibration") is not None:
+            d["base_calibration"] = (float(d["base_calibration"][0]), float(d["base_calibration"][1]))
+        d["round_records"] = tuple((int(n), int(a)) for n, a in d.get("round_records", ()))
         return cls(**d)
 
 
@@ -90,9 +100,10 @@ def budget_from_wire(d: Mapping[str, Any]) -> Budget:
 # -- pure functions ---------------------------------------------------------------
 
 
-def aggregate_load(reports: Iterable[ReplicaReport]) -> LoadSnapshot:
+def aggregate_load(reports: Iterable[ReplicaReport], acceptance: AcceptanceStats | None = None) -> LoadSnapshot:
     """Cluster load: sums of active/queued/tokens per second, mean step time of the
-    replicas that stepped."""
+    replicas that stepped; ``acceptance`` (the controller's recent per-round records)
+    passes through to the policy."""
     reports = list(reports)
     steps = [r.tree.step_s for r in reports if r.tree.steps > 0]
     return LoadSnapshot(
@@ -101,6 +112,7 @@ def aggregate_load(reports: Iterable[ReplicaReport]) -> LoadSnapshot:
         queued=sum(r.queued for r in reports),
         step_s=sum(steps) / len(steps) if steps else 0.0,
         tokens_per_s=sum(r.tokens_per_s for r in reports),
+        acceptance=acceptance,
     )
 
 
@@ -145,6 +157,63 @@ def fit_calibration(records: Sequence[tuple[float, bool]], iters: int = 25, l2: 
     return a, b
 
 
+def _sigmoid(z: float) -> float:
+    z = max(min(z, 35.0), -35.0)
+    return 1.0 / (1.0 + math.exp(-z))
+
+
+def calibration_ece(records: Sequence[tuple[float, bool]], a: float, b: float, bins: int = 15) -> float:
+    """Expected calibration error of ``sigmoid(a * x + b)`` on (x = logit q, accepted)
+    records, equal-width bins (as ``treespark.calibration.expected_calibration_error``)."""
+    if not records:
+        return float("nan")
+    n_b, p_b, y_b = [0] * bins, [0.0] * bins, [0.0] * bins
+    for x, y in records:
+        p = _sigmoid(a * x + b)
+        i = min(int(p * bins), bins - 1)
+        n_b[i] += 1
+        p_b[i] += p
+        y_b[i] += 1.0 if y else 0.0
+    return sum(abs(y_b[i] - p_b[i]) for i in range(bins) if n_b[i]) / len(records)
+
+
+def shrink_calibration(fit: tuple[float, float], base: tuple[float, float], n: int,
+                       prior_records: int) -> tuple[float, float]:
+    """The online fit pulled toward the stored one: weight n / (n + prior_records)."""
+    w = n / (n + prior_records) if prior_records > 0 else 1.0
+    return (w * fit[0] + (1 - w) * base[0], w * fit[1] + (1 - w) * base[1])
+
+
+class RoundWindow:
+    """The last ``maxlen`` (tree size, accepted) round records, with running per-size
+    sums so ``stats()`` costs O(sizes), not O(records)."""
+
+    def __init__(self, maxlen: int = 20000, max_nodes: int = 64) -> None:
+        self.maxlen, self.max_nodes = maxlen, max_nodes
+        self._q: deque = deque()
+        self._counts = [0] * (max_nodes + 1)
+        self._sums = [0] * (max_nodes + 1)
+
+    def extend(self, rounds: Iterable[tuple[int, int]]) -> None:
+        for n, acc in rounds:
+            n = min(max(int(n), 0), self.max_nodes)
+            self._q.append((n, acc))
+            self._counts[n] += 1
+            self._sums[n] += acc
+            if len(self._q) > self.maxlen:
+                m, a = self._q.popleft()
+                self._counts[m] -= 1
+                self._sums[m] -= a
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def stats(self) -> AcceptanceStats | None:
+        if not self._q:
+            return None
+        return AcceptanceStats(tuple(self._counts), tuple(float(x) for x in self._sums))
+
+
 @dataclass
 class _Entry:
     report: ReplicaReport
@@ -162,12 +231,15 @@ class ControllerState:
     heartbeat_timeout_s: float = 2.0
     online_calibration: bool = False
     min_calibration_records: int = 2000
+    calibration_prior_records: int = 2000   # the stored fit counts as this many records
     clock: Callable[[], float] = time.monotonic
     replicas: dict[str, _Entry] = field(default_factory=dict)
     override: Budget | None = None
     departed: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
     records: deque = field(default_factory=lambda: deque(maxlen=20000))
     calibration: tuple[float, float] | None = None
+    calibration_report: dict[str, float] | None = None
+    rounds: RoundWindow = field(default_factory=RoundWindow)
     registrations: int = 0
     dropped: int = 0
     started_at: float = field(default_factory=time.time)
@@ -186,6 +258,7 @@ class ControllerState:
         entry.report, entry.last_seen = report, now
         self.records.extend(report.calibration_records)
         self._records_since_fit += len(report.calibration_records)
+        self.rounds.extend(report.round_records)
         self._refit()
         self._reassign()
         return {
@@ -207,7 +280,7 @@ class ControllerState:
         return gone
 
     def load(self) -> LoadSnapshot:
-        return aggregate_load(e.report for e in self.replicas.values())
+        return aggregate_load((e.report for e in self.replicas.values()), self.rounds.stats())
 
     def set_override(self, budget: Budget | None) -> None:
         self.override = budget
@@ -220,10 +293,35 @@ class ControllerState:
             if b != e.budget:
                 e.budget, e.version = b, e.version + 1
 
+    def base_calibration(self) -> tuple[float, float]:
+        """The stored calibration the replicas started from ((1, 0) if none reported)."""
+        for e in self.replicas.values():
+            if e.report.base_calibration is not None:
+                return e.report.base_calibration
+        return (1.0, 0.0)
+
     def _refit(self) -> None:
         if self.online_calibration and len(self.records) >= self.min_calibration_records and self._records_since_fit >= self.min_calibration_records // 4:
-            self.calibration = fit_calibration(list(self.records))
+            recent = list(self.records)[-5000:]  # keeps a refit well under a heartbeat
+            base = self.base_calibration()
+            fit = fit_calibration(recent)
+            self.calibration = shrink_calibration(fit, base, len(self.records), self.calibration_prior_records)
+            self.calibration_report = {
+                "records": len(recent),
+                "ece_stored": calibration_ece(recent, *base),
+                "ece_pushed": calibration_ece(recent, *self.calibration),
+                "ece_fit": calibration_ece(recent, *fit),
+                "a": self.calibration[0],
+                "b": self.calibration[1],
+            }
             self._records_since_fit = 0
+
+    def _acceptance_status(self) -> dict[str, Any]:
+        st = self.rounds.stats()
+        if st is None:
+            return {"rounds": 0, "by_tree_size": {}}
+        return {"rounds": st.rounds,
+                "by_tree_size": {str(n): [c, st.sums[n] / c] for n, c in enumerate(st.counts) if c}}
 
     def counters(self) -> dict[str, float]:
         total = dict(self.departed)
@@ -259,7 +357,9 @@ class ControllerState:
                 "acceptance_rate": sum(acc) / len(acc) if acc else None,
                 "online": self.online_calibration,
                 "fitted": self.calibration,
+                "report": self.calibration_report,
             },
+            "acceptance": self._acceptance_status(),
             "registrations": self.registrations,
             "dropped": self.dropped,
             "uptime_s": time.time() - self.started_at,
@@ -279,6 +379,7 @@ class Controller:
             heartbeat_timeout_s=a.controller.heartbeat_timeout_s,
             online_calibration=a.controller.online_calibration,
             min_calibration_records=a.controller.min_calibration_records,
+            calibration_prior_records=a.controller.calibration_prior_records,
         )
 
     def configure(self, args: dict[str, Any]) -> None:
@@ -289,6 +390,7 @@ class Controller:
         s = self.state
         s.policy, s.heartbeat_timeout_s = a.policy.build(), a.controller.heartbeat_timeout_s
         s.online_calibration, s.min_calibration_records = a.controller.online_calibration, a.controller.min_calibration_records
+        s.calibration_prior_records = a.controller.calibration_prior_records
         s._reassign()
 
     def report(self, report: dict[str, Any]) -> dict[str, Any]:

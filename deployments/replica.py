@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import threading
 import time
 import uuid
@@ -106,6 +107,13 @@ def summarize_steps(stats: list[Any]) -> TreeStats:
     )
 
 
+def _logit(q: float) -> float:
+    """Calibration records travel as (logit q, accepted): the controller fits
+    sigmoid(a * logit q + b), the map the engine's ``Calibration`` applies."""
+    q = min(max(q, 1e-6), 1 - 1e-6)
+    return math.log(q) - math.log1p(-q)
+
+
 def _error(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> dict[str, Any]:
     return {"type": "error", "status": status, "message": message, "param": param, "code": code}
 
@@ -130,6 +138,10 @@ class ReplicaCore:
         self.budget_source = "local"
         self.loop.set_budget(self.budget)
         self.calibration: tuple[float, float] | None = None
+        cal = getattr(bundle.engine, "calibration", None)
+        if hasattr(cal, "a") and hasattr(cal, "b"):
+            cal = (cal.a, cal.b)
+        self.base_calibration = (float(cal[0]), float(cal[1])) if isinstance(cal, (tuple, list)) and len(cal) == 2 else None
         self.controller_ok = False
         self.registrations = 0
         self.heartbeats_ok = 0
@@ -294,13 +306,15 @@ class ReplicaCore:
         else:  # idle: keep showing the last trees, marked as no steps in this window
             tree = dataclasses.replace(self.last_tree, steps=0)
         records: list[tuple[float, bool]] = []
+        rounds: list[tuple[int, int]] = []
         with self._lock:
             for s in window:
                 self.counters["steps"] += 1
                 self.counters["rounds"] += s.batch_size
                 self.counters["draft_tokens"] += sum(s.tree_sizes)
                 self.counters["accepted_tokens"] += sum(s.accepted)
-                records.extend((float(x), bool(y)) for x, y in s.calibration_records)
+                records.extend((_logit(float(q)), bool(y)) for q, y in s.calibration_records)
+                rounds.extend(zip(s.tree_sizes, s.accepted, strict=False))
             emitted, self._tokens_emitted = self._tokens_emitted, 0
             counters = dict(self.counters)
         load = self.loop.load
@@ -315,6 +329,8 @@ class ReplicaCore:
             "counters": counters,
             "calibration_records": records[-1024:],
             "calibration": self.calibration,
+            "round_records": rounds[-2048:],
+            "base_calibration": self.base_calibration,
         }
 
     def apply_budget(self, budget: Budget, source: str) -> None:

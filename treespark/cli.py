@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("cost-model", help="measure the verify-forward time T(bs, k); writes JSON for the policy")
     m.add_argument("--pair", default="default", choices=["default", "random"])
-    m.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    m.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24])
     m.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
                    help="tokens per row (root + draft nodes); must start at 1")
     m.add_argument("--context", type=int, default=256, help="committed KV tokens per row")

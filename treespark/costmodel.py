@@ -213,7 +213,7 @@ class AcceptanceStats:
 class Plan:
     """What ``plan_budget`` decided for one replica, with its reasons."""
 
-    batch: float            # rows the step is priced at (running + queued per replica, >= 1)
+    batch: float            # rows the step is priced at (running requests per replica, >= 1)
     nodes: int              # n*: the tree size of highest expected goodput (0 = plain decoding)
     theta: float            # price of the marginal node at n* (>= 1 when nodes == 0)
     branch_cap: int
@@ -253,8 +253,8 @@ def plan_budget(cost: CostModel, profile: AcceptanceProfile, *, active: float, q
     """The tree size and price for a replica running ``active`` rows with ``queued``
     more waiting (both per replica). ``min_gain``: speculate only if the best tree's
     expected goodput beats plain decoding by this factor."""
-    bs = max(active + queued, 1.0)
-    qf = 1.0 + queue_weight * queued / max(active, 1.0)
+    bs = max(active, 1.0)
+    qf = 1.0 + queue_weight * queued / bs
     n_max = min(max_nodes, profile.max_nodes)
     plain = expected_goodput(cost, profile, bs, 0, qf)
     best_n, best = 0, plain
@@ -273,7 +273,7 @@ def plan_budget(cost: CostModel, profile: AcceptanceProfile, *, active: float, q
 
 # -- measuring T(bs, k) ------------------------------------------------------------------
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24)
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 
 

@@ -10,8 +10,9 @@ replica heartbeats, or what one replica sees of itself when the controller is
 gone) to a ``Budget`` for one replica. ``LadderPolicy`` is the simplest useful
 one: a ladder of budgets indexed by the load per replica (running plus queued
 requests), the serving counterpart of the hand-measured theta-by-batch-size
-ladder of the TreeSpark reference code. A cost-model policy can replace it
-behind the same ``BudgetPolicy`` interface.
+ladder of the TreeSpark reference code. ``CostModelPolicy`` replaces the ladder
+with a price derived from the measured forward time T(bs, k) and the acceptance
+the replicas observe (``treespark.costmodel``).
 
 This module is pure: no Ray, no HTTP, no torch.
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from treespark.budget import Budget
+from treespark.costmodel import AcceptanceProfile, AcceptanceStats, CostModel, Plan, plan_budget
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,9 @@ class LoadSnapshot:
     * ``active``        requests running in the engines' batches, summed over replicas;
     * ``queued``        requests admitted but waiting for a batch slot, summed;
     * ``step_s``        mean engine step time over replicas, seconds (0 if unknown);
-    * ``tokens_per_s``  generated tokens per second, summed over replicas.
+    * ``tokens_per_s``  generated tokens per second, summed over replicas;
+    * ``acceptance``    recent rounds per tree size and the draft tokens they accepted
+                        (None when unknown): what a tree of n nodes buys right now.
     """
 
     replicas: int
@@ -42,6 +46,7 @@ class LoadSnapshot:
     queued: int
     step_s: float = 0.0
     tokens_per_s: float = 0.0
+    acceptance: AcceptanceStats | None = None
 
     def __post_init__(self) -> None:
         for name in ("replicas", "active", "queued"):
@@ -137,3 +142,49 @@ class FixedPolicy:
 
     def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:
         return self.budget
+
+
+@dataclass(frozen=True)
+class CostModelPolicy:
+    """theta from a measured cost model (see ``treespark.costmodel.plan_budget``).
+
+    Per replica: the batch it runs (``active / replicas``) and its queue price the draft
+    nodes on ``cost`` (or on ``replica_costs[replica_id]``, so replicas on different
+    hardware get their own prices from one controller). What a tree of ``n`` nodes buys
+    is ``prior`` refined by the snapshot's ``acceptance`` (``prior_weight`` pseudo-rounds
+    per size). Plain decoding comes out as ``theta >= 1`` with ``node_cap = 0``: the
+    expander then returns an empty tree.
+    """
+
+    cost: CostModel
+    prior: AcceptanceProfile = field(default_factory=AcceptanceProfile.saturating)
+    max_nodes: int = 32
+    max_branch: int = 4
+    queue_weight: float = 1.0
+    prior_weight: float = 200.0
+    min_gain: float = 1.0
+    replica_costs: tuple[tuple[str, CostModel], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 0 or self.max_branch < 1:
+            raise ValueError("CostModelPolicy needs max_nodes >= 0 and max_branch >= 1")
+        if self.queue_weight < 0 or self.prior_weight < 0 or self.min_gain < 0:
+            raise ValueError("CostModelPolicy weights must be >= 0")
+
+    def cost_for(self, replica_id: str) -> CostModel:
+        return dict(self.replica_costs).get(replica_id, self.cost)
+
+    def profile(self, load: LoadSnapshot) -> AcceptanceProfile:
+        return AcceptanceProfile.blend(self.prior, load.acceptance, self.prior_weight)
+
+    def plan(self, load: LoadSnapshot, replica_id: str = "") -> Plan:
+        r = max(load.replicas, 1)
+        return plan_budget(self.cost_for(replica_id), self.profile(load), active=load.active / r,
+                           queued=load.queued / r, max_nodes=self.max_nodes, max_branch=self.max_branch,
+                           queue_weight=self.queue_weight, min_gain=self.min_gain)
+
+    def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:
+        p = self.plan(load, replica_id)
+        if p.nodes == 0:
+            return Budget(theta=max(p.theta, 1.0), node_cap=0, branch_cap=1)
+        return Budget(theta=p.theta, node_cap=p.nodes, branch_cap=p.branch_cap)
