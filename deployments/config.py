@@ -77,12 +77,15 @@ class PolicyArgs(_Strict):
             path = ROOT / path
         return CostModel.from_json(json.loads(path.read_text()))
 
-    def build(self) -> BudgetPolicy:
+    def build(self, max_batch: int | None = None) -> BudgetPolicy:
+        """The policy; ``max_batch`` (the engine's batch rows) lets the cost-model policy
+        tell requests about to join the batch from requests waiting for capacity."""
         if self.kind == "costmodel":
             prior = AcceptanceProfile.saturating(self.prior_ceiling, self.prior_scale, max(self.max_nodes, 1))
             return CostModelPolicy(self.load_cost_model(), prior, max_nodes=self.max_nodes,
                                    max_branch=self.max_branch, queue_weight=self.queue_weight,
-                                   prior_weight=self.prior_weight, min_gain=self.min_gain)
+                                   prior_weight=self.prior_weight, min_gain=self.min_gain,
+                                   max_batch=max_batch)
         if self.kind == "fixed":
             if self.budget is None:
                 raise ValueError("policy kind 'fixed' needs 'budget'")

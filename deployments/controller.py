@@ -375,7 +375,7 @@ class Controller:
 
         a = AppArgs.model_validate(args)
         self.state = ControllerState(
-            policy=a.policy.build(),
+            policy=a.policy.build(a.max_batch_size),
             heartbeat_timeout_s=a.controller.heartbeat_timeout_s,
             online_calibration=a.controller.online_calibration,
             min_calibration_records=a.controller.min_calibration_records,
@@ -388,7 +388,7 @@ class Controller:
 
         a = AppArgs.model_validate(args)
         s = self.state
-        s.policy, s.heartbeat_timeout_s = a.policy.build(), a.controller.heartbeat_timeout_s
+        s.policy, s.heartbeat_timeout_s = a.policy.build(a.max_batch_size), a.controller.heartbeat_timeout_s
         s.online_calibration, s.min_calibration_records = a.controller.online_calibration, a.controller.min_calibration_records
         s.calibration_prior_records = a.controller.calibration_prior_records
         s._reassign()

@@ -129,7 +129,7 @@ class ReplicaCore:
         self.bundle = bundle
         self.tokenizer = bundle.tokenizer
         self.vocab_size = int(bundle.engine.vocab_size)
-        self.policy = args.policy.build()
+        self.policy = args.policy.build(args.max_batch_size)
         self.loop = EngineLoop(bundle.engine).start()
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(COUNTERS, 0.0)

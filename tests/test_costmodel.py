@@ -80,7 +80,9 @@ def test_free_verification_gives_theta_zero():
 def test_queue_raises_the_price():
     prof = AcceptanceProfile.saturating()
     calm = plan_budget(AFFINE, prof, active=4, queued=0)
-    queue = plan_budget(AFFINE, prof, active=4, queued=8)
+    queue = plan_budget(AFFINE, prof, active=4, queued=8, max_batch=4)
+    joining = plan_budget(AFFINE, prof, active=4, queued=4, max_batch=8)
+    assert joining.queue_factor == 1 and joining.batch == 8
     assert queue.queue_factor > 1 and queue.nodes <= calm.nodes and queue.theta > calm.theta
 
 

@@ -24,8 +24,9 @@ dear and the rest nearly free. ``plan_budget`` therefore first picks the tree si
 ``n*`` of highest expected goodput ``(1 + A(n)) / T(bs, n + 1)`` (``n* = 0``: plain
 decoding), then prices the marginal node at ``n*``; best-first expansion under that
 ``theta`` and ``node_cap = n*`` stops where the calibrated survival says a node no
-longer pays. When requests queue, every second of speculative compute also delays
-them: ``queue_weight`` scales the cost of the draft nodes by ``1 + w * queued / active``.
+longer pays. When requests wait for a batch row, every second of speculative compute
+also delays them (throughput mode): ``queue_weight`` scales the cost of the draft
+nodes by ``1 + w * waiting / batch``.
 
 The math here is pure Python (no torch); only ``measure_cost_model`` imports torch.
 """
@@ -213,12 +214,12 @@ class AcceptanceStats:
 class Plan:
     """What ``plan_budget`` decided for one replica, with its reasons."""
 
-    batch: float            # rows the step is priced at (running requests per replica, >= 1)
+    batch: float            # rows the step is priced at (running + queued, capped at the batch)
     nodes: int              # n*: the tree size of highest expected goodput (0 = plain decoding)
     theta: float            # price of the marginal node at n* (>= 1 when nodes == 0)
     branch_cap: int
     goodput_gain: float     # expected goodput at n* over plain decoding (>= 1)
-    queue_factor: float     # multiplier on the draft nodes' cost (1 when nothing queues)
+    queue_factor: float     # multiplier on the draft nodes' cost (1 unless requests wait for a row)
 
 
 def expected_goodput(cost: CostModel, profile: AcceptanceProfile, bs: float, n: int,
@@ -248,13 +249,19 @@ def branch_cap_for(theta: float, max_branch: int) -> int:
 
 
 def plan_budget(cost: CostModel, profile: AcceptanceProfile, *, active: float, queued: float = 0.0,
-                max_nodes: int = 32, max_branch: int = 4, queue_weight: float = 1.0,
-                min_gain: float = 1.0) -> Plan:
+                max_batch: int | None = None, max_nodes: int = 32, max_branch: int = 4,
+                queue_weight: float = 1.0, min_gain: float = 1.0) -> Plan:
     """The tree size and price for a replica running ``active`` rows with ``queued``
-    more waiting (both per replica). ``min_gain``: speculate only if the best tree's
-    expected goodput beats plain decoding by this factor."""
-    bs = max(active, 1.0)
-    qf = 1.0 + queue_weight * queued / bs
+    more waiting (both per replica). Queued requests that fit the batch (``max_batch``
+    rows; None = unbounded) join it within a few steps, so they are priced as rows;
+    only those beyond it wait for capacity and raise the price (throughput mode).
+    ``min_gain``: speculate only if the best tree's expected goodput beats plain
+    decoding by this factor."""
+    rows = active + queued
+    cap = math.inf if max_batch is None else max_batch
+    bs = max(min(rows, cap), 1.0)
+    waiting = max(rows - cap, 0.0)
+    qf = 1.0 + queue_weight * waiting / bs
     n_max = min(max_nodes, profile.max_nodes)
     plain = expected_goodput(cost, profile, bs, 0, qf)
     best_n, best = 0, plain

@@ -148,8 +148,8 @@ class FixedPolicy:
 class CostModelPolicy:
     """theta from a measured cost model (see ``treespark.costmodel.plan_budget``).
 
-    Per replica: the batch it runs (``active / replicas``) and its queue price the draft
-    nodes on ``cost`` (or on ``replica_costs[replica_id]``, so replicas on different
+    Per replica: the batch it will run (running + queued, at most ``max_batch`` rows) and
+    the requests waiting beyond it price the draft nodes on ``cost`` (or on ``replica_costs[replica_id]``, so replicas on different
     hardware get their own prices from one controller). What a tree of ``n`` nodes buys
     is ``prior`` refined by the snapshot's ``acceptance`` (``prior_weight`` pseudo-rounds
     per size). Plain decoding comes out as ``theta >= 1`` with ``node_cap = 0``: the
@@ -163,9 +163,12 @@ class CostModelPolicy:
     queue_weight: float = 1.0
     prior_weight: float = 200.0
     min_gain: float = 1.0
+    max_batch: int | None = None
     replica_costs: tuple[tuple[str, CostModel], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError("CostModelPolicy.max_batch must be >= 1 or None")
         if self.max_nodes < 0 or self.max_branch < 1:
             raise ValueError("CostModelPolicy needs max_nodes >= 0 and max_branch >= 1")
         if self.queue_weight < 0 or self.prior_weight < 0 or self.min_gain < 0:
@@ -180,7 +183,7 @@ class CostModelPolicy:
     def plan(self, load: LoadSnapshot, replica_id: str = "") -> Plan:
         r = max(load.replicas, 1)
         return plan_budget(self.cost_for(replica_id), self.profile(load), active=load.active / r,
-                           queued=load.queued / r, max_nodes=self.max_nodes, max_branch=self.max_branch,
+                           queued=load.queued / r, max_batch=self.max_batch, max_nodes=self.max_nodes, max_branch=self.max_branch,
                            queue_weight=self.queue_weight, min_gain=self.min_gain)
 
     def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:

@@ -1,0 +1,422 @@
+"""The load-experiment runner: service up, Locust on a shape, speculation polled, CSV + PNG.
+
+Two experiments, one runner:
+
+* ``ramp``     one Locust run on a shape (default: a step ramp up and down); every
+               second it reads ``GET /v1/speculation`` and writes ``timeline.csv``
+               (users, theta, tree size and width, accepted tokens per round, goodput,
+               p50/p99 latency over time) and ``timeline.png``;
+* ``compare``  goodput side by side: for each policy (``adaptive`` = the configured
+               policy; fixed baselines forced through ``POST /v1/speculation/override``)
+               and each concurrency level, a constant-users Locust run; writes
+               ``compare.csv``, ``compare.md`` and ``compare.png``.
+
+The service is started with ``serve run CONFIG`` (own process group, stopped with
+SIGINT; ``--port`` rewrites the config's port) unless ``--url`` points at a running
+one. Locust runs as its own process (gevent must be imported before anything else).
+
+    python -m loadtests.experiment ramp --config configs/load-default.yaml --out docs/load
+    python -m loadtests.experiment compare --config configs/load-default.yaml --out docs/load
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+import yaml
+
+from loadtests.shapes import parse_shape, total_duration, users_at
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# fixed baselines for ``compare`` (override budgets); ``adaptive`` releases the override
+BASELINES: dict[str, dict | None] = {
+    "adaptive": None,
+    "chain": {"theta": 0.0, "node_cap": 4, "branch_cap": 1},
+    "tree": {"theta": 0.02, "node_cap": 32, "branch_cap": 4},
+    "off": {"theta": 0.0, "node_cap": 0, "branch_cap": 1},
+}
+
+
+def log(msg: str) -> None:
+    print(f"[experiment {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- the service ---------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["RAY_AUTH_MODE"] = "disabled"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    return env
+
+
+def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"serve run exited with {proc.returncode} before the service was ready")
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health not ready after {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def serve_process(config: Path, out: Path, port: int | None = None,
+                  ready_timeout_s: float = 300.0) -> Iterator[str]:
+    """``serve run config`` in its own process group; yields the base URL; SIGINT to the
+    group afterwards (SIGKILL if it lingers)."""
+    cfg = yaml.safe_load(config.read_text())
+    http = cfg.setdefault("http_options", {})
+    if port is not None:
+        http["port"] = port
+    url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+    run_cfg = out / "serve-config.yaml"
+    run_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    logf = open(out / "serve.log", "w")  # noqa: SIM115 - closed below
+    log(f"serve run {config} -> {url} (log: {out / 'serve.log'})")
+    proc = subprocess.Popen([str(BIN / "serve"), "run", str(run_cfg)], cwd=ROOT, env=_env(),
+                            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.time()
+        wait_healthy(url, ready_timeout_s, proc)
+        log(f"service ready in {time.time() - t0:.0f} s")
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        logf.close()
+        log("service stopped")
+
+
+# -- Locust ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadArgs:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    stream: bool = True
+    model: str = ""
+
+
+def locust_command(url: str, shape: str, prefix: Path, load: LoadArgs) -> list[str]:
+    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtests" / "locustfile.py"),
+           "--headless", "--host", url, "--shape", shape, "--records", f"{prefix}-records.jsonl",
+           "--csv", str(prefix), "--csv-full-history", "--only-summary", "--exit-code-on-error", "0",
+           "--max-tokens", str(load.max_tokens), "--temperature", str(load.temperature),
+           "--loglevel", "WARNING"]
+    if not load.stream:
+        cmd.append("--no-stream")
+    if load.model:
+        cmd += ["--model", load.model]
+    return cmd
+
+
+# -- polling ----------------------------------------------------------------------------------
+
+TIMELINE_FIELDS = ["t", "wall", "users", "replicas", "active", "queued", "batch_size", "theta", "node_cap",
+                   "branch_cap", "tree_size", "width", "depth", "accepted_per_round", "step_s",
+                   "generation_tokens", "goodput_tok_s", "requests_done", "p50_e2e_s", "p99_e2e_s",
+                   "p50_ttft_s", "p99_ttft_s", "calib_ece_stored", "calib_ece_pushed"]
+
+
+def speculation_row(status: dict) -> dict:
+    """One timeline row from a ``/v1/speculation`` answer (replica means weighted by batch)."""
+    reps = list(status.get("replicas", {}).values())
+    w = [max(r.get("batch_size", 0.0), 1e-9) for r in reps]
+    tw = sum(w) or 1.0
+
+    def wmean(key: str, src: str | None = None) -> float:
+        if not reps:
+            return float("nan")
+        vals = [(r[src][key] if src else r.get(key, 0.0)) for r in reps]
+        return sum(v * x for v, x in zip(vals, w, strict=True)) / tw
+
+    cal = (status.get("calibration") or {}).get("report") or {}
+    return {
+        "replicas": len(reps),
+        "active": sum(r.get("active", 0) for r in reps),
+        "queued": sum(r.get("queued", 0) for r in reps),
+        "batch_size": sum(r.get("batch_size", 0.0) for r in reps),
+        "theta": wmean("theta", "applied_budget"),
+        "node_cap": wmean("node_cap", "applied_budget"),
+        "branch_cap": wmean("branch_cap", "applied_budget"),
+        "tree_size": wmean("mean_tree_size"),
+        "width": wmean("mean_width"),
+        "depth": wmean("mean_depth"),
+        "accepted_per_round": wmean("accepted_per_round"),
+        "step_s": wmean("step_s"),
+        "generation_tokens": status.get("counters", {}).get("generation_tokens", 0.0),
+        "calib_ece_stored": cal.get("ece_stored", ""),
+        "calib_ece_pushed": cal.get("ece_pushed", ""),
+    }
+
+
+def get_status(url: str) -> dict | None:
+    with contextlib.suppress(requests.RequestException, ValueError):
+        r = requests.get(f"{url}/v1/speculation", timeout=2)
+        if r.status_code == 200:
+            return r.json()
+    return None
+
+
+class Poller:
+    """Reads ``/v1/speculation`` every ``period_s`` in a thread, keeping raw rows."""
+
+    def __init__(self, url: str, period_s: float = 1.0) -> None:
+        self.url, self.period_s = url, period_s
+        self.rows: list[dict] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self.t0 = time.time()
+
+    def start(self) -> Poller:
+        self.t0 = time.time()
+        self._t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(5)
+
+    def _run(self) -> None:
+        nxt = time.time()
+        while not self._stop.is_set():
+            st = get_status(self.url)
+            now = time.time()
+            if st is not None:
+                self.rows.append({"t": round(now - self.t0, 2), "wall": now, **speculation_row(st)})
+            nxt += self.period_s
+            self._stop.wait(max(nxt - time.time(), 0.0))
+
+
+def _percentile(xs: list[float], q: float) -> float | str:
+    if not xs:
+        return ""
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)]
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_user_history(prefix: Path) -> list[tuple[float, int]]:
+    """(unix time, user count) from Locust's ``_stats_history.csv``."""
+    path = Path(f"{prefix}_stats_history.csv")
+    if not path.exists():
+        return []
+    out = []
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            if row.get("Name") == "Aggregated":
+                out.append((float(row["Timestamp"]), int(float(row["User Count"]))))
+    return out
+
+
+def finish_timeline(rows: list[dict], records: list[dict], history: list[tuple[float, int]],
+                    stages, t_start: float, window_s: float = 10.0, goodput_s: float = 3.0) -> list[dict]:
+    """Adds users, goodput (tokens/s over ``goodput_s``) and latency percentiles (requests
+    finished in the last ``window_s``) to the polled rows."""
+    done = sorted((r for r in records if r.get("ok")), key=lambda r: r["t1"])
+    out = []
+    for i, row in enumerate(rows):
+        wall = row["wall"]
+        users = [u for ts, u in history if ts <= wall]
+        row = dict(row)
+        row["users"] = users[-1] if users else (users_at(stages, wall - t_start) or 0)
+        j = i
+        while j > 0 and wall - rows[j - 1]["wall"] <= goodput_s + 1e-6:
+            j -= 1
+        if j < i:
+            dt = wall - rows[j]["wall"]
+            row["goodput_tok_s"] = (row["generation_tokens"] - rows[j]["generation_tokens"]) / dt
+        else:
+            row["goodput_tok_s"] = ""
+        recent = [r for r in done if wall - window_s < r["t1"] <= wall]
+        e2e = [r["t1"] - r["t0"] for r in recent]
+        ttft = [r["ttft"] for r in recent if r.get("ttft") is not None]
+        row.update(requests_done=sum(1 for r in done if r["t1"] <= wall),
+                   p50_e2e_s=_percentile(e2e, 0.5), p99_e2e_s=_percentile(e2e, 0.99),
+                   p50_ttft_s=_percentile(ttft, 0.5), p99_ttft_s=_percentile(ttft, 0.99))
+        out.append(row)
+    return out
+
+
+def write_csv(path: Path, rows: list[dict], fields: list[str]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def set_override(url: str, budget: dict | None) -> None:
+    r = requests.post(f"{url}/v1/speculation/override", json={"budget": budget}, timeout=10)
+    r.raise_for_status()
+
+
+def wait_drained(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        st = get_status(url)
+        if st is not None and st["cluster"]["active"] + st["cluster"]["queued"] == 0:
+            return
+        time.sleep(0.5)
+
+
+# -- the experiments ---------------------------------------------------------------------------
+
+
+def run_shape(url: str, shape: str, out: Path, name: str, load: LoadArgs,
+              poll_s: float = 1.0) -> list[dict]:
+    """One Locust run on ``shape`` with polling; returns the finished timeline rows."""
+    stages = parse_shape(shape)
+    prefix = out / name
+    for p in out.glob(f"{name}-records.jsonl"):
+        p.unlink()
+    cmd = locust_command(url, shape, prefix, load)
+    log(f"locust {shape} for {total_duration(stages):.0f} s ({name})")
+    poller = Poller(url, poll_s).start()
+    t_start = time.time()
+    with open(out / f"{name}-locust.log", "w") as lf:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=lf, stderr=subprocess.STDOUT,
+                              timeout=total_duration(stages) + 120)
+    poller.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"locust exited with {proc.returncode}; see {out / f'{name}-locust.log'}")
+    return finish_timeline(poller.rows, read_records(Path(f"{prefix}-records.jsonl")),
+                           read_user_history(prefix), stages, t_start)
+
+
+def experiment_ramp(url: str, args) -> Path:
+    rows = run_shape(url, args.shape, args.out, "timeline", args.load)
+    path = args.out / "timeline.csv"
+    write_csv(path, rows, TIMELINE_FIELDS)
+    log(f"wrote {path} ({len(rows)} rows)")
+    from loadtests.report import plot_timeline, ramp_summary
+
+    plot_timeline(path, args.out / "timeline.png", title=args.title)
+    summary = ramp_summary(path)
+    (args.out / "timeline-summary.md").write_text(summary + "\n")
+    print(summary)
+    return path
+
+
+COMPARE_FIELDS = ["policy", "users", "goodput_tok_s", "tokens", "seconds", "requests", "errors", "p50_e2e_s",
+                  "p99_e2e_s", "p50_ttft_s", "p99_ttft_s", "tree_size", "width", "accepted_per_round",
+                  "theta", "batch_size"]
+
+
+def experiment_compare(url: str, args) -> Path:
+    rows = []
+    for policy in args.policies:
+        set_override(url, BASELINES[policy])
+        for users in args.levels:
+            wait_drained(url)
+            name = f"cmp-{policy}-u{users}"
+            tl = run_shape(url, f"const:{users}:{args.warmup + args.duration}", args.out, name, args.load)
+            t0 = tl[0]["wall"] if tl else 0.0
+            win = [r for r in tl if args.warmup <= r["wall"] - t0 <= args.warmup + args.duration]
+            recs = [r for r in read_records(args.out / f"{name}-records.jsonl")
+                    if win and win[0]["wall"] <= r["t1"] <= win[-1]["wall"]]
+            ok = [r for r in recs if r.get("ok")]
+            secs = win[-1]["wall"] - win[0]["wall"] if len(win) > 1 else float("nan")
+            toks = win[-1]["generation_tokens"] - win[0]["generation_tokens"] if len(win) > 1 else 0.0
+            busy = [r for r in win if r["batch_size"]]
+
+            def mean(key: str, src=busy) -> float | str:
+                vals = [r[key] for r in src if r[key] != "" and r[key] == r[key]]
+                return sum(vals) / len(vals) if vals else ""
+
+            e2e = [r["t1"] - r["t0"] for r in ok]
+            ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
+            row = {"policy": policy, "users": users, "goodput_tok_s": toks / secs if secs == secs and secs else 0.0,
+                   "tokens": toks, "seconds": secs, "requests": len(ok), "errors": len(recs) - len(ok),
+                   "p50_e2e_s": _percentile(e2e, 0.5), "p99_e2e_s": _percentile(e2e, 0.99),
+                   "p50_ttft_s": _percentile(ttft, 0.5), "p99_ttft_s": _percentile(ttft, 0.99),
+                   "tree_size": mean("tree_size"), "width": mean("width"),
+                   "accepted_per_round": mean("accepted_per_round"), "theta": mean("theta"),
+                   "batch_size": mean("batch_size")}
+            log(f"{policy:>8} u={users:<3} goodput {row['goodput_tok_s']:.1f} tok/s  tree {row['tree_size']}")
+            rows.append(row)
+            write_csv(args.out / "compare.csv", rows, COMPARE_FIELDS)
+    set_override(url, None)
+    from loadtests.report import compare_table, plot_compare
+
+    path = args.out / "compare.csv"
+    plot_compare(path, args.out / "compare.png", title=args.title)
+    table = compare_table(path)
+    (args.out / "compare.md").write_text(table + "\n")
+    print(table)
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtests.experiment", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("experiment", choices=["ramp", "compare", "both"])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", type=Path, help="a Serve config to start with `serve run`")
+    src.add_argument("--url", help="a running service, e.g. http://127.0.0.1:8000")
+    p.add_argument("--port", type=int, help="rewrite the config's HTTP port")
+    p.add_argument("--out", type=Path, default=Path("runs/load"))
+    p.add_argument("--shape", default="ramp:1,2,4,8,16:30", help="ramp: a loadtests.shapes spec")
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16], help="compare: users")
+    p.add_argument("--policies", nargs="+", default=list(BASELINES), choices=list(BASELINES))
+    p.add_argument("--duration", type=float, default=40.0, help="compare: measured seconds per run")
+    p.add_argument("--warmup", type=float, default=10.0, help="compare: seconds before measuring")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--title", default="")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.load = LoadArgs(args.max_tokens, args.temperature, not args.no_stream)
+    with contextlib.ExitStack() as stack:
+        if args.url:
+            url = args.url.rstrip("/")
+            wait_healthy(url, args.ready_timeout)
+        else:
+            url = stack.enter_context(serve_process(args.config, args.out, args.port, args.ready_timeout))
+        set_override(url, None)
+        if args.experiment in ("ramp", "both"):
+            experiment_ramp(url, args)
+        if args.experiment in ("compare", "both"):
+            experiment_compare(url, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Plots and tables for the load experiments (``loadtests.experiment`` writes the CSVs).
+
+* ``plot_timeline``  users, theta, mean tree size, mean width, accepted tokens per round,
+                     goodput and p50/p99 latency over time, one panel each;
+* ``ramp_summary``   per load level (going up, then down): the means of those series after
+                     the trees settle, and the tree-size ratio lowest/highest load;
+* ``plot_compare`` / ``compare_table``  goodput by policy and concurrency, with the
+                     adaptive policy's ratio to the best fixed one and to no speculation.
+
+    python -m loadtests.report docs/load/timeline.csv docs/load/compare.csv
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_rows(path: Path) -> list[dict]:
+    with Path(path).open() as f:
+        return list(csv.DictReader(f))
+
+
+def num(x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def smooth(xs: list[float], k: int) -> list[float]:
+    out = []
+    for i in range(len(xs)):
+        win = [x for x in xs[max(0, i - k + 1): i + 1] if not math.isnan(x)]
+        out.append(sum(win) / len(win) if win else math.nan)
+    return out
+
+
+def plot_timeline(csv_path: Path, png_path: Path, title: str = "") -> None:
+    rows = read_rows(csv_path)
+    t = [num(r["t"]) for r in rows]
+    panels = [
+        ("users", [("users", "users", 1)]),
+        ("theta (price of a node)", [("theta", "theta", 1)]),
+        ("mean tree size (nodes)", [("tree_size", "tree size", 1), ("node_cap", "node cap", 1)]),
+        ("mean width", [("width", "width", 1)]),
+        ("accepted tokens / round", [("accepted_per_round", "accepted/round", 3)]),
+        ("goodput (tokens/s)", [("goodput_tok_s", "goodput (3-s)", 3)]),
+        ("latency (s, last 10 s)", [("p50_e2e_s", "p50 end-to-end", 1), ("p99_e2e_s", "p99 end-to-end", 1),
+                                    ("p50_ttft_s", "p50 TTFT", 1)]),
+    ]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.0 * len(panels)), sharex=True)
+    for ax, (label, series) in zip(axes, panels, strict=True):
+        for key, name, k in series:
+            ys = smooth([num(r.get(key)) for r in rows], k)
+            ax.plot(t, ys, label=name, drawstyle="steps-post" if key in ("users", "node_cap") else "default")
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=7, loc="upper right")
+    axes[-1].set_xlabel("time (s)")
+    fig.suptitle(title or f"TreeSpark Serve under load ({Path(csv_path).name})")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    vals = [v for v in (num(r.get(key)) for r in rows) if not math.isnan(v)]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def ramp_levels(rows: list[dict], settle_s: float = 8.0) -> list[dict]:
+    """Consecutive segments of constant users, with means over the settled part."""
+    segs: list[dict] = []
+    for r in rows:
+        u = int(num(r["users"])) if not math.isnan(num(r["users"])) else 0
+        if not segs or segs[-1]["users"] != u:
+            segs.append({"users": u, "t0": num(r["t"]), "rows": []})
+        segs[-1]["rows"].append(r)
+    peak = max((s["users"] for s in segs), default=0)
+    seen_peak = False
+    out = []
+    for s in segs:
+        if s["users"] == peak:
+            seen_peak = True
+        settled = [r for r in s["rows"] if num(r["t"]) - s["t0"] >= settle_s and num(r["batch_size"]) > 0]
+        if not settled or s["users"] == 0:
+            continue
+
+        phase = "peak" if s["users"] == peak else ("down" if seen_peak else "up")
+        out.append({"phase": phase, "users": s["users"], "seconds": len(settled),
+                    **{k: _mean(settled, k) for k in ("batch_size", "theta", "node_cap", "tree_size", "width",
+                                            "accepted_per_round", "goodput_tok_s", "p50_e2e_s", "p99_e2e_s")}})
+    return out
+
+
+def ramp_summary(csv_path: Path, settle_s: float = 8.0) -> str:
+    levels = ramp_levels(read_rows(csv_path), settle_s)
+    head = ["phase", "users", "batch", "theta", "node cap", "tree size", "width", "accepted/round",
+            "goodput tok/s", "p50 e2e s", "p99 e2e s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for lv in levels:
+        lines.append("| " + " | ".join([lv["phase"], str(lv["users"])] + [
+            f"{lv[k]:.3g}" for k in ("batch_size", "theta", "node_cap", "tree_size", "width", "accepted_per_round",
+                                     "goodput_tok_s", "p50_e2e_s", "p99_e2e_s")]) + " |")
+    if levels:
+        low = min((lv for lv in levels if lv["phase"] == "up"), key=lambda lv: lv["users"], default=levels[0])
+        high = max(levels, key=lambda lv: lv["users"])
+        back = [lv for lv in levels if lv["phase"] == "down"]
+        ratio = low["tree_size"] / high["tree_size"] if high["tree_size"] > 0 else math.inf
+        lines.append("")
+        lines.append(f"mean tree size at {low['users']} user(s): {low['tree_size']:.2f}; at {high['users']}: "
+                     f"{high['tree_size']:.2f} (ratio {ratio:.1f}x); width at the top: {high['width']:.2f}")
+        if back:
+            last = min(back, key=lambda lv: lv["users"])
+            lines.append(f"back down at {last['users']} user(s): tree size {last['tree_size']:.2f} "
+                         f"({last['tree_size'] / low['tree_size']:.0%} of the way up)" if low["tree_size"] else "")
+    return "\n".join(lines)
+
+
+def _compare_grid(rows: list[dict]) -> tuple[list[str], list[int], dict[tuple[str, int], dict]]:
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    users = sorted({int(r["users"]) for r in rows})
+    return policies, users, {(r["policy"], int(r["users"])): r for r in rows}
+
+
+def compare_table(csv_path: Path) -> str:
+    policies, users, grid = _compare_grid(read_rows(csv_path))
+    fixed = [p for p in policies if p != "adaptive"]
+    head = ["users"] + [f"{p} tok/s" for p in policies]
+    if "adaptive" in policies and fixed:
+        head += ["adaptive / best fixed", "adaptive / off" if "off" in policies else "-"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for u in users:
+        g = {p: num(grid[(p, u)]["goodput_tok_s"]) if (p, u) in grid else math.nan for p in policies}
+        cells = [str(u)]
+        for p in policies:
+            r = grid.get((p, u))
+            cells.append("" if r is None else f"{g[p]:.1f} (tree {num(r['tree_size']):.1f})")
+        if "adaptive" in policies and fixed:
+            best = max((g[p] for p in fixed if not math.isnan(g[p])), default=math.nan)
+            cells.append(f"{g['adaptive'] / best:.2f}" if best else "")
+            cells.append(f"{g['adaptive'] / g['off']:.2f}" if "off" in policies and g["off"] else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_compare(csv_path: Path, png_path: Path, title: str = "") -> None:
+    policies, users, grid = _compare_grid(read_rows(csv_path))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    w = 0.8 / max(len(policies), 1)
+    for i, p in enumerate(policies):
+        ys = [num(grid[(p, u)]["goodput_tok_s"]) if (p, u) in grid else 0 for u in users]
+        ax.bar([j + i * w for j in range(len(users))], ys, w, label=p)
+    ax.set_xticks([j + w * (len(policies) - 1) / 2 for j in range(len(users))], [str(u) for u in users])
+    ax.set_xlabel("concurrent users")
+    ax.set_ylabel("goodput (tokens/s)")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(title or "goodput by policy and concurrency")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    for p in map(Path, argv if argv is not None else sys.argv[1:]):
+        if p.name.startswith("compare"):
+            plot_compare(p, p.with_suffix(".png"))
+            print(compare_table(p))
+        else:
+            plot_timeline(p, p.with_suffix(".png"))
+            print(ramp_summary(p))
+
+
+if __name__ == "__main__":
+    main()
