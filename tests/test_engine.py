@@ -42,8 +42,8 @@ def test_batched_greedy_equals_generate_and_plain(mimic16, budget):
     lengths = [5, 17, 9, 30, 2, 12, 21, 7]
     arrivals = {}
     for i, (p, n) in enumerate(zip(ps, lengths)):
-        arrivals.setdefault(i * 2, []).append((f"r{i}", p, SamplingParams(max_tokens=n)))
-    engine = Engine(mimic16, EngineConfig(max_batch_size=8, max_context=128, prefill_chunk=7), budget=budget)
+        arrivals.setdefault(i // 2, []).append((f"r{i}", p, SamplingParams(max_tokens=n)))
+    engine = Engine(mimic16, EngineConfig(max_batch_size=8, max_context=128, prefill_chunk=64), budget=budget)
     seen_batches = []
     engine.on_step = lambda s: seen_batches.append(s.batch_size)
     tokens, reasons = run(engine, arrivals)

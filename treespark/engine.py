@@ -108,6 +108,7 @@ class Engine:
         self.budget = budget or Budget.adaptive()
         self.calibration = calibration or pair.calibration
         self.rank: Rank = rank
+        self._markov, self._d2t = BlockProposal.host_weights(self.drafter)
         self.on_step: Callable[[StepStats], None] | None = None
         self.vocab_size = self.runner.vocab_size
         self._waiting: deque[_Request] = deque()
@@ -248,7 +249,7 @@ class Engine:
         for i, req in enumerate(batch):
             remaining = req.params.max_tokens - len(req.output)
             trees.append(expand(
-                BlockProposal(base[i], self.drafter), req.root, self._row_budget(req),
+                BlockProposal(base[i], self._markov, self._d2t), req.root, self._row_budget(req),
                 self.calibration, req.params.temperature, req.sampler,
                 max_depth=remaining - 1, rank=self.rank))
         draft_s = time.perf_counter() - t_draft
