@@ -99,6 +99,10 @@ def cmd_bench(args) -> None:
         from treespark.bench.acceptance import acceptance_benchmark
 
         table = acceptance_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts)
+    elif args.what == "linear":
+        from treespark.bench.linear import linear_benchmark
+
+        table = linear_benchmark(pair)
     else:
         from treespark.bench.wallclock import wallclock_benchmark
 
@@ -174,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device")
     c.set_defaults(func=cmd_calibrate)
 
-    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock")
-    b.add_argument("what", choices=["engine", "acceptance", "wallclock"])
+    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | linear")
+    b.add_argument("what", choices=["engine", "acceptance", "wallclock", "linear"])
     b.add_argument("--pair", default="default", choices=["default", "random"])
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     b.add_argument("--max-tokens", type=int, default=64)
