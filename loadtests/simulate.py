@@ -1,0 +1,338 @@
+"""A discrete-event serving simulator: replicas x arrival rate x speculation policy.
+
+Driven by two measured things, so its answers are about this hardware and this pair:
+
+* the cost model ``T(bs, k)`` (``treespark cost-model``): one engine step of ``bs`` rows
+  verifying ``k`` tokens each takes ``T(bs, k)``, plus one prefill chunk when a request
+  joins (``T(1, prompt_tokens)``, the engine prefills one chunk per step);
+* per-round traces: for each tree size ``n``, the draft tokens the target accepted in
+  real rounds (``record``: the engine on held-out prompts under several budgets).
+
+Requests arrive as a Poisson process (``rate`` per second), go to the replica with the
+fewest requests, wait for a batch row (``max_batch``), and emit ``1 + accepted`` tokens
+per step until ``max_tokens``. Every step, the policy prices the replica from the
+cluster snapshot exactly as the controller would (the same ``BudgetPolicy`` objects;
+the adaptive policy also learns acceptance from the simulated rounds). A tree is
+simulated at its budget's ``node_cap`` (theta's early stopping inside a round is not
+modelled), with its accepted length drawn from the traces of that size.
+
+    python -m loadtests.simulate record --pair default --out docs/load/traces.json
+    python -m loadtests.simulate run --cost configs/costmodel-smollm2.json \\
+        --traces docs/load/traces.json --out docs/load/simulation.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import json
+import math
+import random
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from treespark.budget import Budget
+from treespark.costmodel import AcceptanceProfile, CostModel
+from treespark.policy import BudgetPolicy, CostModelPolicy, FixedPolicy, LoadSnapshot
+
+# -- traces ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Traces:
+    """Accepted draft tokens of recorded rounds, by tree size."""
+
+    by_size: dict[int, tuple[int, ...]]
+    source: str = ""
+
+    def sizes(self) -> list[int]:
+        return sorted(self.by_size)
+
+    def sample(self, n: int, rng: random.Random) -> int:
+        """An accepted length for an ``n``-node tree: from the largest recorded size <= n."""
+        if n <= 0:
+            return 0
+        sizes = self.sizes()
+        i = bisect.bisect_right(sizes, n) - 1
+        if i < 0:
+            return 0
+        return rng.choice(self.by_size[sizes[i]])
+
+    def mean(self, n: int) -> float:
+        xs = self.by_size.get(n, ())
+        return sum(xs) / len(xs) if xs else math.nan
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"source": self.source,
+                                    "by_size": {str(k): list(v) for k, v in sorted(self.by_size.items())}}) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Traces:
+        d = json.loads(Path(path).read_text())
+        return cls({int(k): tuple(int(x) for x in v) for k, v in d["by_size"].items() if v}, d.get("source", ""))
+
+    @classmethod
+    def synthetic(cls, profile: AcceptanceProfile, rounds: int = 400, seed: int = 0) -> Traces:
+        """Poisson draws with the profile's mean per size (capped at the size): a stand-in
+        until real traces are recorded."""
+        rng = random.Random(seed)
+
+        def poisson(lam: float) -> int:
+            k, p, limit = 0, 1.0, math.exp(-lam)
+            while True:
+                p *= rng.random()
+                if p < limit:
+                    return k
+                k += 1
+
+        return cls({n: tuple(min(poisson(profile(n)), n) for _ in range(rounds))
+                    for n in range(1, profile.max_nodes + 1)}, "synthetic")
+
+
+def record_traces(pair, budgets: list[Budget], n_prompts: int, max_tokens: int, batch_size: int,
+                  log=print) -> Traces:
+    """Run the engine on held-out prompts under each budget; keep (tree size, accepted)."""
+    from treespark.bench.common import bench_prompts, run_engine
+
+    prompts = bench_prompts(pair, n_prompts)
+    by: dict[int, list[int]] = {}
+    for b in budgets:
+        r = run_engine(pair, prompts, b, max_tokens=max_tokens, batch_size=batch_size)
+        for s in r.step_stats:
+            for n, a in zip(s.tree_sizes, s.accepted, strict=True):
+                by.setdefault(n, []).append(a)
+        log(f"budget {b}: tau {r.tau:.2f}, {r.tokens_per_s:.1f} tok/s")
+    return Traces({n: tuple(v) for n, v in by.items() if n > 0}, getattr(pair, "name", ""))
+
+
+# -- the simulation -------------------------------------------------------------------------
+
+
+@dataclass
+class _Req:
+    arrival: float
+    remaining: int
+    first_token: float | None = None
+
+
+@dataclass
+class _Replica:
+    rid: str
+    busy_until: float = 0.0
+    running: list[_Req] = field(default_factory=list)
+    queue: deque = field(default_factory=deque)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    replicas: int = 1
+    rate: float = 1.0            # requests per second (Poisson)
+    max_batch: int = 16
+    max_tokens: int = 64
+    prompt_tokens: int = 48
+    duration_s: float = 300.0
+    warmup_s: float = 30.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SimResult:
+    goodput_tok_s: float
+    requests: int
+    p50_latency_s: float
+    p99_latency_s: float
+    p50_ttft_s: float
+    mean_tree_size: float
+    mean_batch: float
+    tokens_per_round: float
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)]
+
+
+def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConfig) -> SimResult:
+    """Runs the cluster for ``cfg.duration_s`` simulated seconds; measures after warm-up."""
+    from deployments.controller import RoundWindow
+
+    rng = random.Random(cfg.seed)              # acceptance draws
+    arrivals = random.Random(cfg.seed + 1)     # the same arrivals for every policy
+    reps = [_Replica(f"r{i}") for i in range(cfg.replicas)]
+    window = RoundWindow(maxlen=5000)
+    learn = isinstance(policy, CostModelPolicy)
+    events: list[tuple[float, int, str, int]] = []  # (time, seq, kind, replica)
+    seq = 0
+
+    def push(t: float, kind: str, i: int) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, i))
+        seq += 1
+
+    push(arrivals.expovariate(cfg.rate), "arrive", -1)
+    tokens = 0
+    lat, ttft, trees, batches, emitted_rounds = [], [], [], [], []
+    while events:
+        now, _, kind, i = heapq.heappop(events)
+        if now > cfg.duration_s:
+            break
+        if kind == "arrive":
+            r = min(reps, key=lambda x: len(x.running) + len(x.queue))
+            r.queue.append(_Req(now, cfg.max_tokens))
+            if r.busy_until <= now:
+                push(now, "step", reps.index(r))
+            push(now + arrivals.expovariate(cfg.rate), "arrive", -1)
+            continue
+        r = reps[i]
+        if r.busy_until > now + 1e-12 or (not r.running and not r.queue):
+            continue
+        load = LoadSnapshot(replicas=len(reps), active=sum(len(x.running) for x in reps),
+                            queued=sum(len(x.queue) for x in reps),
+                            acceptance=window.stats() if learn else None)
+        budget = policy.budget_for(load, r.rid)
+        n = 0 if budget.is_off else budget.node_cap
+        dt = 0.0
+        joined: _Req | None = None
+        if r.queue and len(r.running) < cfg.max_batch:  # one prefill chunk per step
+            joined = r.queue.popleft()
+            dt += cost.time(1, cfg.prompt_tokens)
+        if r.running:
+            dt += cost.time(len(r.running), n + 1)
+        end = now + dt
+        done: list[_Req] = []
+        rounds = []
+        for q in r.running:
+            a = min(traces.sample(n, rng), n)
+            rounds.append((n, a))
+            out = min(1 + a, q.remaining)
+            q.remaining -= out
+            if q.first_token is None:
+                q.first_token = end
+            if end >= cfg.warmup_s:
+                tokens += out
+            if q.remaining <= 0:
+                done.append(q)
+        window.extend(rounds)
+        if end >= cfg.warmup_s and r.running:
+            trees.append(n)
+            batches.append(len(r.running))
+            emitted_rounds.extend(1 + a for _, a in rounds)
+        for q in done:
+            r.running.remove(q)
+            if q.arrival >= cfg.warmup_s:
+                lat.append(end - q.arrival)
+                ttft.append(q.first_token - q.arrival)
+        if joined is not None:  # prefill emits the first token
+            joined.remaining -= 1
+            joined.first_token = end
+            if end >= cfg.warmup_s:
+                tokens += 1
+            r.running.append(joined)
+        r.busy_until = end
+        if r.running or r.queue:
+            push(end, "step", i)
+    span = cfg.duration_s - cfg.warmup_s
+    return SimResult(tokens / span, len(lat), _pct(lat, 0.5), _pct(lat, 0.99), _pct(ttft, 0.5),
+                     sum(trees) / len(trees) if trees else 0.0, sum(batches) / len(batches) if batches else 0.0,
+                     sum(emitted_rounds) / len(emitted_rounds) if emitted_rounds else 0.0)
+
+
+def baseline_policies(cost: CostModel, max_batch: int, prior: AcceptanceProfile) -> dict[str, BudgetPolicy]:
+    return {
+        "adaptive": CostModelPolicy(cost, prior, max_batch=max_batch),
+        "chain": FixedPolicy(Budget.chain(4)),
+        "tree": FixedPolicy(Budget(0.02, 32, 4)),
+        "off": FixedPolicy(Budget.off()),
+    }
+
+
+def sweep(cost: CostModel, traces: Traces, replicas: list[int], rates: list[float], base: SimConfig,
+          prior: AcceptanceProfile, log=print) -> list[dict]:
+    rows = []
+    for nrep in replicas:
+        for rate in rates:
+            cfg = SimConfig(**{**base.__dict__, "replicas": nrep, "rate": rate})
+            for name, pol in baseline_policies(cost, cfg.max_batch, prior).items():
+                res = simulate(pol, cost, traces, cfg)
+                rows.append({"replicas": nrep, "rate": rate, "policy": name, **res.__dict__})
+                log(f"replicas={nrep} rate={rate:g}/s {name:>8}: {res.goodput_tok_s:7.1f} tok/s "
+                    f"p50 {res.p50_latency_s:6.2f} s tree {res.mean_tree_size:5.1f} batch {res.mean_batch:4.1f}")
+    return rows
+
+
+def sweep_table(rows: list[dict]) -> str:
+    pols = list(dict.fromkeys(r["policy"] for r in rows))
+    head = ["replicas", "rate req/s"] + [f"{p} tok/s (p50 s, tree)" for p in pols] + \
+        ["adaptive / best fixed goodput", "adaptive / best fixed p50 latency"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keys = list(dict.fromkeys((r["replicas"], r["rate"]) for r in rows))
+    for k in keys:
+        g = {r["policy"]: r for r in rows if (r["replicas"], r["rate"]) == k}
+        cells = [str(k[0]), f"{k[1]:g}"]
+        cells += [f"{g[p]['goodput_tok_s']:.1f} ({g[p]['p50_latency_s']:.1f}, {g[p]['mean_tree_size']:.1f})" for p in pols]
+        best = max(g[p]["goodput_tok_s"] for p in pols if p != "adaptive")
+        fast = min(g[p]["p50_latency_s"] for p in pols if p != "adaptive")
+        cells.append(f"{g['adaptive']['goodput_tok_s'] / best:.2f}" if "adaptive" in g and best else "-")
+        cells.append(f"{g['adaptive']['p50_latency_s'] / fast:.2f}" if "adaptive" in g and fast else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m loadtests.simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record", help="record per-round traces with the engine")
+    r.add_argument("--pair", default="default", choices=["default", "random"])
+    r.add_argument("--prompts", type=int, default=8)
+    r.add_argument("--max-tokens", type=int, default=48)
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("run", help="sweep replicas x arrival rate x policy")
+    s.add_argument("--cost", type=Path, required=True)
+    s.add_argument("--traces", default="synthetic", help="a traces JSON, or 'synthetic'")
+    s.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    s.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.3, 1.0, 3.0])
+    s.add_argument("--max-batch", type=int, default=16)
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--duration", type=float, default=600.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", type=Path, help="markdown table (and a .csv beside it)")
+    args = p.parse_args(argv)
+    if args.cmd == "record":
+        from treespark.bench.common import pair_by_name
+
+        budgets = [Budget.off()] + [Budget.chain(k) for k in (1, 2, 4, 8)] + \
+                  [Budget(0.0, n, 4) for n in (2, 4, 8, 16, 32)]
+        traces = record_traces(pair_by_name(args.pair), budgets, args.prompts, args.max_tokens, args.batch_size,
+                               log=lambda m: print(m, file=sys.stderr))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        traces.save(args.out)
+        print({n: round(traces.mean(n), 2) for n in traces.sizes()})
+        return
+    cost = CostModel.load(args.cost)
+    prior = AcceptanceProfile.saturating()
+    traces = Traces.synthetic(prior) if args.traces == "synthetic" else Traces.load(Path(args.traces))
+    base = SimConfig(max_batch=args.max_batch, max_tokens=args.max_tokens, duration_s=args.duration,
+                     warmup_s=min(60.0, args.duration / 5), seed=args.seed)
+    rows = sweep(cost, traces, args.replicas, args.rates, base, prior, log=lambda m: print(m, file=sys.stderr))
+    table = sweep_table(rows)
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table + "\n")
+        import csv
+
+        with args.out.with_suffix(".csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

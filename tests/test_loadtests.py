@@ -1,0 +1,109 @@
+"""Load-test pieces: shapes, the runner's timeline, the report; and a short real run
+(Serve started by the runner, Locust on a ramp, the timeline CSV and PNG written)."""
+
+import csv
+import json
+import socket
+
+import pytest
+
+from loadtests.experiment import TIMELINE_FIELDS, finish_timeline, main, speculation_row, write_csv
+from loadtests.report import (
+    compare_table,
+    plot_compare,
+    plot_timeline,
+    ramp_levels,
+    ramp_summary,
+    read_rows,
+)
+from loadtests.shapes import Stage, parse_shape, step_ramp, total_duration, users_at
+
+
+def test_shapes():
+    ramp = parse_shape("ramp:1,4,16:10")
+    assert [s.users for s in ramp] == [1, 4, 16, 4, 1] and total_duration(ramp) == 50
+    assert parse_shape("up:1,4:5") == step_ramp((1, 4), 5, down=False)
+    assert [s.users for s in parse_shape("spike:2,16:10,5,10")] == [2, 16, 2]
+    assert parse_shape("const:8:60") == (Stage(60, 8),)
+    assert users_at(ramp, 0) == 1 and users_at(ramp, 25) == 16 and users_at(ramp, 49.9) == 1
+    assert users_at(ramp, 50) is None
+    for bad in ("ramp:1,2", "wave:1:2", "const:x:1", "spike:1:2,3"):
+        with pytest.raises(ValueError):
+            parse_shape(bad)
+
+
+STATUS = {
+    "replicas": {
+        "a": {"applied_budget": {"theta": 0.1, "node_cap": 8, "branch_cap": 2}, "active": 3, "queued": 1,
+              "batch_size": 3.0, "mean_tree_size": 6.0, "mean_width": 2.0, "mean_depth": 3.0,
+              "accepted_per_round": 1.0, "step_s": 0.2},
+        "b": {"applied_budget": {"theta": 0.3, "node_cap": 2, "branch_cap": 1}, "active": 1, "queued": 0,
+              "batch_size": 1.0, "mean_tree_size": 2.0, "mean_width": 1.0, "mean_depth": 2.0,
+              "accepted_per_round": 0.5, "step_s": 0.1},
+    },
+    "counters": {"generation_tokens": 100.0},
+    "calibration": {"report": {"ece_stored": 0.2, "ece_pushed": 0.05}},
+}
+
+
+def test_speculation_row_weights_replicas_by_batch():
+    row = speculation_row(STATUS)
+    assert row["replicas"] == 2 and row["active"] == 4 and row["queued"] == 1
+    assert row["theta"] == pytest.approx(0.15) and row["tree_size"] == pytest.approx(5.0)
+    assert row["calib_ece_pushed"] == 0.05
+
+
+def test_timeline_goodput_latency_and_report(tmp_path):
+    rows, recs = [], []
+    for t in range(60):
+        users = 1 if t < 20 else (8 if t < 40 else 1)
+        rows.append({"t": t, "wall": 1000.0 + t, **speculation_row(STATUS), "generation_tokens": 10.0 * t,
+                     "tree_size": 12.0 if users == 1 else 3.0, "batch_size": float(users)})
+        recs.append({"t0": 999.5 + t, "t1": 1000.0 + t, "ttft": 0.1, "tokens": 10, "ok": True})
+    out = finish_timeline(rows, recs, [(1000.0 + t, 1 if t < 20 else (8 if t < 40 else 1)) for t in range(60)],
+                          (), 1000.0)
+    assert out[10]["goodput_tok_s"] == pytest.approx(10.0)
+    assert out[10]["p50_e2e_s"] == pytest.approx(0.5) and out[10]["requests_done"] == 11
+    path = tmp_path / "timeline.csv"
+    write_csv(path, out, TIMELINE_FIELDS)
+    levels = ramp_levels(read_rows(path))
+    assert [(lv["phase"], lv["users"]) for lv in levels] == [("up", 1), ("peak", 8), ("down", 1)]
+    summary = ramp_summary(path)
+    assert "ratio 4.0x" in summary
+    plot_timeline(path, tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+def test_compare_table(tmp_path):
+    path = tmp_path / "compare.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["policy", "users", "goodput_tok_s", "tree_size"])
+        w.writeheader()
+        for p, g in (("adaptive", [10, 30]), ("chain", [9, 32]), ("off", [6, 29])):
+            for u, x in zip((1, 16), g, strict=True):
+                w.writerow({"policy": p, "users": u, "goodput_tok_s": x, "tree_size": 1})
+    table = compare_table(path)
+    assert "| 1 | 10.0 (tree 1.0) | 9.0 (tree 1.0) | 6.0 (tree 1.0) | 1.11 | 1.67 |" in table
+    plot_compare(path, tmp_path / "compare.png")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.integration
+def test_short_locust_run_against_the_service(tmp_path):
+    """`python -m loadtests.experiment ramp` end to end on the random pair (~70 s)."""
+    main(["ramp", "--config", "configs/load-random.yaml", "--port", str(_free_port()),
+          "--shape", "ramp:1,4:10", "--max-tokens", "16", "--out", str(tmp_path), "--ready-timeout", "120"])
+    rows = read_rows(tmp_path / "timeline.csv")
+    assert len(rows) >= 20 and list(rows[0]) == TIMELINE_FIELDS
+    assert max(int(r["users"]) for r in rows) == 4
+    assert any(float(r["goodput_tok_s"] or 0) > 0 for r in rows)
+    assert all(r["theta"] != "" for r in rows)
+    assert int(rows[-1]["requests_done"]) > 5
+    recs = [json.loads(x) for x in (tmp_path / "timeline-records.jsonl").read_text().splitlines()]
+    assert recs and all(r["ok"] and r["tokens"] == 16 and r["ttft"] is not None for r in recs)
+    assert (tmp_path / "timeline.png").exists() and (tmp_path / "timeline-summary.md").exists()
