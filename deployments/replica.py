@@ -57,13 +57,10 @@ def load_model_pair(args: AppArgs) -> Any:
 
     if args.model == "random":
         return treespark.random_pair(vocab_size=args.vocab_size, seed=args.seed, device=args.device)
-    load_pair = getattr(treespark, "load_pair", None)
-    if load_pair is None:
-        raise RuntimeError(f"model {args.model!r} needs treespark.load_pair, which this build lacks; use model: random")
     if args.model == "default":
-        return load_pair()
+        return treespark.load_pair(device=args.device, progress=False)
     # A target/drafter pair by id (e.g. Qwen/Qwen3-4B + deepseek-ai/dspark_qwen3_4b_block7).
-    return load_pair(target=args.model, drafter=args.drafter, device=args.device)
+    return treespark.load_pair(target=args.model, drafter=args.drafter, device=args.device)
 
 
 def build_engine(args: AppArgs) -> EngineBundle:
