@@ -61,6 +61,7 @@ class PolicyArgs(_Strict):
     prior_scale: float = Field(5.0, gt=0)
     prior_weight: float = Field(200.0, ge=0)
     min_gain: float = Field(1.0, ge=0)
+    draft_node_s: float = Field(0.0, ge=0)  # drafting s/node until learned online
 
     @model_validator(mode="after")
     def _check(self) -> PolicyArgs:
@@ -85,6 +86,7 @@ class PolicyArgs(_Strict):
             return CostModelPolicy(self.load_cost_model(), prior, max_nodes=self.max_nodes,
                                    max_branch=self.max_branch, queue_weight=self.queue_weight,
                                    prior_weight=self.prior_weight, min_gain=self.min_gain,
+                                   draft_node_s=self.draft_node_s,
                                    max_batch=max_batch)
         if self.kind == "fixed":
             if self.budget is None:

@@ -100,7 +100,8 @@ def budget_from_wire(d: Mapping[str, Any]) -> Budget:
 # -- pure functions ---------------------------------------------------------------
 
 
-def aggregate_load(reports: Iterable[ReplicaReport], acceptance: AcceptanceStats | None = None) -> LoadSnapshot:
+def aggregate_load(reports: Iterable[ReplicaReport], acceptance: AcceptanceStats | None = None,
+                   draft_node_s: float | None = None) -> LoadSnapshot:
     """Cluster load: sums of active/queued/tokens per second, mean step time of the
     replicas that stepped; ``acceptance`` (the controller's recent per-round records)
     passes through to the policy."""
@@ -113,6 +114,7 @@ def aggregate_load(reports: Iterable[ReplicaReport], acceptance: AcceptanceStats
         step_s=sum(steps) / len(steps) if steps else 0.0,
         tokens_per_s=sum(r.tokens_per_s for r in reports),
         acceptance=acceptance,
+        draft_node_s=draft_node_s,
     )
 
 
@@ -214,6 +216,40 @@ class RoundWindow:
         return AcceptanceStats(tuple(self._counts), tuple(float(x) for x in self._sums))
 
 
+def fit_draft_cost(points: Sequence[tuple[float, float, float]], min_points: int = 20) -> float | None:
+    """Drafting seconds per draft node from heartbeat means (rows, nodes per step, draft
+    seconds per step): least squares of ``draft_s = c0 + c1 * rows + c2 * nodes``; None
+    while the points are too few or do not vary in nodes."""
+    if len(points) < min_points:
+        return None
+    n = len(points)
+    m = [[0.0] * 3 for _ in range(3)]
+    v = [0.0] * 3
+    for rows, nodes, y in points:
+        x = (1.0, rows, nodes)
+        for i in range(3):
+            v[i] += x[i] * y
+            for j in range(3):
+                m[i][j] += x[i] * x[j]
+    mean_nodes = m[0][2] / n
+    if m[2][2] / n - mean_nodes**2 < 1.0:  # nodes barely vary: c2 is not identified
+        return None
+    for i in range(3):
+        m[i][i] += 1e-9 * n
+    # Gaussian elimination on the 3x3 normal equations
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for c in range(3):
+        p = max(range(c, 3), key=lambda r: abs(a[r][c]))
+        a[c], a[p] = a[p], a[c]
+        if abs(a[c][c]) < 1e-15:
+            return None
+        for r in range(3):
+            if r != c:
+                f = a[r][c] / a[c][c]
+                a[r] = [x - f * y for x, y in zip(a[r], a[c], strict=True)]
+    return max(a[2][3] / a[2][2], 0.0)
+
+
 @dataclass
 class _Entry:
     report: ReplicaReport
@@ -240,6 +276,8 @@ class ControllerState:
     calibration: tuple[float, float] | None = None
     calibration_report: dict[str, float] | None = None
     rounds: RoundWindow = field(default_factory=RoundWindow)
+    draft_points: deque = field(default_factory=lambda: deque(maxlen=400))
+    draft_node_s: float | None = None
     registrations: int = 0
     dropped: int = 0
     started_at: float = field(default_factory=time.time)
@@ -259,6 +297,10 @@ class ControllerState:
         self.records.extend(report.calibration_records)
         self._records_since_fit += len(report.calibration_records)
         self.rounds.extend(report.round_records)
+        t = report.tree
+        if t.steps > 0 and t.draft_s > 0:
+            self.draft_points.append((t.batch_size, t.batch_size * t.mean_tree_size, t.draft_s))
+            self.draft_node_s = fit_draft_cost(self.draft_points)
         self._refit()
         self._reassign()
         return {
@@ -280,7 +322,7 @@ class ControllerState:
         return gone
 
     def load(self) -> LoadSnapshot:
-        return aggregate_load((e.report for e in self.replicas.values()), self.rounds.stats())
+        return aggregate_load((e.report for e in self.replicas.values()), self.rounds.stats(), self.draft_node_s)
 
     def set_override(self, budget: Budget | None) -> None:
         self.override = budget
@@ -360,6 +402,7 @@ class ControllerState:
                 "report": self.calibration_report,
             },
             "acceptance": self._acceptance_status(),
+            "draft_node_s": self.draft_node_s,
             "registrations": self.registrations,
             "dropped": self.dropped,
             "uptime_s": time.time() - self.started_at,

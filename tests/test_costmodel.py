@@ -255,3 +255,34 @@ def test_online_calibration_shrinks_toward_stored_and_reports_ece():
     rep = s.status()["calibration"]["report"]
     assert rep["ece_pushed"] < rep["ece_stored"]
     assert calibration_ece(recs, a, b) < 0.05 < calibration_ece(recs, 1.0, 0.0)
+
+
+def test_drafting_cost_shrinks_trees():
+    prof = AcceptanceProfile.saturating()
+    free = plan_budget(AFFINE, prof, active=1)
+    dear = plan_budget(AFFINE, prof, active=1, node_s=0.004)
+    assert dear.nodes < free.nodes and dear.theta > free.theta
+    p = CostModelPolicy(AFFINE, draft_node_s=0.004)
+    assert p.budget_for(LoadSnapshot(1, 1, 0), "r").node_cap == dear.nodes
+    assert p.budget_for(LoadSnapshot(1, 1, 0, draft_node_s=0.0), "r").node_cap == free.nodes
+
+
+def test_controller_learns_drafting_cost():
+    from deployments.controller import fit_draft_cost
+
+    rng = random.Random(0)
+    pts = []
+    for _ in range(60):
+        rows = rng.randint(1, 16)
+        nodes = rows * rng.randint(0, 16)
+        pts.append((rows, nodes, 0.01 + 0.002 * rows + 0.0005 * nodes + rng.gauss(0, 1e-4)))
+    assert fit_draft_cost(pts) == pytest.approx(0.0005, rel=0.05)
+    assert fit_draft_cost(pts[:5]) is None
+    assert fit_draft_cost([(1, 4, 0.01)] * 30) is None
+    s = ControllerState(CostModelPolicy(AFFINE))
+    for rows, nodes, d in pts:
+        s.report(ReplicaReport("a", int(rows), 0, 1.0, TreeStats(steps=3, batch_size=rows, mean_tree_size=nodes / rows,
+                                                                  draft_s=d), {"theta": 0.0, "node_cap": 0, "branch_cap": 1},
+                               "local", {}))
+    assert s.load().draft_node_s == pytest.approx(0.0005, rel=0.05)
+    assert s.status()["draft_node_s"] == pytest.approx(0.0005, rel=0.05)

@@ -18,7 +18,9 @@ Marginal rule (TreeSpark): one step verifies ``K`` tokens and its rows expect to
 
 With every row holding an ``n``-node tree, ``G = bs * (1 + A(n))``, ``K = bs * (n + 1)``
 and ``dT/dK = (dT/dk) / bs``, so the price is ``theta = (1 + A(n)) * T'(bs, n+1) / T(bs, n+1)``.
-CPU forwards are not convex in ``k`` (one token runs a matrix-vector product, two run a
+Drafting is not free either: best-first expansion costs about ``node_s`` seconds per
+node (learned online by the controller from the replicas' draft times), added to the
+step. CPU forwards are not convex in ``k`` (one token runs a matrix-vector product, two run a
 matrix product), so the marginal rule alone would refuse a tree whose first node is
 dear and the rest nearly free. ``plan_budget`` therefore first picks the tree size
 ``n*`` of highest expected goodput ``(1 + A(n)) / T(bs, n + 1)`` (``n* = 0``: plain
@@ -222,22 +224,28 @@ class Plan:
     queue_factor: float     # multiplier on the draft nodes' cost (1 unless requests wait for a row)
 
 
-def expected_goodput(cost: CostModel, profile: AcceptanceProfile, bs: float, n: int,
-                     queue_factor: float = 1.0) -> float:
-    """Tokens per second per row with ``n``-node trees: (1 + A(n)) / T_eff(bs, n + 1),
-    where the draft nodes' share of the forward counts ``queue_factor`` times."""
+def step_time(cost: CostModel, bs: float, k: float, node_s: float = 0.0, queue_factor: float = 1.0) -> float:
+    """One step with ``bs`` rows of ``k`` tokens: the verify forward T(bs, k) plus
+    ``node_s`` seconds of drafting (expansion) per draft node; the speculative part
+    (everything beyond plain decoding's T(bs, 1)) counts ``queue_factor`` times."""
     t1 = cost.time(bs, 1)
-    t = t1 + queue_factor * (cost.time(bs, n + 1) - t1)
-    return (1.0 + profile(n)) / t
+    extra = cost.time(bs, k) - t1 + node_s * max(bs, 1.0) * (k - 1)
+    return t1 + queue_factor * extra
+
+
+def expected_goodput(cost: CostModel, profile: AcceptanceProfile, bs: float, n: int,
+                     queue_factor: float = 1.0, node_s: float = 0.0) -> float:
+    """Tokens per second per row with ``n``-node trees: (1 + A(n)) / T_step(bs, n + 1)."""
+    return (1.0 + profile(n)) / step_time(cost, bs, n + 1, node_s, queue_factor)
 
 
 def marginal_price(cost: CostModel, bs: float, n: int, tokens_per_row: float,
-                   queue_factor: float = 1.0) -> float:
-    """theta = G * dT/dK / T(K) with G = bs * tokens_per_row and K = bs * (n + 1)."""
+                   queue_factor: float = 1.0, node_s: float = 0.0) -> float:
+    """theta = G * dT/dK / T(K) with G = bs * tokens_per_row, K = bs * (n + 1) and
+    dT/dK = (dT/dk) / bs, the step time including ``node_s`` of drafting per node."""
     k = n + 1
-    t1 = cost.time(bs, 1)
-    t = t1 + queue_factor * (cost.time(bs, k) - t1)
-    return tokens_per_row * queue_factor * cost.slope(bs, k) / t
+    t = step_time(cost, bs, k, node_s, queue_factor)
+    return tokens_per_row * queue_factor * (cost.slope(bs, k) / max(bs, 1.0) + node_s) * max(bs, 1.0) / t
 
 
 def branch_cap_for(theta: float, max_branch: int) -> int:
@@ -250,29 +258,29 @@ def branch_cap_for(theta: float, max_branch: int) -> int:
 
 def plan_budget(cost: CostModel, profile: AcceptanceProfile, *, active: float, queued: float = 0.0,
                 max_batch: int | None = None, max_nodes: int = 32, max_branch: int = 4,
-                queue_weight: float = 1.0, min_gain: float = 1.0) -> Plan:
+                queue_weight: float = 1.0, min_gain: float = 1.0, node_s: float = 0.0) -> Plan:
     """The tree size and price for a replica running ``active`` rows with ``queued``
     more waiting (both per replica). Queued requests that fit the batch (``max_batch``
     rows; None = unbounded) join it within a few steps, so they are priced as rows;
     only those beyond it wait for capacity and raise the price (throughput mode).
     ``min_gain``: speculate only if the best tree's expected goodput beats plain
-    decoding by this factor."""
+    decoding by this factor. ``node_s``: drafting seconds per draft node (not in T)."""
     rows = active + queued
     cap = math.inf if max_batch is None else max_batch
     bs = max(min(rows, cap), 1.0)
     waiting = max(rows - cap, 0.0)
     qf = 1.0 + queue_weight * waiting / bs
     n_max = min(max_nodes, profile.max_nodes)
-    plain = expected_goodput(cost, profile, bs, 0, qf)
+    plain = expected_goodput(cost, profile, bs, 0, qf, node_s)
     best_n, best = 0, plain
     for n in range(1, n_max + 1):
-        g = expected_goodput(cost, profile, bs, n, qf)
+        g = expected_goodput(cost, profile, bs, n, qf, node_s)
         if g > best * (1 + 1e-9):
             best_n, best = n, g
     gain = best / plain
     if best_n == 0 or gain < min_gain:
         return Plan(bs, 0, 1.0, 1, 1.0, qf)
-    theta = marginal_price(cost, bs, best_n, 1.0 + profile(best_n), qf)
+    theta = marginal_price(cost, bs, best_n, 1.0 + profile(best_n), qf, node_s)
     if theta >= 1.0:
         return Plan(bs, 0, theta, 1, 1.0, qf)
     return Plan(bs, best_n, theta, branch_cap_for(theta, max_branch), gain, qf)

@@ -38,7 +38,9 @@ class LoadSnapshot:
     * ``step_s``        mean engine step time over replicas, seconds (0 if unknown);
     * ``tokens_per_s``  generated tokens per second, summed over replicas;
     * ``acceptance``    recent rounds per tree size and the draft tokens they accepted
-                        (None when unknown): what a tree of n nodes buys right now.
+                        (None when unknown): what a tree of n nodes buys right now;
+    * ``draft_node_s``  drafting seconds per draft node, fitted from the replicas' draft
+                        times (None when unknown).
     """
 
     replicas: int
@@ -47,6 +49,7 @@ class LoadSnapshot:
     step_s: float = 0.0
     tokens_per_s: float = 0.0
     acceptance: AcceptanceStats | None = None
+    draft_node_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("replicas", "active", "queued"):
@@ -163,6 +166,7 @@ class CostModelPolicy:
     queue_weight: float = 1.0
     prior_weight: float = 200.0
     min_gain: float = 1.0
+    draft_node_s: float = 0.0      # drafting seconds per node until the controller has learned it
     max_batch: int | None = None
     replica_costs: tuple[tuple[str, CostModel], ...] = ()
 
@@ -184,7 +188,8 @@ class CostModelPolicy:
         r = max(load.replicas, 1)
         return plan_budget(self.cost_for(replica_id), self.profile(load), active=load.active / r,
                            queued=load.queued / r, max_batch=self.max_batch, max_nodes=self.max_nodes, max_branch=self.max_branch,
-                           queue_weight=self.queue_weight, min_gain=self.min_gain)
+                           queue_weight=self.queue_weight, min_gain=self.min_gain,
+                           node_s=self.draft_node_s if load.draft_node_s is None else load.draft_node_s)
 
     def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:
         p = self.plan(load, replica_id)
