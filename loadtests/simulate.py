@@ -10,7 +10,8 @@ Driven by two measured things, so its answers are about this hardware and this p
 
 Requests arrive as a Poisson process (``rate`` per second), go to the replica with the
 fewest requests, wait for a batch row (``max_batch``), and emit ``1 + accepted`` tokens
-per step until ``max_tokens``. Every step, the policy prices the replica from the
+per step until ``max_tokens`` (a step: T(bs, n + 1) plus ``draft_node_s`` per draft
+node). Every step, the policy prices the replica from the
 cluster snapshot exactly as the controller would (the same ``BudgetPolicy`` objects;
 the adaptive policy also learns acceptance from the simulated rounds). A tree is
 simulated at its budget's ``node_cap`` (theta's early stopping inside a round is not
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from treespark.budget import Budget
-from treespark.costmodel import AcceptanceProfile, CostModel
+from treespark.costmodel import AcceptanceProfile, CostModel, step_time
 from treespark.policy import BudgetPolicy, CostModelPolicy, FixedPolicy, LoadSnapshot
 
 # -- traces ---------------------------------------------------------------------------------
@@ -135,6 +136,7 @@ class SimConfig:
     prompt_tokens: int = 48
     duration_s: float = 300.0
     warmup_s: float = 30.0
+    draft_node_s: float = 0.0    # drafting seconds per draft node, added to each step
     seed: int = 0
 
 
@@ -193,7 +195,7 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
             continue
         load = LoadSnapshot(replicas=len(reps), active=sum(len(x.running) for x in reps),
                             queued=sum(len(x.queue) for x in reps),
-                            acceptance=window.stats() if learn else None)
+                            acceptance=window.stats() if learn else None, draft_node_s=cfg.draft_node_s)
         budget = policy.budget_for(load, r.rid)
         n = 0 if budget.is_off else budget.node_cap
         dt = 0.0
@@ -202,7 +204,7 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
             joined = r.queue.popleft()
             dt += cost.time(1, cfg.prompt_tokens)
         if r.running:
-            dt += cost.time(len(r.running), n + 1)
+            dt += step_time(cost, len(r.running), n + 1, cfg.draft_node_s)
         end = now + dt
         done: list[_Req] = []
         rounds = []
@@ -302,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--duration", type=float, default=600.0)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--draft-node-s", type=float, default=0.0, help="drafting seconds per draft node")
     s.add_argument("--out", type=Path, help="markdown table (and a .csv beside it)")
     args = p.parse_args(argv)
     if args.cmd == "record":
@@ -319,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     prior = AcceptanceProfile.saturating()
     traces = Traces.synthetic(prior) if args.traces == "synthetic" else Traces.load(Path(args.traces))
     base = SimConfig(max_batch=args.max_batch, max_tokens=args.max_tokens, duration_s=args.duration,
-                     warmup_s=min(60.0, args.duration / 5), seed=args.seed)
+                     warmup_s=min(60.0, args.duration / 5), seed=args.seed, draft_node_s=args.draft_node_s)
     rows = sweep(cost, traces, args.replicas, args.rates, base, prior, log=lambda m: print(m, file=sys.stderr))
     table = sweep_table(rows)
     print(table)
