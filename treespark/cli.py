@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
                    help="tokens per row (root + draft nodes); must start at 1")
     m.add_argument("--context", type=int, default=256, help="committed KV tokens per row")
-    m.add_argument("--repeats", type=int, default=3, help="timed forwards per cell (median)")
+    m.add_argument("--repeats", type=int, default=3, help="timed forwards per cell (the fastest counts)")
     m.add_argument("--max-step-tokens", type=int, default=2048,
                    help="skip (extrapolate) cells with batch x tokens above this")
     m.add_argument("--threads", type=int, help="torch threads (match the replicas' torch_threads)")
