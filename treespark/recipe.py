@@ -42,14 +42,14 @@ from treespark.train import (
 @dataclass(frozen=True)
 class DrafterRecipe:
     seq_len: int = 256
-    corpus_tokens: int = 240_000     # tokens of offline corpus text
-    answer_tokens: int = 192         # greedy answer length per train prompt
+    corpus_tokens: int = 160_000     # tokens of offline corpus text
+    answer_tokens: int = 128         # greedy answer length per train prompt
     block_size: int = 6
     tap_layers: tuple[int, ...] = (2, 15, 28)
     markov_rank: int = 64
     draft_vocab: int = 8192
     mask_token_id: int = 3           # SmolLM2's <repo_name>: never seen in chat
-    train: TrainConfig = TrainConfig(steps=3000, lr=1e-3, anchors_per_step=48)
+    train: TrainConfig = TrainConfig(steps=1600, lr=1.5e-3, anchors_per_step=48)
     seed: int = 0
 
 
