@@ -9,12 +9,28 @@ release), ``GET /metrics`` (Prometheus text).
 The ingress parses and validates; tokenization, context checks and stop strings happen
 in the engine replica, which owns the tokenizer. Every bad input is a 4xx with an
 OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
+
+Reliability and security (``AppArgs.limits``, ``AppArgs.api_key_env``):
+
+* limits on the body (413), prompt, messages, max_tokens and stop sequences (400);
+* with ``api_key_env`` set, every route but ``/health`` needs ``Authorization: Bearer``
+  (401 otherwise);
+* overload: Serve's ``max_queued_requests`` (per caller) rejects at once, answered as
+  503/429 with ``Retry-After``; a request no replica takes within ``queue_timeout_s`` gets
+  503 too; nothing waits forever;
+* a request whose engine replica dies before its response started is resent once to
+  another replica; a stream already under way ends with an SSE error event;
+* 5xx bodies never carry exception text, tracebacks or paths: those go to the log under
+  an ``error id`` that the body names.
 """
 
 
 import asyncio
+import contextlib
+import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,7 +41,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import RayActorError, TaskCancelledError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -52,7 +69,7 @@ class _Sampling(_Req):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -97,10 +114,24 @@ class OverrideRequest(_Req):
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   type_: str | None = None) -> JSONResponse:
+                   type_: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     if type_ is None:
-        type_ = {404: "not_found_error", 503: "service_unavailable", 500: "internal_error"}.get(status, "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+        type_ = {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable",
+                 500: "internal_error"}.get(status, "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status,
+                        headers=headers)
+
+
+def internal_error(what: str, detail: Any, status: int = 500, code: str = "internal_error") -> JSONResponse:
+    """A 5xx whose body names only an error id; ``detail`` (an exception, a message that may
+    hold paths) goes to the log."""
+    eid = uuid.uuid4().hex[:12]
+    log.error("%s [error id %s]: %s", what, eid, detail if isinstance(detail, str) else repr(detail))
+    return error_response(status, f"{what} (error id {eid})", code=code)
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, int(-(-seconds // 1))))}
 
 
 def validation_error_response(err: ValidationError | RequestValidationError) -> JSONResponse:
@@ -128,8 +159,24 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 @app.exception_handler(Exception)
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error")
-    return error_response(500, f"internal error: {exc!r}", code="internal_error")
+    eid = uuid.uuid4().hex[:12]
+    if isinstance(exc, TaskCancelledError):  # the client went away mid-stream; nobody reads this
+        log.info("request cancelled (client disconnected) [error id %s]", eid)
+    else:
+        log.exception("unhandled error [error id %s]", eid)
+    return error_response(500, f"internal server error (error id {eid})", code="internal_error")
+
+
+class _ReplicaFailed(Exception):
+    """The engine replica died (or became unreachable) before the response started."""
+
+
+def _cancel(gen: Any) -> None:
+    """Cancel a handle call, best effort: Serve's ``cancel()`` re-raises the call's own error
+    (BackPressureError, a dead actor) when it already failed."""
+    if gen is not None:
+        with contextlib.suppress(Exception):
+            gen.cancel()
 
 
 def _sse(obj: Any) -> str:
@@ -149,14 +196,87 @@ class Api:
         self.model = self.args.model_name
         self.created = int(time.time())
         self._controller = None
+        self._api_key: bytes | None = None
+        if self.args.api_key_env is not None:
+            key = os.environ.get(self.args.api_key_env, "")
+            if not key:  # fail closed: a configured but missing key must not mean "no auth"
+                raise RuntimeError(f"api_key_env names {self.args.api_key_env!r}, which is unset or empty")
+            self._api_key = key.encode()
 
     # -- helpers ----------------------------------------------------------------
-    async def _parse(self, request: Request, schema: type[_Sampling]) -> _Sampling | JSONResponse:
-        raw = await request.body()
+    def _auth(self, request: Request) -> JSONResponse | None:
+        """None if the request may pass; a 401 otherwise."""
+        if self._api_key is None:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key):
+            return None
+        return error_response(401, "Missing or incorrect API key: send `Authorization: Bearer <key>`.",
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _read_body(self, request: Request) -> bytes | JSONResponse:
+        """The body, or a 413 as soon as it is longer than ``limits.max_body_bytes``."""
+        limit = self.args.limits.max_body_bytes
+        too_big = error_response(413, f"request body exceeds {limit} bytes", code="request_too_large")
         try:
-            body = json.loads(raw)
+            if int(request.headers.get("content-length", "0")) > limit:
+                return too_big
+        except ValueError:
+            return error_response(400, "invalid Content-Length", code="invalid_request")
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                return too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _json_body(self, request: Request) -> Any:
+        raw = await self._read_body(request)
+        if isinstance(raw, JSONResponse):
+            return raw
+        try:
+            return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             return error_response(400, f"request body is not valid JSON: {err}", code="invalid_json")
+        except RecursionError:
+            return error_response(400, "request body is nested too deeply", code="invalid_json")
+
+    def _check_limits(self, req: _Sampling) -> JSONResponse | None:
+        lim, ctx = self.args.limits, self.args.max_context
+        if isinstance(req, ChatRequest):
+            if len(req.messages) > lim.max_messages:
+                return error_response(400, f"at most {lim.max_messages} messages", "messages", "invalid_value")
+            if sum(len(m.text()) for m in req.messages) > lim.max_prompt_chars:
+                return error_response(400, f"the messages exceed {lim.max_prompt_chars} characters", "messages",
+                                      "context_length_exceeded")
+        elif isinstance(req.prompt, str) or all(isinstance(t, str) for t in req.prompt):
+            n = len(req.prompt) if isinstance(req.prompt, str) else sum(len(t) for t in req.prompt)
+            if n > lim.max_prompt_chars:
+                return error_response(400, f"the prompt exceeds {lim.max_prompt_chars} characters", "prompt",
+                                      "context_length_exceeded")
+        elif len(req.prompt) >= ctx:
+            return error_response(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
+                                       f"{len(req.prompt)}.", "prompt", "context_length_exceeded")
+        limit = min(ctx - 1, lim.max_tokens or ctx)
+        mt = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if mt is not None and mt > limit:
+            return error_response(400, f"max_tokens must be <= {limit} (the model's context is {ctx} tokens)",
+                                  "max_tokens", "invalid_value")
+        stops = req.stop_list()
+        if len(stops) > lim.max_stop or any(not s or len(s) > lim.max_stop_chars for s in stops):
+            return error_response(400, f"stop must be at most {lim.max_stop} non-empty strings of at most "
+                                       f"{lim.max_stop_chars} characters", "stop", "invalid_value")
+        ids = req.stop_token_ids or ()
+        if len(ids) > lim.max_stop_token_ids or any(not 0 <= t < 2**31 for t in ids):
+            return error_response(400, f"stop_token_ids must be at most {lim.max_stop_token_ids} non-negative "
+                                       "token ids", "stop_token_ids", "invalid_value")
+        return None
+
+    async def _parse(self, request: Request, schema: type[_Sampling]) -> _Sampling | JSONResponse:
+        body = await self._json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", code="invalid_json")
         try:
@@ -164,17 +284,9 @@ class Api:
         except ValidationError as err:
             return validation_error_response(err)
         if req.model != self.model:
-            return error_response(404, f"The model `{req.model}` does not exist. Available: `{self.model}`.", "model", "model_not_found")
-        limit = self.args.max_context - 1
-        mt = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        if mt is not None and mt > limit:
-            return error_response(400, f"max_tokens must be <= {limit} (the model's context is {self.args.max_context} tokens)", "max_tokens", "invalid_value")
-        stops = req.stop_list()
-        if len(stops) > 4 or any(not s for s in stops):
-            return error_response(400, "stop must be at most 4 non-empty strings", "stop", "invalid_value")
-        if any(not 0 <= t < 2**31 for t in req.stop_token_ids or ()):
-            return error_response(400, "stop_token_ids must be non-negative token ids", "stop_token_ids", "invalid_value")
-        return req
+            return error_response(404, f"The model `{req.model[:200]}` does not exist. Available: `{self.model}`.",
+                                  "model", "model_not_found")
+        return self._check_limits(req) or req
 
     def _engine_request(self, req: _Sampling) -> dict[str, Any] | JSONResponse:
         out: dict[str, Any] = {
@@ -210,25 +322,61 @@ class Api:
             self._controller = None
             raise
 
+    def _controller_unavailable(self, err: BaseException) -> JSONResponse:
+        return error_response(503, f"the controller is unavailable ({type(err).__name__})", code="controller_unavailable",
+                              headers=retry_after(self.args.replica.retry_after_s))
+
     # -- generation -----------------------------------------------------------
     async def _generate(self, request: Request, schema: type[_Sampling]) -> Any:
+        if (denied := self._auth(request)) is not None:
+            return denied
         req = await self._parse(request, schema)
         if isinstance(req, JSONResponse):
             return req
         ereq = self._engine_request(req)
         if isinstance(ereq, JSONResponse):
             return ereq
-        gen = self.replica.options(stream=True).generate.remote(ereq)
-        try:
-            first = await gen.__anext__()
-        except BackPressureError:
-            gen.cancel()
-            return error_response(503, "the server is overloaded; retry later", code="overloaded")
+        retries = self.args.limits.replica_retries
+        for attempt in range(retries + 1):
+            try:
+                return await self._generate_once(req, ereq)
+            except _ReplicaFailed as err:
+                log.warning("request %s: engine replica failed (%r); attempt %d of %d", ereq["request_id"], err.__cause__,
+                            attempt + 1, retries + 1)
+                ereq = {**ereq, "request_id": uuid.uuid4().hex}
+        return error_response(503, "the engine replica serving this request failed; retry", code="replica_failed",
+                              headers=retry_after(self.args.replica.retry_after_s))
+
+    def _engine_error(self, ev: dict[str, Any]) -> JSONResponse:
+        if ev["status"] >= 500:  # the message may hold exception text: log it, answer an id
+            return internal_error("the engine failed on this request", ev["message"], ev["status"], ev["code"] or "engine_error")
+        return error_response(ev["status"], ev["message"], ev["param"], ev["code"])
+
+    async def _generate_once(self, req: _Sampling, ereq: dict[str, Any]) -> Any:
+        """One try on one replica; raises ``_ReplicaFailed`` while nothing was sent yet."""
+        gen = None
+        try:  # (Serve may raise BackPressureError from .remote() itself)
+            gen = self.replica.options(stream=True).generate.remote(ereq)
+            first = await asyncio.wait_for(gen.__anext__(), self.args.limits.queue_timeout_s)
+        except BackPressureError as err:
+            _cancel(gen)
+            headers = retry_after(err.retry_after_s) if err.retry_after_s is not None else None
+            return error_response(err.status_code, "the server is overloaded; retry later", code="overloaded",
+                                  headers=headers)
+        except (asyncio.TimeoutError, DeploymentUnavailableError) as err:
+            _cancel(gen)
+            what = "no engine replica took the request in time" if isinstance(err, asyncio.TimeoutError) else \
+                "no engine replica is available"
+            return error_response(503, f"{what}; retry later", code="overloaded",
+                                  headers=retry_after(self.args.replica.retry_after_s))
         except asyncio.CancelledError:
-            gen.cancel()
+            _cancel(gen)
             raise
+        except RayActorError as err:
+            _cancel(gen)
+            raise _ReplicaFailed() from err
         if first["type"] == "error":
-            return error_response(first["status"], first["message"], first["param"], first["code"])
+            return self._engine_error(first)
         chat = isinstance(req, ChatRequest)
         rid = ("chatcmpl-" if chat else "cmpl-") + first["request_id"]
         if req.stream:
@@ -243,12 +391,15 @@ class Api:
                 elif ev["type"] == "end":
                     end = ev
                 elif ev["type"] == "error":
-                    return error_response(ev["status"], ev["message"], ev["param"], ev["code"])
+                    return self._engine_error(ev)
         except asyncio.CancelledError:
-            gen.cancel()
+            _cancel(gen)
             raise
+        except RayActorError as err:  # nothing sent to the client yet: the caller may resend
+            _cancel(gen)
+            raise _ReplicaFailed() from err
         if end is None:
-            return error_response(500, "generation ended without a result", code="internal_error")
+            return internal_error("generation ended without a result", "the replica's event stream ended early")
         text = "".join(texts)
         base = {"id": rid, "created": int(time.time()), "model": self.model, "usage": end["usage"], "speculation": end["speculation"]}
         if chat:
@@ -269,26 +420,35 @@ class Api:
                 c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             return {"id": rid, "object": obj, "created": created, "model": self.model, "choices": [c]}
 
+        def error(what: str, detail: Any, code: str) -> str:
+            eid = uuid.uuid4().hex[:12]
+            log.error("stream %s: %s [error id %s]: %s", rid, what, eid, detail)
+            return _sse({"error": {"message": f"{what} (error id {eid})", "type": "internal_error", "param": None, "code": code}})
+
         finished = False
         try:
             if chat:
                 yield _sse(chunk(None, None, role=True))
-            async for ev in gen:
-                if ev["type"] == "delta" and ev["text"]:
-                    yield _sse(chunk(ev["text"], None))
-                elif ev["type"] == "end":
-                    finished = True
-                    yield _sse(chunk(None if chat else "", ev["finish_reason"]))
-                    if include_usage:
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": self.model, "choices": [],
-                                    "usage": ev["usage"], "speculation": ev["speculation"]})
-                elif ev["type"] == "error":
-                    finished = True
-                    yield _sse({"error": {"message": ev["message"], "type": "internal_error", "param": None, "code": ev["code"]}})
+            try:
+                async for ev in gen:
+                    if ev["type"] == "delta" and ev["text"]:
+                        yield _sse(chunk(ev["text"], None))
+                    elif ev["type"] == "end":
+                        finished = True
+                        yield _sse(chunk(None if chat else "", ev["finish_reason"]))
+                        if include_usage:
+                            yield _sse({"id": rid, "object": obj, "created": created, "model": self.model, "choices": [],
+                                        "usage": ev["usage"], "speculation": ev["speculation"]})
+                    elif ev["type"] == "error":
+                        finished = True
+                        yield error("the engine failed on this request", ev["message"], ev["code"] or "engine_error")
+            except RayActorError as err:  # the replica died mid-stream: tell the client, end cleanly
+                finished = True
+                yield error("the engine replica serving this request failed", repr(err)[:2000], "replica_failed")
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # client disconnected (or we failed): abort in the engine
-                gen.cancel()
+                _cancel(gen)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
@@ -300,7 +460,9 @@ class Api:
 
     # -- the rest -------------------------------------------------------------------
     @app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> Any:
+        if (denied := self._auth(request)) is not None:
+            return denied
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created, "owned_by": "treespark",
                                              "max_model_len": self.args.max_context}]}
 
@@ -310,38 +472,46 @@ class Api:
         try:
             status = await asyncio.wait_for(self.replica.status.remote(), timeout=5.0)
         except Exception as err:  # noqa: BLE001
-            return error_response(503, f"no engine replica is ready: {err!r}", code="not_ready")
+            return error_response(503, f"no engine replica is ready ({type(err).__name__})", code="not_ready",
+                                  headers=retry_after(self.args.replica.retry_after_s))
         if not status.get("engine_alive", False):
             return error_response(503, "the engine loop is not running", code="not_ready")
         return {"status": "ok"}
 
     @app.get("/v1/speculation")
-    async def speculation(self) -> Any:
+    async def speculation(self, request: Request) -> Any:
+        if (denied := self._auth(request)) is not None:
+            return denied
         try:
             status = await self._controller_call("status")
         except Exception as err:  # noqa: BLE001
-            return error_response(503, f"the controller is unavailable: {err!r}", code="controller_unavailable")
+            return self._controller_unavailable(err)
         return {"model": self.model, **status}
 
     @app.post("/v1/speculation/override")
     async def override(self, request: Request) -> Any:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        body = await self._json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
         try:
-            req = OverrideRequest.model_validate(json.loads(await request.body()))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return error_response(400, f"request body is not valid JSON: {err}", code="invalid_json")
+            req = OverrideRequest.model_validate(body)
         except ValidationError as err:
             return validation_error_response(err)
         budget = None if req.budget is None else req.budget.model_dump()
         try:
             await self._controller_call("set_override", budget)
         except Exception as err:  # noqa: BLE001
-            return error_response(503, f"the controller is unavailable: {err!r}", code="controller_unavailable")
+            return self._controller_unavailable(err)
         return {"override": budget}
 
     @app.get("/metrics")
-    async def metrics(self) -> Any:
+    async def metrics(self, request: Request) -> Any:
+        if (denied := self._auth(request)) is not None:
+            return denied
         try:
             status = await self._controller_call("status")
         except Exception as err:  # noqa: BLE001
-            return error_response(503, f"the controller is unavailable: {err!r}", code="controller_unavailable")
+            return self._controller_unavailable(err)
         return PlainTextResponse(render(status, self.model), media_type="text/plain; version=0.0.4")

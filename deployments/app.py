@@ -20,8 +20,11 @@ def replica_options(args: AppArgs) -> dict[str, Any]:
     r = args.replica
     opts: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
-        "max_ongoing_requests": 2 * args.max_batch_size,  # a batch running and one waiting
+        # a batch running and one waiting in the engine, per replica
+        "max_ongoing_requests": r.max_ongoing_requests or 2 * args.max_batch_size,
+        # beyond this many waiting in the caller (the API): BackPressureError -> 503/429 + Retry-After
         "max_queued_requests": r.max_queued_requests,
+        "backpressure_config": {"status_code": r.backpressure_status, "retry_after_s": r.retry_after_s},
     }
     if r.autoscaling is not None:
         a = r.autoscaling

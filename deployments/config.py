@@ -116,7 +116,10 @@ class ReplicaArgs(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     num_replicas: int | None = Field(None, ge=1)
     autoscaling: AutoscalingArgs | None = None
-    max_queued_requests: int = Field(64, ge=-1)  # beyond this the API answers 503
+    max_ongoing_requests: int | None = Field(None, ge=1)  # per replica; default 2 * max_batch_size
+    max_queued_requests: int = Field(64, ge=-1)  # per caller (API replica); beyond it: backpressure_status
+    backpressure_status: Literal[503, 429] = 503
+    retry_after_s: float = Field(1.0, ge=0)  # the Retry-After of a backpressure answer
     torch_threads: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
@@ -124,6 +127,21 @@ class ReplicaArgs(_Strict):
         if self.num_replicas is not None and self.autoscaling is not None:
             raise ValueError("set either replica.num_replicas or replica.autoscaling, not both")
         return self
+
+
+class LimitArgs(_Strict):
+    """What one request may ask for; the API answers 4xx beyond these (413 for the body),
+    before the request reaches an engine replica."""
+
+    max_body_bytes: int = Field(1 << 20, ge=256)
+    max_prompt_chars: int = Field(65536, ge=1)  # a text prompt, or all chat message texts together
+    max_messages: int = Field(256, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # cap on max_tokens (always also < max_context)
+    max_stop: int = Field(4, ge=0)  # stop strings per request
+    max_stop_chars: int = Field(128, ge=1)  # characters per stop string
+    max_stop_token_ids: int = Field(16, ge=0)
+    queue_timeout_s: float = Field(60.0, gt=0)  # no replica took the request by then: 503
+    replica_retries: int = Field(1, ge=0)  # resend a request whose replica died before answering
 
 
 class ControllerArgs(_Strict):
@@ -155,6 +173,11 @@ class AppArgs(_Strict):
     policy: PolicyArgs = Field(default_factory=PolicyArgs)
     replica: ReplicaArgs = Field(default_factory=ReplicaArgs)
     controller: ControllerArgs = Field(default_factory=ControllerArgs)
+    limits: LimitArgs = Field(default_factory=LimitArgs)
+    # The *name* of an environment variable holding the API key (never the key itself, which
+    # would travel in the Serve config). Set: every route but /health needs
+    # ``Authorization: Bearer <key>``, and the API refuses to start if the variable is empty.
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
 
     @property
     def model_name(self) -> str:

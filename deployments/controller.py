@@ -26,7 +26,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from treespark.budget import Budget
@@ -75,6 +75,8 @@ class ReplicaReport:
     calibration: tuple[float, float] | None = None
     round_records: tuple[tuple[int, int], ...] = ()         # (tree size, accepted) per request-round
     base_calibration: tuple[float, float] | None = None     # the replica's stored (a, b)
+    kv_slots_in_use: int | None = None                      # engine KV rows holding a request
+    rss_bytes: int | None = None                            # the replica process's resident memory
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:
@@ -86,7 +88,8 @@ class ReplicaReport:
         if d.get("base_calibration") is not None:
             d["base_calibration"] = (float(d["base_calibration"][0]), float(d["base_calibration"][1]))
         d["round_records"] = tuple((int(n), int(a)) for n, a in d.get("round_records", ()))
-        return cls(**d)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})  # a newer replica's extra keys: ignored
 
 
 def budget_to_wire(b: Budget) -> dict[str, float]:
@@ -384,6 +387,8 @@ class ControllerState:
                     "budget_source": e.report.budget_source,
                     "active": e.report.active,
                     "queued": e.report.queued,
+                    "kv_slots_in_use": e.report.kv_slots_in_use,
+                    "rss_bytes": e.report.rss_bytes,
                     "tokens_per_s": e.report.tokens_per_s,
                     "last_seen_s": now - e.last_seen,
                     "registered_s": now - e.registered_at,

@@ -60,6 +60,7 @@ class LoopLoad:
     running: int
     waiting: int
     alive: bool
+    kv_slots_in_use: int | None = None  # the engine's KV rows holding a request (None: no KV cache)
 
 
 class EngineLoop:
@@ -111,7 +112,7 @@ class EngineLoop:
         """Running and waiting requests as of the last loop iteration, plus requests
         whose ``add`` is still in the command queue (counted as waiting)."""
         last = self._load
-        return LoopLoad(last.running, last.waiting + self._cmds.qsize(), self.alive)
+        return LoopLoad(last.running, last.waiting + self._cmds.qsize(), self.alive, last.kv_slots_in_use)
 
     def drain_step_stats(self) -> list[Any]:
         with self._stats_lock:
@@ -156,7 +157,9 @@ class EngineLoop:
 
     def _snapshot_load(self) -> None:
         e = self.engine
-        self._load = LoopLoad(int(e.num_running), int(e.num_waiting), True)
+        kv = getattr(e, "kv", None)
+        slots = int(kv.slots_in_use) if kv is not None else None
+        self._load = LoopLoad(int(e.num_running), int(e.num_waiting), True, slots)
 
     def _finish(self, request_id: str, item: Any) -> None:
         sink = self._sinks.pop(request_id, None)

@@ -21,6 +21,8 @@ COUNTER_METRICS = {
 GAUGE_METRICS = (
     ("treespark:num_requests_running", "Requests in the engine batch.", "active"),
     ("treespark:num_requests_waiting", "Requests waiting for a batch slot.", "queued"),
+    ("treespark:kv_slots_in_use", "Engine KV cache rows holding a request.", "kv_slots_in_use"),
+    ("treespark:replica_resident_memory_bytes", "Resident memory of the replica process.", "rss_bytes"),
     ("treespark:spec_decode_theta", "Current budget theta (price of one verified node).", ("budget", "theta")),
     ("treespark:spec_decode_node_cap", "Current budget node cap.", ("budget", "node_cap")),
     ("treespark:spec_decode_branch_cap", "Current budget branch cap.", ("budget", "branch_cap")),

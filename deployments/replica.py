@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -109,6 +110,15 @@ def _logit(q: float) -> float:
     sigmoid(a * logit q + b), the map the engine's ``Calibration`` applies."""
     q = min(max(q, 1e-6), 1 - 1e-6)
     return math.log(q) - math.log1p(-q)
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _error(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> dict[str, Any]:
@@ -319,6 +329,8 @@ class ReplicaCore:
             "replica_id": self.replica_id,
             "active": load.running,
             "queued": load.waiting,
+            "kv_slots_in_use": load.kv_slots_in_use,
+            "rss_bytes": rss_bytes(),
             "tokens_per_s": emitted / dt if dt > 0 else 0.0,
             "tree": tree.__dict__,
             "budget": budget_to_wire(self.budget),
@@ -393,6 +405,8 @@ class ReplicaCore:
             "heartbeat_alive": self._hb.is_alive(),
             "running": load.running,
             "waiting": load.waiting,
+            "kv_slots_in_use": load.kv_slots_in_use,
+            "rss_bytes": rss_bytes(),
             "engine_alive": load.alive,
             "steps": self.loop.steps,
             "tree": self.last_tree.__dict__,

@@ -1,0 +1,161 @@
+"""Soak experiment: Locust at a moderate, constant load for ten minutes; the resident
+memory of every engine replica must stay flat after warm-up and every KV slot must be
+free at the end.
+
+Starts ``serve run`` (``loadtests.overload.service_config``: fixed replicas and limits),
+runs the Locust users of ``loadtests/locustfile.py`` at ``--users`` for ``--duration``
+seconds and polls ``GET /v1/speculation`` every ``--period`` seconds for each replica's
+``rss_bytes`` (from its heartbeat), KV slots in use, running and waiting requests.
+
+RSS growth per replica = median RSS over the last ``--window`` seconds of load divided
+by the median over the ``--window`` seconds right after ``--warmup``, minus one; the bar
+is < 5 %. At the end (load stopped, engines drained) every replica must report zero KV
+slots in use, and the engines must have finished every request the clients saw succeed.
+
+    python -m loadtests.soak --model default --users 4 --duration 600 --out docs/reliability
+
+Writes ``soak.csv`` (one row per poll and replica), ``soak-summary.json`` and
+``soak-rss.png``. Run it under the shared lock on shared machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+from loadtests.experiment import ROOT, log, serve_process
+from loadtests.overload import get_status, run_locust, service_config, wait_idle
+
+
+class RssPoller:
+    def __init__(self, url: str, period_s: float) -> None:
+        self.url, self.period_s = url, period_s
+        self.rows: list[dict] = []
+        self._stop = threading.Event()
+        self._t0 = time.time()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> RssPoller:
+        self._t0 = time.time()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            s = get_status(self.url)
+            t = time.time() - self._t0
+            for rid, r in (s or {}).get("replicas", {}).items():
+                self.rows.append({"t": round(t, 1), "replica": rid, "rss_mb": round((r.get("rss_bytes") or 0) / 2**20, 2),
+                                  "kv_slots_in_use": r.get("kv_slots_in_use"), "active": r["active"],
+                                  "queued": r["queued"], "tokens_per_s": round(r.get("tokens_per_s", 0.0), 1)})
+            self._stop.wait(self.period_s)
+
+
+def rss_growth(rows: list[dict], warmup_s: float, window_s: float, end_s: float) -> dict:
+    out = {}
+    for rid in sorted({r["replica"] for r in rows}):
+        mine = [r for r in rows if r["replica"] == rid and r["rss_mb"] > 0]
+        base = [r["rss_mb"] for r in mine if warmup_s <= r["t"] < warmup_s + window_s]
+        last = [r["rss_mb"] for r in mine if end_s - window_s <= r["t"] < end_s]
+        if not base or not last:
+            out[rid] = {"samples": len(mine), "note": "replica not present over the whole run"}
+            continue
+        b, e = statistics.median(base), statistics.median(last)
+        out[rid] = {"samples": len(mine), "rss_after_warmup_mb": b, "rss_end_mb": e, "growth_pct": round(100 * (e - b) / b, 2),
+                    "rss_min_mb": min(r["rss_mb"] for r in mine), "rss_max_mb": max(r["rss_mb"] for r in mine)}
+    return out
+
+
+def plot(rows: list[dict], warmup_s: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for rid in sorted({r["replica"] for r in rows}):
+        mine = [r for r in rows if r["replica"] == rid and r["rss_mb"] > 0]
+        ax.plot([r["t"] for r in mine], [r["rss_mb"] for r in mine], label=f"replica {rid}")
+    ax.axvline(warmup_s, color="grey", ls="--", lw=1, label="end of warm-up")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("RSS (MiB)")
+    ax.set_title("Engine replica resident memory under constant load")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random", choices=["random", "default"])
+    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--duration", type=int, default=600)
+    ap.add_argument("--warmup", type=float, default=120.0)
+    ap.add_argument("--window", type=float, default=60.0)
+    ap.add_argument("--period", type=float, default=5.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--port", type=int, default=8012)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/treespark-reliability"),
+                    help="serve log, config and Locust records go here")
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = a.work / "soak"
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = service_config(a.model, a.replicas, a.max_batch, 2 * a.max_batch, 64)
+    cfg_path = work / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    prefix = work / "locust"
+    with serve_process(cfg_path, work, port=a.port) as url:
+        model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        before = wait_idle(url)["counters"]
+        poller = RssPoller(url, a.period).start()
+        rc, wall = run_locust(url, a.users, a.duration, prefix, a.max_tokens, 120, model)
+        poller.stop()
+        end = wait_idle(url, 120)
+    records = [json.loads(x) for x in Path(f"{prefix}-records.jsonl").read_text().splitlines() if x.strip()]
+    ok = sum(1 for r in records if r["ok"])
+    growth = rss_growth(poller.rows, a.warmup, a.window, min(a.duration, max(r["t"] for r in poller.rows)))
+    tokens = sum(r.get("tokens", 0) for r in records)
+    summary = {
+        "model": a.model, "users": a.users, "duration_s": a.duration, "warmup_s": a.warmup, "window_s": a.window,
+        "replicas": a.replicas, "max_tokens": a.max_tokens, "locust_rc": rc, "locust_wall_s": round(wall, 1),
+        "requests": len(records), "ok": ok, "failed": len(records) - ok,
+        "failed_statuses": sorted({r["status"] for r in records if not r["ok"]}),
+        "generated_tokens": tokens, "tokens_per_s": round(tokens / a.duration, 1),
+        "server_finished": end["counters"]["requests"] - before["requests"],
+        "server_aborted": end["counters"]["requests_aborted"] - before["requests_aborted"],
+        "rss": growth,
+        "max_growth_pct": max((g["growth_pct"] for g in growth.values() if "growth_pct" in g), default=None),
+        "kv_slots_in_use_at_end": {k: r.get("kv_slots_in_use") for k, r in end["replicas"].items()},
+    }
+    summary["pass"] = (summary["max_growth_pct"] is not None and summary["max_growth_pct"] < 5.0
+                       and all(v == 0 for v in summary["kv_slots_in_use_at_end"].values())
+                       and summary["failed"] == 0 and summary["server_aborted"] == 0)
+    with open(a.out / "soak.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(poller.rows[0]))
+        w.writeheader()
+        w.writerows(poller.rows)
+    (a.out / "soak-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(poller.rows, a.warmup, a.out / "soak-rss.png")
+    log(f"soak: {'PASS' if summary['pass'] else 'FAIL'}")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Reliability on a real Ray Serve app (real engine, random pair, two replicas): overload
+answered at once with 503 + Retry-After, a client that disconnects frees its KV row,
+a replica killed mid-run (its requests retried or ended cleanly, a new replica
+registers), the controller killed under load (no request fails)."""
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+
+import pytest
+import requests
+from serving.harness import serve_app, wait_for
+
+from deployments.config import AppArgs, ControllerArgs, LimitArgs, ReplicaArgs
+
+pytestmark = pytest.mark.integration
+
+MODEL = "treespark-random"
+ARGS = AppArgs(
+    model="random", vocab_size=512, max_batch_size=4, max_context=4096,
+    replica=ReplicaArgs(num_cpus=0.5, num_replicas=2, torch_threads=1, max_ongoing_requests=4, max_queued_requests=4,
+                        retry_after_s=2),
+    controller=ControllerArgs(name="treespark-reliability-controller", heartbeat_s=0.25, heartbeat_timeout_s=2.0),
+    limits=LimitArgs(queue_timeout_s=30),
+)
+
+
+@pytest.fixture(scope="module")
+def url():
+    with serve_app(ARGS) as u:
+        yield u
+
+
+def spec(url):
+    r = requests.get(f"{url}/v1/speculation", timeout=5)
+    return r.json() if r.status_code == 200 else None
+
+
+def idle(url):
+    """Every replica reports an empty engine and an empty KV cache."""
+    s = spec(url)
+    return s and s["replicas"] and all(r["active"] == 0 and r["queued"] == 0 and r["kv_slots_in_use"] == 0
+                                       for r in s["replicas"].values()) and s
+
+
+def complete(url, max_tokens=8, stream=False, timeout=60):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "ignore_eos": True}
+    return requests.post(f"{url}/v1/completions", json=body, timeout=timeout, stream=stream)
+
+
+def test_backpressure_503_retry_after_fast(url):
+    """8 ongoing + 4 queued fit; the rest are refused at once, never left hanging."""
+    def one(_):
+        t0 = time.time()
+        r = complete(url, max_tokens=300, stream=True)
+        if r.status_code == 200:  # admitted: read one chunk, then leave (frees the row)
+            next(x for x in r.iter_lines() if x.startswith(b"data: "))
+            text = None
+        else:
+            text = r.raw.read().decode()
+        dt = time.time() - t0
+        r.close()
+        return r.status_code, dt, r.headers.get("retry-after"), text
+
+    with cf.ThreadPoolExecutor(24) as ex:
+        out = list(ex.map(one, range(24)))
+    refused = [o for o in out if o[0] != 200]
+    assert refused and len(out) - len(refused) >= 8, [o[:2] for o in out]
+    for status, dt, retry, text in refused:
+        body = json.loads(text)
+        assert status == 503 and retry == "2" and body["error"]["code"] == "overloaded", (status, retry, body)
+        assert dt < 5.0, dt
+    wait_for(lambda: idle(url), timeout=20, interval=0.25)
+
+
+def test_client_disconnect_frees_kv(url):
+    before = spec(url)["counters"]["requests_aborted"]
+    streams = [complete(url, max_tokens=4000, stream=True) for _ in range(3)]
+    for r in streams:
+        assert next(x for x in r.iter_lines() if x.startswith(b"data: "))
+    s = wait_for(lambda: (x := spec(url)) and sum(r["kv_slots_in_use"] or 0 for r in x["replicas"].values()) >= 1 and x,
+                 timeout=5, interval=0.05)
+    assert s
+    for r in streams:
+        r.close()
+    s = wait_for(lambda: idle(url), timeout=10, interval=0.1)
+    assert s["counters"]["requests_aborted"] >= before + 3
+
+
+def _replica_actors():
+    import ray
+
+    return {a["name"].rsplit("#", 1)[-1]: a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::treespark#Replica#")}
+
+
+def test_kill_replica_midrun(url):
+    import ray
+    from ray import serve
+
+    reps = wait_for(lambda: (x := spec(url)) and len(x["replicas"]) == 2 and x["replicas"], timeout=20)
+    actors = _replica_actors()
+    assert set(actors) == set(reps), (actors, reps)
+
+    def stream_one(_):
+        t0 = time.time()
+        with complete(url, max_tokens=3000, stream=True) as r:
+            events = [json.loads(x[6:]) if x != b"data: [DONE]" else "[DONE]" for x in r.iter_lines() if x.startswith(b"data: ")]
+        return r.status_code, time.time() - t0, events
+
+    def plain_one(_):
+        t0 = time.time()
+        r = complete(url, max_tokens=1500)
+        return r.status_code, time.time() - t0, r.json()
+
+    with cf.ThreadPoolExecutor(8) as ex:
+        streams = [ex.submit(stream_one, i) for i in range(4)]
+        plains = [ex.submit(plain_one, i) for i in range(4)]
+        busy = wait_for(lambda: (x := spec(url)) and [rid for rid, r in x["replicas"].items() if r["active"] > 0], timeout=10)
+        victim = busy[0]
+        t_kill = time.time()
+        ray.kill(ray.get_actor(actors[victim], namespace="serve"), no_restart=True)
+        s_out = [f.result(timeout=120) for f in streams]
+        p_out = [f.result(timeout=120) for f in plains]
+    errors = 0
+    for status, dt, events in s_out:  # a stream: completed, or ended with an SSE error event and [DONE]
+        assert status == 200 and events[-1] == "[DONE]", (status, events[-3:])
+        if any("error" in e for e in events[:-1] if isinstance(e, dict)):
+            errors += 1
+            assert next(e for e in events if isinstance(e, dict) and "error" in e)["error"]["code"] == "replica_failed"
+        assert dt < time.time() - t_kill + 60
+    for status, _dt, body in p_out:  # non-streaming: resent to the other replica, or a clean 503
+        assert status == 200 or (status == 503 and body["error"]["code"] == "replica_failed"), (status, body)
+    print(f"killed {victim}: streams with an error event {errors}/4, plain statuses {[p[0] for p in p_out]}")
+    # the survivors kept serving, and Serve replaces the dead replica, which registers
+    assert complete(url).status_code == 200
+
+    def replaced():
+        st = serve.status().applications["treespark"].deployments["Replica"]
+        x = spec(url)
+        new = x and set(x["replicas"]) - set(reps)
+        return st.replica_states.get("RUNNING", 0) == 2 and new and victim not in x["replicas"] and new
+    new = wait_for(replaced, timeout=90, interval=0.5)
+    assert len(new) == 1
+    wait_for(lambda: idle(url), timeout=20, interval=0.25)
+
+
+def test_kill_controller_under_load(url):
+    import ray
+
+    name, ns = ARGS.controller.name, ARGS.controller.namespace
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def client():
+        while not stop.is_set():
+            codes.append(complete(url, max_tokens=16).status_code)
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.5)
+        ray.kill(ray.get_actor(name, namespace=ns), no_restart=False)  # restarted by Ray, state reset
+        time.sleep(2.5)
+        ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)   # gone for good: replicas recreate it
+        time.sleep(3.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert len(codes) >= 10 and set(codes) == {200}, codes
+    s = wait_for(lambda: (x := spec(url)) and len(x["replicas"]) == 2
+                 and all(r["budget_source"] == "controller" for r in x["replicas"].values()) and x, timeout=20)
+    assert s["uptime_s"] < 20
