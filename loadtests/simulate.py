@@ -310,8 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "record":
         from treespark.bench.common import pair_by_name
 
-        budgets = [Budget.off()] + [Budget.chain(k) for k in (1, 2, 4, 8)] + \
-                  [Budget(0.0, n, 4) for n in (2, 4, 8, 16, 32)]
+        budgets = [Budget.chain(k) for k in (1, 2, 4)] + [Budget(0.0, n, 4) for n in (2, 4, 8, 16, 32)]
         traces = record_traces(pair_by_name(args.pair), budgets, args.prompts, args.max_tokens, args.batch_size,
                                log=lambda m: print(m, file=sys.stderr))
         args.out.parent.mkdir(parents=True, exist_ok=True)
