@@ -292,7 +292,9 @@ class Api:
         out: dict[str, Any] = {
             "request_id": uuid.uuid4().hex,
             "max_tokens": req.max_tokens,
-            "temperature": req.temperature,
+            # below 1e-5 sampling is greedy in all but name, and a denormal temperature is 0 in
+            # float32 (the engine would divide by it): greedy, as vLLM does
+            "temperature": req.temperature if req.temperature >= 1e-5 else 0.0,
             "top_p": req.top_p,
             "seed": req.seed,
             "stop": req.stop_list(),
