@@ -195,7 +195,7 @@ def test_measure_cost_model_on_a_random_pair():
     cfg = MeasureConfig(batch_sizes=(1, 2), tokens=(1, 4, 8), context=16, repeats=1, max_step_tokens=8)
     cm = measure_cost_model(pair.target, cfg, name="r", on_cell=lambda *a: seen.append(a))
     assert cm.batch_sizes == (1, 2) and cm.tokens == (1, 4, 8)
-    assert len(seen) == 5  # (2, 8) is above max_step_tokens: extrapolated
+    assert len(seen) == 5  # one pass; (2, 8) is above max_step_tokens: extrapolated
     for row in cm.seconds:
         assert all(b >= a > 0 for a, b in zip(row, row[1:], strict=False))
     assert all(y >= x for x, y in zip(cm.seconds[0], cm.seconds[1], strict=True))

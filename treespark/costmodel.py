@@ -297,7 +297,7 @@ class MeasureConfig:
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     tokens: tuple[int, ...] = DEFAULT_TOKENS   # tokens per row (root + draft nodes); must start at 1
     context: int = 256                          # committed KV tokens per row
-    repeats: int = 3                            # timed forwards per cell (fastest), after one warm-up
+    repeats: int = 3                            # passes over the grid; a cell keeps its fastest
     max_step_tokens: int = 2048                 # skip cells with bs * k above this (extrapolated)
 
     def __post_init__(self) -> None:
@@ -309,11 +309,11 @@ class MeasureConfig:
 
 
 def time_forward(runner, store, bs: int, k: int, context: int, repeats: int,
-                 generator=None) -> float:
-    """Fastest of ``repeats`` timed verify forwards (noise from other processes only adds
-    time, so the minimum is the reproducible figure) of of ``bs`` rows x ``k`` tokens over ``context``
-    committed tokens per row, with the engine's mask layout (context + tree ancestors;
-    a chain mask: the shape of the tree does not change the cost)."""
+                 generator=None, warmup: bool = True) -> float:
+    """Fastest of ``repeats`` timed verify forwards (after one warm-up) of ``bs`` rows x
+    ``k`` tokens over ``context`` committed tokens per row, with the engine's mask layout
+    (context + tree ancestors; a chain mask: the shape of the tree does not change the
+    cost)."""
     import torch
 
     dev = runner.device
@@ -327,14 +327,19 @@ def time_forward(runner, store, bs: int, k: int, context: int, repeats: int,
     mask = ((rel < 0) | (rel <= offsets[:, :, None])).expand(bs, k, total)[:, None]  # [B, 1, K, T]
     rows = slice(0, bs)
     times = []
-    for i in range(repeats + 1):
+    for i in range(repeats + int(warmup)):
         t0 = time.perf_counter()
         runner.forward(tokens, positions, positions, store, rows, mask)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        if i:
+        if i or not warmup:
             times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def _time_once(runner, store, bs: int, k: int, context: int, generator=None) -> float:
+    """One timed forward, no warm-up (the cell was warmed in the first pass)."""
+    return time_forward(runner, store, bs, k, context, repeats=1, generator=generator, warmup=False)
 
 
 def measure_cost_model(target, config: MeasureConfig = MeasureConfig(), *, name: str = "",
@@ -359,11 +364,18 @@ def measure_cost_model(target, config: MeasureConfig = MeasureConfig(), *, name:
     cells = [(b, k) for b in config.batch_sizes for k in config.tokens]
     table: dict[tuple[int, int], float] = {}
     todo = [c for c in cells if c[0] * c[1] <= config.max_step_tokens]
-    for i, (b, k) in enumerate(todo):
-        t = time_forward(runner, store, b, k, config.context, config.repeats, g)
-        table[(b, k)] = t
-        if on_cell is not None:
-            on_cell(b, k, t, i + 1, len(todo))
+    # ``repeats`` passes over the grid, each cell timed once per pass (the first pass
+    # with a warm-up), keeping each cell's fastest: a burst of load from another process
+    # then spoils one pass of a few cells, not every repeat of one cell.
+    done, total = 0, len(todo) * config.repeats
+    for rep in range(config.repeats):
+        for b, k in todo:
+            t = time_forward(runner, store, b, k, config.context, 1, g) if rep == 0 \
+                else _time_once(runner, store, b, k, config.context, g)
+            table[(b, k)] = min(t, table.get((b, k), math.inf))
+            done += 1
+            if on_cell is not None:
+                on_cell(b, k, table[(b, k)], done, total)
     seconds: list[tuple[float, ...]] = []
     for b in config.batch_sizes:
         have = [k for k in config.tokens if (b, k) in table]
