@@ -89,10 +89,12 @@ def serve_process(config: Path, out: Path, port: int | None = None,
     if port is not None:
         http["port"] = port
     url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
-    run_cfg = out / "serve-config.yaml"
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    run_cfg = raw / "serve-config.yaml"
     run_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    logf = open(out / "serve.log", "w")  # noqa: SIM115 - closed below
-    log(f"serve run {config} -> {url} (log: {out / 'serve.log'})")
+    logf = open(raw / "serve.log", "w")  # noqa: SIM115 - closed below
+    log(f"serve run {config} -> {url} (log: {raw / 'serve.log'})")
     proc = subprocess.Popen([str(BIN / "serve"), "run", str(run_cfg)], cwd=ROOT, env=_env(),
                             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -122,6 +124,7 @@ class LoadArgs:
     temperature: float = 0.0
     stream: bool = True
     model: str = ""
+    chat: bool = False
 
 
 def locust_command(url: str, shape: str, prefix: Path, load: LoadArgs) -> list[str]:
@@ -134,6 +137,8 @@ def locust_command(url: str, shape: str, prefix: Path, load: LoadArgs) -> list[s
         cmd.append("--no-stream")
     if load.model:
         cmd += ["--model", load.model]
+    if load.chat:
+        cmd.append("--chat")
     return cmd
 
 
@@ -299,19 +304,21 @@ def run_shape(url: str, shape: str, out: Path, name: str, load: LoadArgs,
               poll_s: float = 1.0) -> list[dict]:
     """One Locust run on ``shape`` with polling; returns the finished timeline rows."""
     stages = parse_shape(shape)
-    prefix = out / name
-    for p in out.glob(f"{name}-records.jsonl"):
+    raw = out / "raw"  # Locust's CSVs and log, the per-request records
+    raw.mkdir(parents=True, exist_ok=True)
+    prefix = raw / name
+    for p in raw.glob(f"{name}-records.jsonl"):
         p.unlink()
     cmd = locust_command(url, shape, prefix, load)
     log(f"locust {shape} for {total_duration(stages):.0f} s ({name})")
     poller = Poller(url, poll_s).start()
     t_start = time.time()
-    with open(out / f"{name}-locust.log", "w") as lf:
+    with open(raw / f"{name}-locust.log", "w") as lf:
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=lf, stderr=subprocess.STDOUT,
                               timeout=total_duration(stages) + 120)
     poller.stop()
     if proc.returncode != 0:
-        raise RuntimeError(f"locust exited with {proc.returncode}; see {out / f'{name}-locust.log'}")
+        raise RuntimeError(f"locust exited with {proc.returncode}; see {raw / f'{name}-locust.log'}")
     return finish_timeline(poller.rows, read_records(Path(f"{prefix}-records.jsonl")),
                            read_user_history(prefix), stages, t_start)
 
@@ -345,7 +352,7 @@ def experiment_compare(url: str, args) -> Path:
             tl = run_shape(url, f"const:{users}:{args.warmup + args.duration}", args.out, name, args.load)
             t0 = tl[0]["wall"] if tl else 0.0
             win = [r for r in tl if args.warmup <= r["wall"] - t0 <= args.warmup + args.duration]
-            recs = [r for r in read_records(args.out / f"{name}-records.jsonl")
+            recs = [r for r in read_records(args.out / "raw" / f"{name}-records.jsonl")
                     if win and win[0]["wall"] <= r["t1"] <= win[-1]["wall"]]
             ok = [r for r in recs if r.get("ok")]
             secs = win[-1]["wall"] - win[0]["wall"] if len(win) > 1 else float("nan")
@@ -396,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--chat", action="store_true", help="chat completions (the chat template applied)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--title", default="")
     return p
@@ -404,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    args.load = LoadArgs(args.max_tokens, args.temperature, not args.no_stream)
+    args.load = LoadArgs(args.max_tokens, args.temperature, not args.no_stream, chat=args.chat)
     with contextlib.ExitStack() as stack:
         if args.url:
             url = args.url.rstrip("/")

@@ -35,6 +35,7 @@ def _options(parser) -> None:
     parser.add_argument("--eos", action="store_true", help="stop at EOS (default: ignore_eos, fixed lengths)")
     parser.add_argument("--records", default="", help="append one JSON line per request here")
     parser.add_argument("--prompt-split", default="heldout", choices=["heldout", "train"])
+    parser.add_argument("--chat", action="store_true", help="POST /v1/chat/completions (chat template applied)")
 
 
 _PROMPTS: list[str] = []
@@ -90,8 +91,12 @@ class CompletionUser(HttpUser):
         opts = self.environment.parsed_options
         i = next(_counter)
         prompt = _PROMPTS[i % len(_PROMPTS)] if _PROMPTS else "Hello"
-        body = {"model": self.model, "prompt": prompt, "max_tokens": opts.max_tokens,
+        body = {"model": self.model, "max_tokens": opts.max_tokens,
                 "temperature": opts.temperature, "seed": i, "ignore_eos": not opts.eos}
+        if opts.chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
         if not opts.no_stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
         return body
@@ -100,6 +105,10 @@ class CompletionUser(HttpUser):
         events.request.fire(request_type="STREAM", name=name, response_time=seconds * 1e3,
                             response_length=tokens, exception=exc, context={})
 
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.environment.parsed_options.chat else "/v1/completions"
+
     @task
     def complete(self) -> None:
         body = self._body()
@@ -107,7 +116,7 @@ class CompletionUser(HttpUser):
         if body.get("stream"):
             self._stream(body, t0)
             return
-        with self.client.post("/v1/completions", json=body, name="/v1/completions",
+        with self.client.post(self.path, json=body, name=self.path,
                               catch_response=True) as r:
             t1 = time.time()
             ok = r.status_code == 200
@@ -118,7 +127,7 @@ class CompletionUser(HttpUser):
 
     def _stream(self, body: dict, t0: float) -> None:
         ttft, tokens, err = None, 0, None
-        with self.client.post("/v1/completions", json=body, name="/v1/completions [headers]",
+        with self.client.post(self.path, json=body, name=f"{self.path} [headers]",
                               stream=True, catch_response=True) as r:
             status = r.status_code
             if status != 200:
@@ -136,7 +145,8 @@ class CompletionUser(HttpUser):
                         if "error" in ev:
                             err = RuntimeError(ev["error"].get("message", "stream error"))
                             break
-                        if ttft is None and ev.get("choices") and ev["choices"][0].get("text"):
+                        choice = ev["choices"][0] if ev.get("choices") else {}
+                        if ttft is None and (choice.get("text") or choice.get("delta", {}).get("content")):
                             ttft = time.time() - t0
                         if ev.get("usage"):
                             tokens = int(ev["usage"]["completion_tokens"])

@@ -104,6 +104,6 @@ def test_short_locust_run_against_the_service(tmp_path):
     assert any(float(r["goodput_tok_s"] or 0) > 0 for r in rows)
     assert all(r["theta"] != "" for r in rows)
     assert int(rows[-1]["requests_done"]) > 5
-    recs = [json.loads(x) for x in (tmp_path / "timeline-records.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (tmp_path / "raw" / "timeline-records.jsonl").read_text().splitlines()]
     assert recs and all(r["ok"] and r["tokens"] == 16 and r["ttft"] is not None for r in recs)
     assert (tmp_path / "timeline.png").exists() and (tmp_path / "timeline-summary.md").exists()
