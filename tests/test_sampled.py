@@ -78,3 +78,8 @@ def test_first_token_is_sampled_not_argmax(pair64):
     firsts = {generate(pair64, [9], max_new_tokens=1, temperature=2.0, seed=s).token_ids[0]
               for s in range(40)}
     assert len(firsts) > 1
+
+
+def test_tiny_temperature_behaves_like_greedy(pair64):
+    greedy = generate(pair64, [5, 6, 7], max_new_tokens=12).token_ids
+    assert generate(pair64, [5, 6, 7], max_new_tokens=12, temperature=5e-324, seed=0).token_ids == greedy

@@ -218,9 +218,6 @@ def test_no_pickle_on_the_serving_path():
                 assert not (isinstance(base, ast.Name) and base.id in ("torch", "pickle")), (f, node.lineno)
 
 
-@pytest.mark.xfail(reason="treespark/models.py loads a target by id with from_pretrained() without "
-                          "use_safetensors=True: a repository holding only pytorch_model.bin would be unpickled "
-                          "(with weights_only, but still pickle)", strict=False)
 def test_from_pretrained_requires_safetensors():
     for f in _serving_modules():
         for node in ast.walk(ast.parse(f.read_text())):

@@ -177,7 +177,7 @@ def load_default_target(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     with _hf_progress(progress):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
     model = model.eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     _ensure_chat_template(tokenizer)

@@ -123,7 +123,7 @@ def load_pair(
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval().to(dev)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, use_safetensors=True).eval().to(dev)
         tokenizer = AutoTokenizer.from_pretrained(target)
         name = f"{target}+{drafter}"
     if drafter is None:

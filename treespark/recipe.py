@@ -30,6 +30,7 @@ from treespark.params import SamplingParams
 from treespark.prompts import load_prompts
 from treespark.train import (
     Features,
+    concat_features,
     TrainConfig,
     draft_vocabulary,
     evaluate,
@@ -43,7 +44,10 @@ from treespark.train import (
 class DrafterRecipe:
     seq_len: int = 256
     corpus_tokens: int = 160_000     # tokens of offline corpus text
-    answer_tokens: int = 128         # greedy answer length per train prompt
+    answer_tokens: int = 128         # answer length per train prompt
+    sampled_answer_sets: int = 0     # extra answer sets sampled at ``sampled_temperature``
+    sampled_temperature: float = 0.7
+    answer_weight: float = 1.0       # how much likelier an answer is drawn than a corpus window
     block_size: int = 6
     tap_layers: tuple[int, ...] = (2, 15, 28)
     markov_rank: int = 64
@@ -73,9 +77,9 @@ def corpus_sequences(tokenizer, total_tokens: int, seq_len: int) -> list[list[in
     return [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
 
 
-def greedy_answers(pair: ModelPair, prompts: list[list[int]], max_tokens: int,
-                   *, progress: bool = True) -> list[list[int]]:
-    """The target's own greedy answers (plain decoding through the engine, batched)."""
+def target_answers(pair: ModelPair, prompts: list[list[int]], max_tokens: int,
+                   *, temperature: float = 0.0, seed: int = 0, progress: bool = True) -> list[list[int]]:
+    """The target's own answers (plain decoding through the engine, batched)."""
     from treespark.engine import Engine, EngineConfig
 
     eos = pair.tokenizer.eos_token_id if pair.tokenizer is not None else None
@@ -84,7 +88,8 @@ def greedy_answers(pair: ModelPair, prompts: list[list[int]], max_tokens: int,
     engine = Engine(pair, EngineConfig(max_batch_size=8, max_context=longest + max_tokens),
                     budget=Budget.off())
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, stop_token_ids=stop))
+        engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, stop_token_ids=stop,
+                                                     temperature=temperature, seed=seed + i))
     answers: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     bar = tqdm(total=len(prompts), desc="target answers", unit="prompt", disable=not progress)
     while engine.has_unfinished():
@@ -99,8 +104,10 @@ def build_drafter(recipe: DrafterRecipe, target, tokenizer, work_dir: Path, out_
                   *, progress: bool = True) -> dict:
     work_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    train_file, held_file = work_dir / "features_train.safetensors", work_dir / "features_heldout.safetensors"
-    if not train_file.exists():
+    answers_file = work_dir / "features_answers.safetensors"
+    corpus_file = work_dir / "features_corpus.safetensors"
+    held_file = work_dir / "features_heldout.safetensors"
+    if not (answers_file.exists() and corpus_file.exists() and held_file.exists()):
         # a throwaway drafter of the right shape lets the engine decode (budget off)
         tmp = new_drafter_for(target, block_size=recipe.block_size, tap_layers=recipe.tap_layers,
                               markov_rank=recipe.markov_rank, mask_token_id=recipe.mask_token_id,
@@ -108,25 +115,34 @@ def build_drafter(recipe: DrafterRecipe, target, tokenizer, work_dir: Path, out_
         pair = ModelPair(target, tmp, tokenizer)
         train_prompts = [chat_ids(tokenizer, p.text) for p in load_prompts("train")]
         held_prompts = [chat_ids(tokenizer, p.text) for p in load_prompts("heldout")]
-        answers = greedy_answers(pair, train_prompts, recipe.answer_tokens, progress=progress)
-        held = greedy_answers(pair, held_prompts, recipe.answer_tokens, progress=progress)
-        seqs = answers + corpus_sequences(tokenizer, recipe.corpus_tokens, recipe.seq_len)
+        answers = target_answers(pair, train_prompts, recipe.answer_tokens, progress=progress)
+        for k in range(recipe.sampled_answer_sets):
+            answers += target_answers(pair, train_prompts, recipe.answer_tokens, progress=progress,
+                                      temperature=recipe.sampled_temperature, seed=1000 * (k + 1))
+        held = target_answers(pair, held_prompts, recipe.answer_tokens, progress=progress)
         target_features(target, recipe.tap_layers, held, progress=progress).save(held_file)
-        target_features(target, recipe.tap_layers, seqs, progress=progress, total=len(seqs)).save(train_file)
-    feats, held_feats = Features.load(train_file), Features.load(held_file)
+        target_features(target, recipe.tap_layers, answers, progress=progress).save(answers_file)
+        corpus = corpus_sequences(tokenizer, recipe.corpus_tokens, recipe.seq_len)
+        target_features(target, recipe.tap_layers, corpus, progress=progress, total=len(corpus)).save(corpus_file)
+    answers_feats, corpus_feats = Features.load(answers_file), Features.load(corpus_file)
+    feats = concat_features(answers_feats, corpus_feats)
+    weights = torch.ones(len(feats), dtype=torch.float64)
+    weights[: len(answers_feats)] = recipe.answer_weight
+    held_feats = Features.load(held_file)
     d2t = draft_vocabulary(feats.labels, recipe.draft_vocab, target.config.vocab_size)
     coverage = float(torch.isin(held_feats.labels, d2t).float().mean())
     drafter = new_drafter_for(target, block_size=recipe.block_size, tap_layers=recipe.tap_layers,
                               markov_rank=recipe.markov_rank, mask_token_id=recipe.mask_token_id,
                               d2t=d2t, seed=recipe.seed)
     result = train_drafter(drafter, feats, recipe.train, work_dir / "checkpoint", target=target,
-                           progress=progress)
+                           weights=weights, progress=progress)
     agreement = evaluate(drafter, held_feats)
     save_drafter(drafter, out_dir)
     report = {
         "recipe": asdict(recipe),
         "train_tokens": int(feats.tokens.numel()),
         "train_sequences": len(feats),
+        "answer_sequences": len(answers_feats),
         "heldout_tokens": int(held_feats.tokens.numel()),
         "draft_vocab_heldout_coverage": round(coverage, 4),
         "heldout_top1_agreement_by_offset": [round(a, 4) for a in agreement],

@@ -68,7 +68,9 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
     logits: [..., V] -> probabilities [..., V] in float64 (exact tests need the precision).
     """
     assert temperature > 0, "greedy decoding uses argmax, not probabilities"
-    probs = torch.softmax(logits.to(torch.float64) / temperature, dim=-1)
+    x = logits.to(torch.float64)
+    # shift first: a tiny temperature then gives -inf (not NaN) off the argmax
+    probs = torch.softmax((x - x.amax(-1, keepdim=True)) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
@@ -82,4 +84,5 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
 def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """The drafter's distribution q at a temperature (T = 0 ranks with T = 1)."""
     t = temperature if temperature > 0 else 1.0
-    return torch.softmax(logits.to(torch.float32) / t, dim=-1)
+    x = logits.to(torch.float32)
+    return torch.softmax((x - x.amax(-1, keepdim=True)) / t, dim=-1)

@@ -62,6 +62,15 @@ class Features:
         return int(self.starts.numel() - 1)
 
 
+def concat_features(*parts: Features) -> Features:
+    starts, offset = [torch.zeros(1, dtype=torch.long)], 0
+    for f in parts:
+        starts.append(f.starts[1:].long() + offset)
+        offset += int(f.starts[-1])
+    return Features(torch.cat([f.tokens for f in parts]), torch.cat([f.taps for f in parts]),
+                    torch.cat([f.labels for f in parts]), torch.cat(starts))
+
+
 @torch.no_grad()
 def target_features(target, tap_layers: tuple[int, ...], sequences: Iterable[list[int]],
                     *, progress: bool = True, total: int | None = None) -> Features:
@@ -141,9 +150,11 @@ def train_drafter(
     out_dir: Path,
     *,
     target=None,
+    weights: torch.Tensor | None = None,
     progress: bool = True,
 ) -> dict:
-    """Train (or resume training) ``drafter`` on ``feats``; checkpoints into ``out_dir``."""
+    """Train (or resume training) ``drafter`` on ``feats``; checkpoints into ``out_dir``.
+    ``weights`` [n_seq] makes some sequences likelier to be drawn (default: uniform)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(cfg.seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -164,8 +175,10 @@ def train_drafter(
         t2d[drafter.d2t.cpu()] = torch.arange(drafter.d2t.numel())
     blk = drafter.config.block_size
     lengths = feats.starts[1:] - feats.starts[:-1]
-    eligible = torch.nonzero(lengths > blk + 1).flatten()
-    if eligible.numel() == 0:
+    draw = (lengths > blk + 1).double()
+    if weights is not None:
+        draw = draw * weights.double()
+    if not bool((draw > 0).any()):
         raise ValueError(f"no training sequence is longer than block_size + 1 = {blk + 1}")
     drafter.train()
     history = []
@@ -174,7 +187,7 @@ def train_drafter(
     ema_loss, ema_acc = None, None
     t0 = time.time()
     for step in bar:
-        seq = int(eligible[torch.randint(eligible.numel(), (1,), generator=g)])
+        seq = int(torch.multinomial(draw, 1, generator=g))
         n = int(lengths[seq])
         anchors = torch.randint(1, n - blk + 1, (cfg.anchors_per_step,), generator=g)
         for group in opt.param_groups:
