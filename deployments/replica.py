@@ -321,7 +321,9 @@ class ReplicaCore:
                 self.counters["draft_tokens"] += sum(s.tree_sizes)
                 self.counters["accepted_tokens"] += sum(s.accepted)
                 records.extend((_logit(float(q)), bool(y)) for q, y in s.calibration_records)
-                rounds.extend(zip(s.tree_sizes, s.accepted, strict=False))
+                # keyed by the step's widest tree: every row paid for that width (padding)
+                width = max(s.tree_sizes, default=0)
+                rounds.extend((width, a) for a in s.accepted)
             emitted, self._tokens_emitted = self._tokens_emitted, 0
             counters = dict(self.counters)
         load = self.loop.load

@@ -286,3 +286,12 @@ def test_controller_learns_drafting_cost():
                                "local", {}))
     assert s.load().draft_node_s == pytest.approx(0.0005, rel=0.05)
     assert s.status()["draft_node_s"] == pytest.approx(0.0005, rel=0.05)
+
+
+def test_blend_rescales_the_prior_for_sizes_never_seen():
+    prior = AcceptanceProfile.saturating(1.3, 5.0, max_nodes=16)
+    low = AcceptanceStats.from_rounds([(1, 0)] * 900 + [(1, 1)] * 100, max_nodes=16)  # 0.1 at size 1
+    b = AcceptanceProfile.blend(prior, low, prior_weight=50.0)
+    assert b(1) < 0.15 and b(16) < 0.5 * prior(16)   # unseen sizes scaled down with the evidence
+    high = AcceptanceStats.from_rounds([(1, 1)] * 1000, max_nodes=16)
+    assert AcceptanceProfile.blend(prior, high, prior_weight=50.0)(16) > prior(16)

@@ -166,9 +166,16 @@ class AcceptanceProfile:
               prior_weight: float = 200.0) -> AcceptanceProfile:
         """Per tree size, the observed mean shrunk toward the prior by ``prior_weight``
         pseudo-rounds; then made non-decreasing (a bigger best-first tree contains the
-        smaller one, so it cannot accept less)."""
+        smaller one, so it cannot accept less). The prior itself is first rescaled by
+        the observed/prior ratio over all rounds seen (shrunk by the same weight), so
+        sizes never tried are not priced on a prior the traffic has contradicted."""
         if stats is None:
             return prior
+        seen = sum(stats.sums[n] for n in range(1, len(stats.counts)))
+        expect = sum(stats.counts[n] * prior(n) for n in range(1, len(stats.counts)))
+        w = prior_weight * prior(1)
+        scale = (seen + w) / (expect + w) if expect + w > 0 else 1.0
+        prior = cls(tuple(scale * a for a in prior.accepted))
         out, best = [0.0], 0.0
         for n in range(1, prior.max_nodes + 1):
             c = stats.counts[n] if n < len(stats.counts) else 0
@@ -182,7 +189,9 @@ class AcceptanceProfile:
 @dataclass(frozen=True)
 class AcceptanceStats:
     """Per tree size ``n``: rounds seen (``counts[n]``) and draft tokens they accepted
-    (``sums[n]``); what the controller gathers from the replicas' per-round records."""
+    (``sums[n]``); what the controller gathers from the replicas' per-round records.
+    Replicas key each round by its step's *widest* tree: the verify forward pads every
+    row to it, so that width is what the step paid for."""
 
     counts: tuple[int, ...] = ()
     sums: tuple[float, ...] = ()
