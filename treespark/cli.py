@@ -98,7 +98,8 @@ def cmd_bench(args) -> None:
     elif args.what == "acceptance":
         from treespark.bench.acceptance import acceptance_benchmark
 
-        table = acceptance_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts)
+        table = acceptance_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts,
+                                     chain_lengths=args.chains)
     elif args.what == "linear":
         from treespark.bench.linear import linear_benchmark
 
@@ -184,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--prompts", type=int, default=16)
+    b.add_argument("--chains", type=int, nargs="+", help="acceptance: chain lengths to tune over")
     b.add_argument("--out", help="also write the markdown table here")
     b.set_defaults(func=cmd_bench)
 

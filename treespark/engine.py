@@ -241,17 +241,22 @@ class Engine:
         # draft: one backbone pass for the batch, then one tree per request
         t_draft = time.perf_counter()
         c = int(lengths.max())
-        anchors = torch.tensor([r.root for r in batch], device=dev)
-        ctx_k = self.kv.drafter.k[:, rows, :, :c]
-        ctx_v = self.kv.drafter.v[:, rows, :, :c]
-        base = self.drafter.block_logits(anchors, ctx_k, ctx_v, lengths).cpu()
+        budgets = [self._row_budget(r) for r in batch]
+        depths = [r.params.max_tokens - len(r.output) - 1 for r in batch]
         trees: list[DraftTree] = []
-        for i, req in enumerate(batch):
-            remaining = req.params.max_tokens - len(req.output)
-            trees.append(expand(
-                BlockProposal(base[i], self._markov, self._d2t), req.root, self._row_budget(req),
-                self.calibration, req.params.temperature, req.sampler,
-                max_depth=remaining - 1, rank=self.rank))
+        if all(b.is_off or d <= 0 for b, d in zip(budgets, depths, strict=True)):
+            # nobody speculates this step: skip the drafter, verify the roots alone
+            trees = [DraftTree.root_only(r.root) for r in batch]
+        else:
+            anchors = torch.tensor([r.root for r in batch], device=dev)
+            ctx_k = self.kv.drafter.k[:, rows, :, :c]
+            ctx_v = self.kv.drafter.v[:, rows, :, :c]
+            base = self.drafter.block_logits(anchors, ctx_k, ctx_v, lengths).cpu()
+            for i, req in enumerate(batch):
+                trees.append(expand(
+                    BlockProposal(base[i], self._markov, self._d2t), req.root, budgets[i],
+                    self.calibration, req.params.temperature, req.sampler,
+                    max_depth=depths[i], rank=self.rank))
         draft_s = time.perf_counter() - t_draft
 
         # verify: one target forward over every tree

@@ -8,7 +8,8 @@ from treespark.models import ModelPair
 
 
 def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: int = 96,
-                         temperatures=(0.0, 1.0), equal_budget: int = 16, log=print) -> str:
+                         temperatures=(0.0, 1.0), equal_budget: int = 16, chain_lengths=None,
+                         log=print) -> str:
     prompts = bench_prompts(pair, n_prompts)
     block = pair.drafter.config.block_size
     rows = []
@@ -21,7 +22,7 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
             return r.tau, mean_size
 
         results: dict[str, tuple[float, float]] = {"plain": tau(Budget.off())}
-        chains = {k: tau(Budget.chain(k)) for k in range(1, block + 1)}
+        chains = {k: tau(Budget.chain(k)) for k in (chain_lengths or range(1, block + 1))}
         best_k = max(chains, key=lambda k: chains[k][0])
         results[f"tuned chain (k={best_k})"] = chains[best_k]
         for cap in (16, 32, 64):
