@@ -38,7 +38,7 @@ def chi2_pvalue(samples: list[int], expected_p: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature", [1.0, pytest.param(0.7, marks=pytest.mark.slow)])
 def test_second_and_third_tokens_follow_the_target(mimic16, temperature):
     n = 5000
     second, third, accepted = [], [], 0
