@@ -164,8 +164,7 @@ def train_drafter(
     if state_file.exists():
         state = json.loads(state_file.read_text())
         drafter.load_state_dict(load_file(str(out_dir / "model.safetensors")), strict=True)
-        opt.load_state_dict(torch.load(out_dir / "optimizer.pt", weights_only=True))
-        g.set_state(torch.load(out_dir / "rng.pt", weights_only=True))
+        _load_optimizer(opt, g, out_dir)
         start = int(state["step"])
         if target is not None and drafter.config.shared_embeddings:
             attach_from_target(drafter, target)
@@ -212,9 +211,30 @@ def train_drafter(
 
 def _checkpoint(drafter, opt, g, step, out_dir: Path) -> None:
     save_drafter(drafter, out_dir)
-    torch.save(opt.state_dict(), out_dir / "optimizer.pt")
-    torch.save(g.get_state(), out_dir / "rng.pt")
+    _save_optimizer(opt, g, out_dir)
     (out_dir / "train_state.json").write_text(json.dumps({"step": step}) + "\n")
+
+
+def _save_optimizer(opt, g: torch.Generator, out_dir: Path) -> None:
+    """Optimizer and RNG state as safetensors + JSON (nothing here is ever unpickled)."""
+    sd = opt.state_dict()
+    tensors = {"rng": g.get_state()}
+    for idx, st in sd["state"].items():
+        for name, value in st.items():
+            tensors[f"state.{idx}.{name}"] = torch.as_tensor(value).contiguous()
+    save_file(tensors, str(out_dir / "optimizer.safetensors"))
+    (out_dir / "optimizer.json").write_text(json.dumps(sd["param_groups"]) + "\n")
+
+
+def _load_optimizer(opt, g: torch.Generator, out_dir: Path) -> None:
+    tensors = load_file(str(out_dir / "optimizer.safetensors"))
+    g.set_state(tensors.pop("rng"))
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = value
+    groups = json.loads((out_dir / "optimizer.json").read_text())
+    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 @torch.no_grad()
