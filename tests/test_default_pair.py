@@ -37,8 +37,8 @@ def test_default_pair_accepts_and_stays_greedy(pair):
     eos = (pair.tokenizer.eos_token_id,)
     for text in PROMPTS:
         ids = chat_ids(pair.tokenizer, text)
-        out = generate(pair, ids, max_new_tokens=32, stop_token_ids=eos, budget=Budget(0.0, 16, 4))
-        plain = generate(pair, ids, max_new_tokens=32, budget=Budget.off(), stop_token_ids=eos)
+        out = generate(pair, ids, max_new_tokens=48, stop_token_ids=eos, budget=Budget(0.0, 32, 4))
+        plain = generate(pair, ids, max_new_tokens=48, budget=Budget.off(), stop_token_ids=eos)
         assert out.token_ids == plain.token_ids
         rounds += len(out.rounds)
         tokens += len(out.token_ids) - 1       # the first token comes from prefill
