@@ -7,7 +7,13 @@ import json
 import pytest
 import torch
 
-from treespark.calibration import Calibration, calibrate, expected_calibration_error, fit_calibration, logit
+from treespark.calibration import (
+    Calibration,
+    calibrate,
+    expected_calibration_error,
+    fit_calibration,
+    logit,
+)
 
 
 def synthetic(a: float, b: float, n: int, seed: int):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from treespark import Budget, generate
 from treespark.engine import Engine, EngineConfig
@@ -41,14 +41,14 @@ def test_batched_greedy_equals_generate_and_plain(mimic16, budget):
     ps = prompts(8, 16, seed=1)
     lengths = [5, 17, 9, 30, 2, 12, 21, 7]
     arrivals = {}
-    for i, (p, n) in enumerate(zip(ps, lengths)):
+    for i, (p, n) in enumerate(zip(ps, lengths, strict=True)):
         arrivals.setdefault(i // 2, []).append((f"r{i}", p, SamplingParams(max_tokens=n)))
     engine = Engine(mimic16, EngineConfig(max_batch_size=8, max_context=128, prefill_chunk=64), budget=budget)
     seen_batches = []
     engine.on_step = lambda s: seen_batches.append(s.batch_size)
     tokens, reasons = run(engine, arrivals)
     assert max(seen_batches) >= 4, "requests must actually share steps"
-    for i, (p, n) in enumerate(zip(ps, lengths)):
+    for i, (p, n) in enumerate(zip(ps, lengths, strict=True)):
         plain = generate(mimic16, p, max_new_tokens=n, budget=Budget.off()).token_ids
         assert tokens[f"r{i}"] == plain == generate(mimic16, p, max_new_tokens=n, budget=budget).token_ids
         assert reasons[f"r{i}"] == "length"

@@ -28,8 +28,8 @@ class PeakedProposal:
         return self.table[:, depth - 1].mean(0)
 
 
-def grow(budget, temperature=0.0, seed=0, rank="calibrated", cal=Calibration()):
-    return expand(PeakedProposal(), 0, budget, cal, temperature, TorchSampler(seed), rank=rank)
+def grow(budget, temperature=0.0, seed=0, rank="calibrated", cal=None):
+    return expand(PeakedProposal(), 0, budget, cal or Calibration(), temperature, TorchSampler(seed), rank=rank)
 
 
 def test_ancestor_mask_and_positions():

@@ -258,13 +258,17 @@ class DSparkDrafter(nn.Module):
         """taps: [..., n_taps * target_hidden] -> context hidden states [..., h]."""
         return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
 
-    @torch.no_grad()
-    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv_train(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """taps: [B, S, n_taps*th], positions: [B, S] -> keys, values [L, B, kvh, S, hd]
         for every drafter layer (what the drafter's KV cache stores per position)."""
         ctx = self.context(taps)
         ks, vs = zip(*(layer.self_attn.kv(ctx, positions) for layer in self.layers), strict=True)
         return torch.stack(ks), torch.stack(vs)
+
+    @torch.no_grad()
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``context_kv_train`` without gradients: what serving writes to the KV cache."""
+        return self.context_kv_train(taps, positions)
 
     def _block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
         ids = torch.full((anchors.shape[0], self.config.block_size), self.config.mask_token_id,
@@ -319,11 +323,6 @@ class DSparkDrafter(nn.Module):
         u = self._backbone(self._block_ids(tokens[anchors]), positions, ctx_k, ctx_v, mask[:, None])
         parents = tokens[positions]                                           # [nb, blk]
         return u + self.markov_head.bias(parents)
-
-    def context_kv_train(self, taps, positions):
-        ctx = self.context(taps)
-        ks, vs = zip(*(layer.self_attn.kv(ctx, positions) for layer in self.layers), strict=True)
-        return torch.stack(ks), torch.stack(vs)
 
 
 class BlockProposal:

@@ -30,8 +30,8 @@ from treespark.params import SamplingParams
 from treespark.prompts import load_prompts
 from treespark.train import (
     Features,
-    concat_features,
     TrainConfig,
+    concat_features,
     draft_vocabulary,
     evaluate,
     new_drafter_for,

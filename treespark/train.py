@@ -116,6 +116,15 @@ def init_from_target(drafter: DSparkDrafter, target, layer: int | None = None) -
             dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
 
 
+def target_to_draft(drafter: DSparkDrafter) -> torch.Tensor | None:
+    """[V] draft index of each target token (-1 outside the draft vocabulary)."""
+    if drafter.d2t is None:
+        return None
+    t2d = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
+    t2d[drafter.d2t.cpu()] = torch.arange(drafter.d2t.numel())
+    return t2d
+
+
 def _lr(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -168,10 +177,7 @@ def train_drafter(
         start = int(state["step"])
         if target is not None and drafter.config.shared_embeddings:
             attach_from_target(drafter, target)
-    t2d = None
-    if drafter.d2t is not None:
-        t2d = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
-        t2d[drafter.d2t.cpu()] = torch.arange(drafter.d2t.numel())
+    t2d = target_to_draft(drafter)
     blk = drafter.config.block_size
     lengths = feats.starts[1:] - feats.starts[:-1]
     draw = (lengths > blk + 1).double()
@@ -241,10 +247,7 @@ def _load_optimizer(opt, g: torch.Generator, out_dir: Path) -> None:
 def evaluate(drafter: DSparkDrafter, feats: Features, *, anchors_per_seq: int = 32, seed: int = 0) -> list[float]:
     """Held-out top-1 agreement with the target per block row."""
     g = torch.Generator().manual_seed(seed)
-    t2d = None
-    if drafter.d2t is not None:
-        t2d = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
-        t2d[drafter.d2t.cpu()] = torch.arange(drafter.d2t.numel())
+    t2d = target_to_draft(drafter)
     blk = drafter.config.block_size
     accs = []
     for seq in range(len(feats)):

@@ -14,7 +14,7 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
     block = pair.drafter.config.block_size
     rows = []
     for t in temperatures:
-        def tau(budget: Budget, rank: str = "calibrated") -> float:
+        def tau(budget: Budget, rank: str = "calibrated", t: float = t) -> tuple[float, float]:
             r = run_engine(pair, prompts, budget, max_tokens=max_tokens, batch_size=8,
                            temperature=t, rank=rank)
             mean_size = r.drafted / max(r.rounds, 1)

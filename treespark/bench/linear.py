@@ -35,8 +35,8 @@ def linear_benchmark(pair: ModelPair, rows=(1, 2, 4, 8, 16, 32, 64), reps: int =
         cells = [str(n)]
         for name, w in shapes.items():
             x = torch.randn(n, w.shape[1], dtype=w.dtype, device=w.device)
-            a = _time(lambda: F.linear(x, w), reps)
-            b = _time(lambda: (w @ x.T).T, reps)
+            a = _time(lambda x=x, w=w: F.linear(x, w), reps)
+            b = _time(lambda x=x, w=w: (w @ x.T).T, reps)
             cells.append(f"{a * 1e6:.0f} / {b * 1e6:.0f} ({a / b:.2f}x)")
             log(f"rows={n:>3} {name:>9}: F.linear {a * 1e6:7.0f} us   W@x^T {b * 1e6:7.0f} us")
         out.append(cells)
