@@ -480,14 +480,20 @@ class Api:
             return error_response(503, "the engine loop is not running", code="not_ready")
         return {"status": "ok"}
 
-    @app.get("/v1/speculation")
-    async def speculation(self, request: Request) -> Any:
+    async def _authorized_status(self, request: Request) -> Any:
+        """The controller's status dict, or the error response to send instead."""
         if (denied := self._auth(request)) is not None:
             return denied
         try:
-            status = await self._controller_call("status")
+            return await self._controller_call("status")
         except Exception as err:  # noqa: BLE001
             return self._controller_unavailable(err)
+
+    @app.get("/v1/speculation")
+    async def speculation(self, request: Request) -> Any:
+        status = await self._authorized_status(request)
+        if not isinstance(status, dict):
+            return status
         return {"model": self.model, **status}
 
     @app.post("/v1/speculation/override")
@@ -510,10 +516,7 @@ class Api:
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Any:
-        if (denied := self._auth(request)) is not None:
-            return denied
-        try:
-            status = await self._controller_call("status")
-        except Exception as err:  # noqa: BLE001
-            return self._controller_unavailable(err)
+        status = await self._authorized_status(request)
+        if not isinstance(status, dict):
+            return status
         return PlainTextResponse(render(status, self.model), media_type="text/plain; version=0.0.4")
