@@ -118,28 +118,40 @@ def probe_refusal(url: str, model: str, n: int = 40) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_parser(doc: str, *, users: int, duration: int, replicas: int, port: int) -> argparse.ArgumentParser:
+    """The arguments every reliability run shares (overload, soak)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random", choices=["random", "default"])
-    ap.add_argument("--users", type=int, default=64)
-    ap.add_argument("--duration", type=int, default=60)
+    ap.add_argument("--users", type=int, default=users)
+    ap.add_argument("--duration", type=int, default=duration)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=replicas)
     ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--max-ongoing", type=int, default=16)
-    ap.add_argument("--max-queued", type=int, default=16)
-    ap.add_argument("--port", type=int, default=8011)
-    ap.add_argument("--stop-timeout", type=int, default=120)
+    ap.add_argument("--port", type=int, default=port)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability")
     ap.add_argument("--work", type=Path, default=Path("/tmp/treespark-reliability"),
                     help="serve log, config and Locust records go here")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def prepare_run(a: argparse.Namespace, name: str, cfg: dict) -> tuple[Path, Path]:
+    """Create the output and work folders; write the service config. -> (work, config path)."""
     a.out.mkdir(parents=True, exist_ok=True)
-    work = a.work / "overload"
+    work = a.work / name
     work.mkdir(parents=True, exist_ok=True)
-    cfg = service_config(a.model, a.replicas, a.max_batch, a.max_ongoing, a.max_queued)
     cfg_path = work / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return work, cfg_path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = run_parser(__doc__, users=64, duration=60, replicas=1, port=8011)
+    ap.add_argument("--max-ongoing", type=int, default=16)
+    ap.add_argument("--max-queued", type=int, default=16)
+    ap.add_argument("--stop-timeout", type=int, default=120)
+    a = ap.parse_args(argv)
+    work, cfg_path = prepare_run(a, "overload", service_config(a.model, a.replicas, a.max_batch,
+                                                               a.max_ongoing, a.max_queued))
     prefix = work / "locust"
     with serve_process(cfg_path, work, port=a.port) as url:
         model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]

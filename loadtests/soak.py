@@ -20,7 +20,6 @@ Writes ``soak.csv`` (one row per poll and replica), ``soak-summary.json`` and
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import statistics
@@ -29,10 +28,16 @@ import time
 from pathlib import Path
 
 import requests
-import yaml
 
-from loadtests.experiment import ROOT, log, serve_process
-from loadtests.overload import get_status, run_locust, service_config, wait_idle
+from loadtests.experiment import log, serve_process
+from loadtests.overload import (
+    get_status,
+    prepare_run,
+    run_locust,
+    run_parser,
+    service_config,
+    wait_idle,
+)
 
 
 class RssPoller:
@@ -99,27 +104,12 @@ def plot(rows: list[dict], warmup_s: float, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="random", choices=["random", "default"])
-    ap.add_argument("--users", type=int, default=4)
-    ap.add_argument("--duration", type=int, default=600)
+    ap = run_parser(__doc__, users=4, duration=600, replicas=2, port=8012)
     ap.add_argument("--warmup", type=float, default=120.0)
     ap.add_argument("--window", type=float, default=60.0)
     ap.add_argument("--period", type=float, default=5.0)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--port", type=int, default=8012)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "reliability")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/treespark-reliability"),
-                    help="serve log, config and Locust records go here")
     a = ap.parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
-    work = a.work / "soak"
-    work.mkdir(parents=True, exist_ok=True)
-    cfg = service_config(a.model, a.replicas, a.max_batch, 2 * a.max_batch, 64)
-    cfg_path = work / "config.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    work, cfg_path = prepare_run(a, "soak", service_config(a.model, a.replicas, a.max_batch, 2 * a.max_batch, 64))
     prefix = work / "locust"
     with serve_process(cfg_path, work, port=a.port) as url:
         model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
