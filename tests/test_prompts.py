@@ -66,3 +66,17 @@ def test_training_texts_max_chars():
     assert texts[:-1] == training_texts()[: len(texts) - 1]
     with pytest.raises(ValueError):
         training_texts(max_chars=-1)
+
+
+def test_synthetic_prompts_are_deterministic_distinct_and_never_heldout():
+    from treespark.prompts import synthetic_prompts
+
+    a, b, c = synthetic_prompts(0), synthetic_prompts(0), synthetic_prompts(1)
+    assert [p.text for p in a] == [p.text for p in b]
+    assert [p.text for p in a] != [p.text for p in c]          # the seed shuffles
+    assert sorted(p.text for p in a) == sorted(p.text for p in c)
+    texts = [p.text for p in a]
+    assert len(texts) == len(set(texts)) >= 300
+    heldout = {p.text for p in load_prompts(split="heldout")}
+    assert not heldout & set(texts)
+    assert {p.split for p in a} == {"train"} and {p.kind for p in a} == set(KINDS)

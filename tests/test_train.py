@@ -32,3 +32,14 @@ def test_training_improves_agreement_and_resumes(tmp_path):
     after = evaluate(pair.drafter, feats)
     assert after[0] > before[0] + 0.05
     assert load_drafter(tmp_path).config == pair.drafter.config
+
+
+def test_draft_vocabulary_counts_weighted_labels():
+    from treespark.train import draft_vocabulary
+
+    labels = torch.tensor([5, 5, 5, 7, 9, 9])
+    assert draft_vocabulary(labels, 2, 12).tolist() == [5, 9]
+    # label 7 drawn ten times as often as the others outweighs both
+    w = torch.tensor([1.0, 1, 1, 10, 1, 1], dtype=torch.float64)
+    assert draft_vocabulary(labels, 1, 12, w).tolist() == [7]
+    assert draft_vocabulary(labels, 2, 12, w).tolist() == [5, 7]

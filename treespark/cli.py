@@ -62,12 +62,18 @@ def cmd_generate(args) -> None:
 
 
 def cmd_train(args) -> None:
+    from dataclasses import replace
+
     from treespark.fetch import load_default_target
     from treespark.recipe import DrafterRecipe, build_drafter
-    from treespark.train import TrainConfig
 
-    recipe = DrafterRecipe(corpus_tokens=args.corpus_tokens, answer_tokens=args.answer_tokens,
-                           train=TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed), seed=args.seed)
+    base = DrafterRecipe()
+    overrides = {k: v for k, v in (("corpus_tokens", args.corpus_tokens),
+                                   ("answer_tokens", args.answer_tokens)) if v is not None}
+    train = replace(base.train, **{k: v for k, v in (("steps", args.steps), ("lr", args.lr),
+                                                      ("seed", args.seed)) if v is not None})
+    recipe = replace(base, train=train, seed=train.seed, **overrides)
+    print(recipe)
     target, tok = load_default_target(device=args.device)
     report = build_drafter(recipe, target, tok, Path(args.work_dir), Path(args.out))
     print(f"held-out top-1 agreement by offset: {report['heldout_top1_agreement_by_offset']}")
@@ -165,11 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train-drafter", help="distil a DSpark drafter from the default target")
     t.add_argument("--out", required=True)
     t.add_argument("--work-dir", default="runs/drafter-work")
-    t.add_argument("--steps", type=int, default=1600)
-    t.add_argument("--lr", type=float, default=1.5e-3)
-    t.add_argument("--corpus-tokens", type=int, default=160_000)
-    t.add_argument("--answer-tokens", type=int, default=128)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--steps", type=int, help="default: the shipped recipe's (DrafterRecipe)")
+    t.add_argument("--lr", type=float, help="default: the shipped recipe's")
+    t.add_argument("--corpus-tokens", type=int, help="default: the shipped recipe's")
+    t.add_argument("--answer-tokens", type=int, help="default: the shipped recipe's")
+    t.add_argument("--seed", type=int, help="default: the shipped recipe's")
     t.add_argument("--device")
     t.set_defaults(func=cmd_train)
 

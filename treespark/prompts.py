@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 
+import torch
+
 SPLITS = ("train", "heldout")
 KINDS = ("chat", "code")
 
@@ -70,3 +72,60 @@ def _all_prompts() -> list[Prompt]:
         seen.add(prompt.id)
         prompts.append(prompt)
     return prompts
+
+
+# Templated requests for drafter training only: more contexts in the style of the
+# prompt set (chat and code), so the drafter sees many answers of the target.
+_CHAT_TEMPLATES = (
+    "Explain {x} in simple terms.",
+    "Write a short poem about {x}.",
+    "Give three practical tips about {x}.",
+    "What are the main pros and cons of {x}?",
+    "Summarize the history of {x} in a few sentences.",
+    "Describe {x} to someone who has never heard of it.",
+)
+_CHAT_SUBJECTS = (
+    "public libraries", "bicycles", "rainforests", "the moon", "coffee", "volcanoes",
+    "learning a new language", "saving money", "gardening", "the ocean tides", "bees",
+    "chess", "electric cars", "sleep", "the printing press", "photosynthesis", "jazz",
+    "mountain hiking", "recycling", "the internet", "baking bread", "time zones",
+    "friendship", "solar panels", "the Roman empire", "museums", "trains", "rain",
+    "meditation", "board games", "vaccines", "deserts", "maps", "running a marathon",
+    "owls", "cooking rice", "the water cycle", "public speaking", "autumn", "robots",
+)
+_CODE_TEMPLATES = (
+    "Write a Python function that {x}.",
+    "Show how to {x} in Python, with a short explanation.",
+    "Write a small Python script to {x}, and explain each step.",
+)
+_CODE_TASKS = (
+    "reverses the words in a sentence", "counts vowels in a string",
+    "checks whether a number is prime", "merges two sorted lists",
+    "reads a CSV file and prints the average of a column", "removes duplicates from a list",
+    "finds the longest common prefix of a list of strings", "computes a factorial recursively",
+    "flattens a nested list", "converts Celsius to Fahrenheit",
+    "validates an email address with a regular expression", "returns the n-th Fibonacci number",
+    "groups words by their first letter", "parses a date string into a datetime",
+    "sorts a list of dictionaries by a key", "computes the median of a list",
+    "reads a JSON file and pretty-prints it", "counts word frequencies in a text file",
+    "implements binary search", "checks whether a string is a palindrome",
+    "generates a random password", "walks a directory and lists all .txt files",
+    "rotates a matrix by 90 degrees", "implements a simple stack class",
+    "downloads nothing but simulates a retry loop with exponential backoff",
+    "transposes a list of lists", "chunks a list into pieces of size n",
+    "computes the greatest common divisor of two numbers", "formats a number with thousands separators",
+    "memoizes an expensive function",
+)
+
+
+def synthetic_prompts(seed: int = 0) -> list[Prompt]:
+    """Every templated request (chat and code), in an order shuffled by ``seed``.
+
+    Training material only. None of them equals a heldout prompt (checked)."""
+    held = {p.text for p in load_prompts("heldout")}
+    texts = [("chat", t.format(x=x)) for x in _CHAT_SUBJECTS for t in _CHAT_TEMPLATES]
+    texts += [("code", t.format(x=x)) for x in _CODE_TASKS for t in _CODE_TEMPLATES]
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(texts), generator=g).tolist()
+    return [Prompt(id=f"synth-{i:03d}", kind=texts[i][0], split="train", text=texts[i][1])
+            for i in order if texts[i][1] not in held]

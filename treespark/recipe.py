@@ -3,8 +3,9 @@
 ``build_drafter(recipe, work_dir, out_dir)``:
 
 1. sequences: the offline corpus (``treespark.corpus``) cut into fixed-length
-   windows, plus the target's own greedy answers to the train-split prompts
-   (serving contexts look like these);
+   windows, plus the target's own answers (serving contexts look like these): greedy
+   to the train-split prompts and to templated requests (``synthetic_prompts``), and
+   sampled to the train-split prompts; each set is cached on its own in ``work_dir``;
 2. features: one teacher-forced target pass per sequence (tapped hidden states and
    the target's argmax labels), cached in ``work_dir``;
 3. a reduced draft vocabulary: the most frequent target labels;
@@ -27,7 +28,7 @@ from treespark.corpus import training_texts
 from treespark.drafter import save_drafter
 from treespark.models import ModelPair
 from treespark.params import SamplingParams
-from treespark.prompts import load_prompts
+from treespark.prompts import load_prompts, synthetic_prompts
 from treespark.train import (
     Features,
     TrainConfig,
@@ -45,15 +46,16 @@ class DrafterRecipe:
     seq_len: int = 256
     corpus_tokens: int = 160_000     # tokens of offline corpus text
     answer_tokens: int = 128         # answer length per train prompt
-    sampled_answer_sets: int = 0     # extra answer sets sampled at ``sampled_temperature``
-    sampled_temperature: float = 0.7
-    answer_weight: float = 1.0       # how much likelier an answer is drawn than a corpus window
+    synthetic_prompts: int = 330     # templated train requests answered greedily (prompts.synthetic_prompts)
+    sampled_answer_sets: int = 2     # extra answer sets to the train prompts, sampled at ``sampled_temperature``
+    sampled_temperature: float = 0.8
+    answer_weight: float = 3.0       # how much likelier an answer is drawn than a corpus window
     block_size: int = 6
     tap_layers: tuple[int, ...] = (2, 15, 28)
     markov_rank: int = 64
     draft_vocab: int = 8192
     mask_token_id: int = 3           # SmolLM2's <repo_name>: never seen in chat
-    train: TrainConfig = TrainConfig(steps=1600, lr=1.5e-3, anchors_per_step=48)
+    train: TrainConfig = TrainConfig(steps=5000, lr=1.5e-3, anchors_per_step=48)
     seed: int = 0
 
 
@@ -85,7 +87,7 @@ def target_answers(pair: ModelPair, prompts: list[list[int]], max_tokens: int,
     eos = pair.tokenizer.eos_token_id if pair.tokenizer is not None else None
     stop = (eos,) if eos is not None else ()
     longest = max(len(p) for p in prompts)
-    engine = Engine(pair, EngineConfig(max_batch_size=8, max_context=longest + max_tokens),
+    engine = Engine(pair, EngineConfig(max_batch_size=16, max_context=longest + max_tokens),
                     budget=Budget.off())
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, stop_token_ids=stop,
@@ -100,36 +102,57 @@ def target_answers(pair: ModelPair, prompts: list[list[int]], max_tokens: int,
     return [prompts[i] + answers[i] for i in range(len(prompts))]
 
 
+def _cached(path: Path, make) -> Features:
+    """Features cached in ``path``; ``make()`` builds them once (each set is kept on its
+    own, so an interrupted build resumes where it stopped)."""
+    if path.exists():
+        return Features.load(path)
+    feats = make()
+    feats.save(path)
+    return feats
+
+
 def build_drafter(recipe: DrafterRecipe, target, tokenizer, work_dir: Path, out_dir: Path,
                   *, progress: bool = True) -> dict:
     work_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    answers_file = work_dir / "features_answers.safetensors"
-    corpus_file = work_dir / "features_corpus.safetensors"
-    held_file = work_dir / "features_heldout.safetensors"
-    if not (answers_file.exists() and corpus_file.exists() and held_file.exists()):
-        # a throwaway drafter of the right shape lets the engine decode (budget off)
-        tmp = new_drafter_for(target, block_size=recipe.block_size, tap_layers=recipe.tap_layers,
-                              markov_rank=recipe.markov_rank, mask_token_id=recipe.mask_token_id,
-                              d2t=None, seed=recipe.seed)
-        pair = ModelPair(target, tmp, tokenizer)
-        train_prompts = [chat_ids(tokenizer, p.text) for p in load_prompts("train")]
-        held_prompts = [chat_ids(tokenizer, p.text) for p in load_prompts("heldout")]
-        answers = target_answers(pair, train_prompts, recipe.answer_tokens, progress=progress)
-        for k in range(recipe.sampled_answer_sets):
-            answers += target_answers(pair, train_prompts, recipe.answer_tokens, progress=progress,
-                                      temperature=recipe.sampled_temperature, seed=1000 * (k + 1))
-        held = target_answers(pair, held_prompts, recipe.answer_tokens, progress=progress)
-        target_features(target, recipe.tap_layers, held, progress=progress).save(held_file)
-        target_features(target, recipe.tap_layers, answers, progress=progress).save(answers_file)
-        corpus = corpus_sequences(tokenizer, recipe.corpus_tokens, recipe.seq_len)
-        target_features(target, recipe.tap_layers, corpus, progress=progress, total=len(corpus)).save(corpus_file)
-    answers_feats, corpus_feats = Features.load(answers_file), Features.load(corpus_file)
+    # a throwaway drafter of the right shape lets the engine decode (budget off)
+    tmp = new_drafter_for(target, block_size=recipe.block_size, tap_layers=recipe.tap_layers,
+                          markov_rank=recipe.markov_rank, mask_token_id=recipe.mask_token_id,
+                          d2t=None, seed=recipe.seed)
+    pair = ModelPair(target, tmp, tokenizer)
+    train_prompts = [chat_ids(tokenizer, p.text) for p in load_prompts("train")]
+    held_prompts = [chat_ids(tokenizer, p.text) for p in load_prompts("heldout")]
+    n = recipe.answer_tokens
+
+    def answer_features(temperature: float, seed: int, prompts: list[list[int]]):
+        return lambda: target_features(
+            target, recipe.tap_layers,
+            target_answers(pair, prompts, n, temperature=temperature, seed=seed, progress=progress),
+            progress=progress)
+
+    held_feats = _cached(work_dir / f"features_heldout_n{n}.safetensors", answer_features(0.0, 0, held_prompts))
+    answer_sets = [_cached(work_dir / f"features_answers_greedy_n{n}.safetensors", answer_features(0.0, 0, train_prompts))]
+    if recipe.synthetic_prompts:
+        synth = [chat_ids(tokenizer, p.text) for p in synthetic_prompts(recipe.seed)[: recipe.synthetic_prompts]]
+        answer_sets.append(_cached(work_dir / f"features_synthetic{len(synth)}_greedy_n{n}.safetensors",
+                                   answer_features(0.0, 0, synth)))
+    for k in range(recipe.sampled_answer_sets):
+        t = recipe.sampled_temperature
+        answer_sets.append(_cached(work_dir / f"features_answers_t{t}_set{k}_n{n}.safetensors",
+                                   answer_features(t, 1000 * (k + 1), train_prompts)))
+    corpus_feats = _cached(
+        work_dir / f"features_corpus_{recipe.corpus_tokens}_{recipe.seq_len}.safetensors",
+        lambda: target_features(target, recipe.tap_layers,
+                                corpus_sequences(tokenizer, recipe.corpus_tokens, recipe.seq_len),
+                                progress=progress))
+    answers_feats = concat_features(*answer_sets)
     feats = concat_features(answers_feats, corpus_feats)
     weights = torch.ones(len(feats), dtype=torch.float64)
     weights[: len(answers_feats)] = recipe.answer_weight
-    held_feats = Features.load(held_file)
-    d2t = draft_vocabulary(feats.labels, recipe.draft_vocab, target.config.vocab_size)
+    # the draft vocabulary counts each label as often as training draws it
+    label_weights = torch.repeat_interleave(weights, feats.starts[1:] - feats.starts[:-1])
+    d2t = draft_vocabulary(feats.labels, recipe.draft_vocab, target.config.vocab_size, label_weights)
     coverage = float(torch.isin(held_feats.labels, d2t).float().mean())
     drafter = new_drafter_for(target, block_size=recipe.block_size, tap_layers=recipe.tap_layers,
                               markov_rank=recipe.markov_rank, mask_token_id=recipe.mask_token_id,

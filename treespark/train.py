@@ -96,9 +96,11 @@ def target_features(target, tap_layers: tuple[int, ...], sequences: Iterable[lis
     return Features(torch.cat(toks), torch.cat(taps), torch.cat(labels), torch.tensor(starts))
 
 
-def draft_vocabulary(labels: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
-    """The ``size`` most frequent target labels, sorted by token id (the d2t map)."""
-    counts = torch.bincount(labels, minlength=vocab_size)
+def draft_vocabulary(labels: torch.Tensor, size: int, vocab_size: int,
+                     weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``size`` most frequent target labels (each counted with its weight, if
+    given), sorted by token id (the d2t map)."""
+    counts = torch.bincount(labels, weights=weights, minlength=vocab_size)
     return counts.topk(min(size, vocab_size)).indices.sort().values
 
 
