@@ -1,0 +1,227 @@
+"""The controller's state and rules, without Ray: ``ControllerState``.
+
+Replicas report every heartbeat; the state
+
+* registers a replica on its first report (also after a controller restart, whose
+  state is empty: replicas simply re-register with their next heartbeat);
+* drops replicas silent for ``heartbeat_timeout_s`` (``expired``);
+* aggregates the live reports into a ``LoadSnapshot`` (``aggregate_load``) and asks the
+  ``BudgetPolicy`` for each replica's budget (``assign_budgets``; an operator
+  ``override`` pins one budget for all);
+* keeps cluster counters (monotone across dropped replicas), calibration records and
+  per-round (tree size, accepted) records, and refits what ``deployments.estimators``
+  learns from them;
+* answers ``status()``, what ``GET /v1/speculation`` and ``/metrics`` show.
+
+``clock`` is injectable, so tests drive time by hand.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from deployments.estimators import (
+    RoundWindow,
+    calibration_ece,
+    fit_calibration,
+    fit_draft_cost,
+    shrink_calibration,
+)
+from deployments.reports import COUNTERS, ReplicaReport, budget_from_wire, budget_to_wire
+from treespark.budget import Budget
+from treespark.costmodel import AcceptanceStats
+from treespark.policy import BudgetPolicy, LoadSnapshot
+
+
+def aggregate_load(reports: Iterable[ReplicaReport], acceptance: AcceptanceStats | None = None,
+                   draft_node_s: float | None = None) -> LoadSnapshot:
+    """Cluster load: sums of active/queued/tokens per second, mean step time of the
+    replicas that stepped; ``acceptance`` (the controller's recent per-round records)
+    passes through to the policy."""
+    reports = list(reports)
+    steps = [r.tree.step_s for r in reports if r.tree.steps > 0]
+    return LoadSnapshot(
+        replicas=len(reports),
+        active=sum(r.active for r in reports),
+        queued=sum(r.queued for r in reports),
+        step_s=sum(steps) / len(steps) if steps else 0.0,
+        tokens_per_s=sum(r.tokens_per_s for r in reports),
+        acceptance=acceptance,
+        draft_node_s=draft_node_s,
+    )
+
+
+def assign_budgets(
+    policy: BudgetPolicy, load: LoadSnapshot, replica_ids: Iterable[str], override: Budget | None = None
+) -> dict[str, Budget]:
+    return {rid: override if override is not None else policy.budget_for(load, rid) for rid in replica_ids}
+
+
+def expired(last_seen: Mapping[str, float], now: float, timeout_s: float) -> list[str]:
+    return [rid for rid, t in last_seen.items() if now - t > timeout_s]
+
+
+@dataclass
+class _Entry:
+    report: ReplicaReport
+    last_seen: float
+    registered_at: float
+    budget: Budget
+    version: int = 0
+
+
+@dataclass
+class ControllerState:
+    """Everything the controller knows, and the rules it applies. ``clock`` is injectable."""
+
+    policy: BudgetPolicy
+    heartbeat_timeout_s: float = 2.0
+    online_calibration: bool = False
+    min_calibration_records: int = 2000
+    calibration_prior_records: int = 2000   # the stored fit counts as this many records
+    clock: Callable[[], float] = time.monotonic
+    replicas: dict[str, _Entry] = field(default_factory=dict)
+    override: Budget | None = None
+    departed: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
+    records: deque = field(default_factory=lambda: deque(maxlen=20000))
+    calibration: tuple[float, float] | None = None
+    calibration_report: dict[str, float] | None = None
+    rounds: RoundWindow = field(default_factory=RoundWindow)
+    draft_points: deque = field(default_factory=lambda: deque(maxlen=400))
+    draft_node_s: float | None = None
+    registrations: int = 0
+    dropped: int = 0
+    started_at: float = field(default_factory=time.time)
+    _records_since_fit: int = 0
+
+    def report(self, report: ReplicaReport) -> dict[str, Any]:
+        """Record one heartbeat; returns ``{"budget", "registered", "calibration"}`` for the replica."""
+        now = self.clock()
+        self.prune(now)
+        entry = self.replicas.get(report.replica_id)
+        registered = entry is None
+        if registered:
+            self.registrations += 1
+            entry = _Entry(report, now, now, budget_from_wire(report.budget))
+            self.replicas[report.replica_id] = entry
+        entry.report, entry.last_seen = report, now
+        self.records.extend(report.calibration_records)
+        self._records_since_fit += len(report.calibration_records)
+        self.rounds.extend(report.round_records)
+        t = report.tree
+        if t.steps > 0 and t.draft_s > 0:
+            self.draft_points.append((t.batch_size, t.batch_size * t.mean_tree_size, t.draft_s))
+            self.draft_node_s = fit_draft_cost(self.draft_points)
+        self._refit()
+        self._reassign()
+        return {
+            "budget": budget_to_wire(self.replicas[report.replica_id].budget),
+            "registered": registered,
+            "calibration": self.calibration if self.online_calibration else None,
+        }
+
+    def prune(self, now: float | None = None) -> list[str]:
+        now = self.clock() if now is None else now
+        gone = expired({k: e.last_seen for k, e in self.replicas.items()}, now, self.heartbeat_timeout_s)
+        for rid in gone:
+            for k in COUNTERS:
+                self.departed[k] += self.replicas[rid].report.counters.get(k, 0.0)
+            del self.replicas[rid]
+        self.dropped += len(gone)
+        if gone:
+            self._reassign()
+        return gone
+
+    def load(self) -> LoadSnapshot:
+        return aggregate_load((e.report for e in self.replicas.values()), self.rounds.stats(), self.draft_node_s)
+
+    def set_override(self, budget: Budget | None) -> None:
+        self.override = budget
+        self._reassign()
+
+    def _reassign(self) -> None:
+        budgets = assign_budgets(self.policy, self.load(), self.replicas, self.override)
+        for rid, b in budgets.items():
+            e = self.replicas[rid]
+            if b != e.budget:
+                e.budget, e.version = b, e.version + 1
+
+    def base_calibration(self) -> tuple[float, float]:
+        """The stored calibration the replicas started from ((1, 0) if none reported)."""
+        for e in self.replicas.values():
+            if e.report.base_calibration is not None:
+                return e.report.base_calibration
+        return (1.0, 0.0)
+
+    def _refit(self) -> None:
+        if self.online_calibration and len(self.records) >= self.min_calibration_records and self._records_since_fit >= self.min_calibration_records // 4:
+            recent = list(self.records)[-5000:]  # keeps a refit well under a heartbeat
+            base = self.base_calibration()
+            fit = fit_calibration(recent)
+            self.calibration = shrink_calibration(fit, base, len(self.records), self.calibration_prior_records)
+            self.calibration_report = {
+                "records": len(recent),
+                "ece_stored": calibration_ece(recent, *base),
+                "ece_pushed": calibration_ece(recent, *self.calibration),
+                "ece_fit": calibration_ece(recent, *fit),
+                "a": self.calibration[0],
+                "b": self.calibration[1],
+            }
+            self._records_since_fit = 0
+
+    def _acceptance_status(self) -> dict[str, Any]:
+        st = self.rounds.stats()
+        if st is None:
+            return {"rounds": 0, "by_tree_size": {}}
+        return {"rounds": st.rounds,
+                "by_tree_size": {str(n): [c, st.sums[n] / c] for n, c in enumerate(st.counts) if c}}
+
+    def counters(self) -> dict[str, float]:
+        total = dict(self.departed)
+        for e in self.replicas.values():
+            for k in COUNTERS:
+                total[k] += e.report.counters.get(k, 0.0)
+        return total
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        self.prune(now)
+        acc = [y for _, y in self.records]
+        return {
+            "replicas": {
+                rid: {
+                    "budget": budget_to_wire(e.budget),
+                    "applied_budget": e.report.budget,
+                    "budget_source": e.report.budget_source,
+                    "active": e.report.active,
+                    "queued": e.report.queued,
+                    "kv_slots_in_use": e.report.kv_slots_in_use,
+                    "rss_bytes": e.report.rss_bytes,
+                    "tokens_per_s": e.report.tokens_per_s,
+                    "last_seen_s": now - e.last_seen,
+                    "registered_s": now - e.registered_at,
+                    "calibration": e.report.calibration,
+                    **asdict(e.report.tree),
+                }
+                for rid, e in sorted(self.replicas.items())
+            },
+            "cluster": asdict(self.load()),
+            "override": budget_to_wire(self.override) if self.override else None,
+            "calibration": {
+                "records": len(acc),
+                "acceptance_rate": sum(acc) / len(acc) if acc else None,
+                "online": self.online_calibration,
+                "fitted": self.calibration,
+                "report": self.calibration_report,
+            },
+            "acceptance": self._acceptance_status(),
+            "draft_node_s": self.draft_node_s,
+            "registrations": self.registrations,
+            "dropped": self.dropped,
+            "uptime_s": time.time() - self.started_at,
+            "counters": self.counters(),
+        }

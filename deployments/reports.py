@@ -1,0 +1,81 @@
+"""What a replica and the controller say to each other on every heartbeat.
+
+A replica sends a ``ReplicaReport`` (as a plain dict: it crosses Ray) with its load,
+the ``TreeStats`` of its recent engine steps, its cumulative ``COUNTERS`` and the
+records the controller learns from; the reply carries a budget in the same wire form
+(``budget_to_wire`` / ``budget_from_wire``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from treespark.budget import Budget
+
+COUNTERS = (
+    "requests",
+    "requests_aborted",
+    "prompt_tokens",
+    "generation_tokens",
+    "rounds",
+    "draft_tokens",
+    "accepted_tokens",
+    "steps",
+)
+
+
+@dataclass(frozen=True)
+class TreeStats:
+    """Means over the engine steps since the previous heartbeat (0 when idle)."""
+
+    steps: int = 0
+    batch_size: float = 0.0
+    mean_tree_size: float = 0.0
+    mean_width: float = 0.0
+    mean_depth: float = 0.0
+    accepted_per_round: float = 0.0
+    step_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    theta: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    replica_id: str
+    active: int
+    queued: int
+    tokens_per_s: float
+    tree: TreeStats
+    budget: dict[str, float]
+    budget_source: str
+    counters: dict[str, float]
+    calibration_records: tuple[tuple[float, bool], ...] = ()
+    calibration: tuple[float, float] | None = None
+    round_records: tuple[tuple[int, int], ...] = ()         # (tree size, accepted) per request-round
+    base_calibration: tuple[float, float] | None = None     # the replica's stored (a, b)
+    kv_slots_in_use: int | None = None                      # engine KV rows holding a request
+    rss_bytes: int | None = None                            # the replica process's resident memory
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:
+        d = dict(d)
+        d["tree"] = TreeStats(**d.get("tree", {}))
+        d["calibration_records"] = tuple((float(x), bool(y)) for x, y in d.get("calibration_records", ()))
+        if d.get("calibration") is not None:
+            d["calibration"] = tuple(d["calibration"])
+        if d.get("base_calibration") is not None:
+            d["base_calibration"] = (float(d["base_calibration"][0]), float(d["base_calibration"][1]))
+        d["round_records"] = tuple((int(n), int(a)) for n, a in d.get("round_records", ()))
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})  # a newer replica's extra keys: ignored
+
+
+def budget_to_wire(b: Budget) -> dict[str, float]:
+    return {"theta": b.theta, "node_cap": b.node_cap, "branch_cap": b.branch_cap}
+
+
+def budget_from_wire(d: Mapping[str, Any]) -> Budget:
+    return Budget(theta=float(d["theta"]), node_cap=int(d["node_cap"]), branch_cap=int(d["branch_cap"]))
