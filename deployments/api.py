@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP ingress: schemas, routes, errors.
+"""The OpenAI-compatible HTTP ingress: the FastAPI routes and the ``Api`` deployment.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE with
 ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /v1/speculation`` (each
@@ -6,9 +6,11 @@ replica's budget and recent tree statistics, from the controller),
 ``POST /v1/speculation/override`` (pin one budget for all replicas, or ``null`` to
 release), ``GET /metrics`` (Prometheus text).
 
-The ingress parses and validates; tokenization, context checks and stop strings happen
-in the engine replica, which owns the tokenizer. Every bad input is a 4xx with an
-OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
+The ingress parses and validates (``deployments.validation`` over the schemas of
+``deployments.schemas``); tokenization, context checks and stop strings happen in the
+engine replica, which owns the tokenizer. Every bad input is a 4xx with an OpenAI
+error body ``{"error": {"message", "type", "param", "code"}}`` (``deployments.errors``);
+engine events become responses in ``deployments.responses``.
 
 Reliability and security (``AppArgs.limits``, ``AppArgs.api_key_env``):
 
@@ -26,123 +28,60 @@ Reliability and security (``AppArgs.limits``, ``AppArgs.api_key_env``):
 
 
 import asyncio
-import contextlib
 import hmac
-import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.config import AppArgs, BudgetArgs
+from deployments.config import AppArgs
 from deployments.controller import get_or_create_controller
+from deployments.errors import (
+    error_response,
+    internal_error,
+    retry_after,
+    validation_error_response,
+)
 from deployments.metrics import render
+from deployments.responses import cancel_call, completion_body, engine_error_response, sse_stream
+from deployments.schemas import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    OverrideRequest,
+    SamplingRequest,
+    StreamOptions,
+    TextPart,
+)
+from deployments.validation import engine_request, json_body, parse
+
+__all__ = [
+    "Api",
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "OverrideRequest",
+    "StreamOptions",
+    "TextPart",
+    "app",
+    "error_response",
+    "internal_error",
+    "retry_after",
+    "validation_error_response",
+]
 
 log = logging.getLogger("ray.serve")
-
-
-# -- schemas ------------------------------------------------------------------------
-
-
-class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class StreamOptions(_Req):
-    include_usage: bool = False
-
-
-class _Sampling(_Req):
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] = Field(min_length=1)
-    max_tokens: int | None = Field(16, ge=1)
-
-
-class TextPart(_Req):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Req):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-
-class OverrideRequest(_Req):
-    budget: BudgetArgs | None
-
-
-# -- errors -------------------------------------------------------------------------
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   type_: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    if type_ is None:
-        type_ = {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable",
-                 500: "internal_error"}.get(status, "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status,
-                        headers=headers)
-
-
-def internal_error(what: str, detail: Any, status: int = 500, code: str = "internal_error") -> JSONResponse:
-    """A 5xx whose body names only an error id; ``detail`` (an exception, a message that may
-    hold paths) goes to the log."""
-    eid = uuid.uuid4().hex[:12]
-    log.error("%s [error id %s]: %s", what, eid, detail if isinstance(detail, str) else repr(detail))
-    return error_response(status, f"{what} (error id {eid})", code=code)
-
-
-def retry_after(seconds: float) -> dict[str, str]:
-    return {"Retry-After": str(max(1, int(-(-seconds // 1))))}
-
-
-def validation_error_response(err: ValidationError | RequestValidationError) -> JSONResponse:
-    errors = err.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = loc[0] if loc else None
-    where = ".".join(loc) or "body"
-    return error_response(400, f"{where}: {first.get('msg')}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
-                          param, "invalid_value")
-
 
 app = FastAPI(title="TreeSpark Serve", docs_url=None, redoc_url=None)
 
@@ -169,18 +108,6 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 class _ReplicaFailed(Exception):
     """The engine replica died (or became unreachable) before the response started."""
-
-
-def _cancel(gen: Any) -> None:
-    """Cancel a handle call, best effort: Serve's ``cancel()`` re-raises the call's own error
-    (BackPressureError, a dead actor) when it already failed."""
-    if gen is not None:
-        with contextlib.suppress(Exception):
-            gen.cancel()
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 # -- the ingress deployment ---------------------------------------------------------
@@ -214,105 +141,8 @@ class Api:
         return error_response(401, "Missing or incorrect API key: send `Authorization: Bearer <key>`.",
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def _read_body(self, request: Request) -> bytes | JSONResponse:
-        """The body, or a 413 as soon as it is longer than ``limits.max_body_bytes``."""
-        limit = self.args.limits.max_body_bytes
-        too_big = error_response(413, f"request body exceeds {limit} bytes", code="request_too_large")
-        try:
-            if int(request.headers.get("content-length", "0")) > limit:
-                return too_big
-        except ValueError:
-            return error_response(400, "invalid Content-Length", code="invalid_request")
-        chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                return too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def _json_body(self, request: Request) -> Any:
-        raw = await self._read_body(request)
-        if isinstance(raw, JSONResponse):
-            return raw
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return error_response(400, f"request body is not valid JSON: {err}", code="invalid_json")
-        except RecursionError:
-            return error_response(400, "request body is nested too deeply", code="invalid_json")
-
-    def _check_limits(self, req: _Sampling) -> JSONResponse | None:
-        lim, ctx = self.args.limits, self.args.max_context
-        if isinstance(req, ChatRequest):
-            if len(req.messages) > lim.max_messages:
-                return error_response(400, f"at most {lim.max_messages} messages", "messages", "invalid_value")
-            if sum(len(m.text()) for m in req.messages) > lim.max_prompt_chars:
-                return error_response(400, f"the messages exceed {lim.max_prompt_chars} characters", "messages",
-                                      "context_length_exceeded")
-        elif isinstance(req.prompt, str) or all(isinstance(t, str) for t in req.prompt):
-            n = len(req.prompt) if isinstance(req.prompt, str) else sum(len(t) for t in req.prompt)
-            if n > lim.max_prompt_chars:
-                return error_response(400, f"the prompt exceeds {lim.max_prompt_chars} characters", "prompt",
-                                      "context_length_exceeded")
-        elif len(req.prompt) >= ctx:
-            return error_response(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
-                                       f"{len(req.prompt)}.", "prompt", "context_length_exceeded")
-        limit = min(ctx - 1, lim.max_tokens or ctx)
-        mt = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        if mt is not None and mt > limit:
-            return error_response(400, f"max_tokens must be <= {limit} (the model's context is {ctx} tokens)",
-                                  "max_tokens", "invalid_value")
-        stops = req.stop_list()
-        if len(stops) > lim.max_stop or any(not s or len(s) > lim.max_stop_chars for s in stops):
-            return error_response(400, f"stop must be at most {lim.max_stop} non-empty strings of at most "
-                                       f"{lim.max_stop_chars} characters", "stop", "invalid_value")
-        ids = req.stop_token_ids or ()
-        if len(ids) > lim.max_stop_token_ids or any(not 0 <= t < 2**31 for t in ids):
-            return error_response(400, f"stop_token_ids must be at most {lim.max_stop_token_ids} non-negative "
-                                       "token ids", "stop_token_ids", "invalid_value")
-        return None
-
-    async def _parse(self, request: Request, schema: type[_Sampling]) -> _Sampling | JSONResponse:
-        body = await self._json_body(request)
-        if isinstance(body, JSONResponse):
-            return body
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object", code="invalid_json")
-        try:
-            req = schema.model_validate(body)
-        except ValidationError as err:
-            return validation_error_response(err)
-        if req.model != self.model:
-            return error_response(404, f"The model `{req.model[:200]}` does not exist. Available: `{self.model}`.",
-                                  "model", "model_not_found")
-        return self._check_limits(req) or req
-
-    def _engine_request(self, req: _Sampling) -> dict[str, Any] | JSONResponse:
-        out: dict[str, Any] = {
-            "request_id": uuid.uuid4().hex,
-            "max_tokens": req.max_tokens,
-            # below 1e-5 sampling is greedy in all but name, and a denormal temperature is 0 in
-            # float32 (the engine would divide by it): greedy, as vLLM does
-            "temperature": req.temperature if req.temperature >= 1e-5 else 0.0,
-            "top_p": req.top_p,
-            "seed": req.seed,
-            "stop": req.stop_list(),
-            "stop_token_ids": list(req.stop_token_ids or ()),
-            "ignore_eos": req.ignore_eos,
-        }
-        if isinstance(req, ChatRequest):
-            out["max_tokens"] = req.max_completion_tokens or req.max_tokens
-            out["messages"] = [{"role": m.role, "content": m.text()} for m in req.messages]
-        elif isinstance(req.prompt, str):
-            out["prompt"] = req.prompt
-        elif all(isinstance(t, int) for t in req.prompt):
-            out["prompt_ids"] = list(req.prompt)
-        elif len(req.prompt) == 1:
-            out["prompt"] = req.prompt[0]
-        else:
-            return error_response(400, "only one prompt per request is supported", "prompt", "invalid_value")
-        return out
+    def _engine_request(self, req: SamplingRequest) -> dict[str, Any] | JSONResponse:
+        return engine_request(req)
 
     async def _controller_call(self, method: str, *args: Any) -> Any:
         timeout = self.args.controller.rpc_timeout_s
@@ -329,10 +159,10 @@ class Api:
                               headers=retry_after(self.args.replica.retry_after_s))
 
     # -- generation -----------------------------------------------------------
-    async def _generate(self, request: Request, schema: type[_Sampling]) -> Any:
+    async def _generate(self, request: Request, schema: type[SamplingRequest]) -> Any:
         if (denied := self._auth(request)) is not None:
             return denied
-        req = await self._parse(request, schema)
+        req = await parse(request, schema, self.args)
         if isinstance(req, JSONResponse):
             return req
         ereq = self._engine_request(req)
@@ -349,41 +179,36 @@ class Api:
         return error_response(503, "the engine replica serving this request failed; retry", code="replica_failed",
                               headers=retry_after(self.args.replica.retry_after_s))
 
-    def _engine_error(self, ev: dict[str, Any]) -> JSONResponse:
-        if ev["status"] >= 500:  # the message may hold exception text: log it, answer an id
-            return internal_error("the engine failed on this request", ev["message"], ev["status"], ev["code"] or "engine_error")
-        return error_response(ev["status"], ev["message"], ev["param"], ev["code"])
-
-    async def _generate_once(self, req: _Sampling, ereq: dict[str, Any]) -> Any:
+    async def _generate_once(self, req: SamplingRequest, ereq: dict[str, Any]) -> Any:
         """One try on one replica; raises ``_ReplicaFailed`` while nothing was sent yet."""
         gen = None
         try:  # (Serve may raise BackPressureError from .remote() itself)
             gen = self.replica.options(stream=True).generate.remote(ereq)
             first = await asyncio.wait_for(gen.__anext__(), self.args.limits.queue_timeout_s)
         except BackPressureError as err:
-            _cancel(gen)
+            cancel_call(gen)
             headers = retry_after(err.retry_after_s) if err.retry_after_s is not None else None
             return error_response(err.status_code, "the server is overloaded; retry later", code="overloaded",
                                   headers=headers)
         except (asyncio.TimeoutError, DeploymentUnavailableError) as err:
-            _cancel(gen)
+            cancel_call(gen)
             what = "no engine replica took the request in time" if isinstance(err, asyncio.TimeoutError) else \
                 "no engine replica is available"
             return error_response(503, f"{what}; retry later", code="overloaded",
                                   headers=retry_after(self.args.replica.retry_after_s))
         except asyncio.CancelledError:
-            _cancel(gen)
+            cancel_call(gen)
             raise
         except RayActorError as err:
-            _cancel(gen)
+            cancel_call(gen)
             raise _ReplicaFailed() from err
         if first["type"] == "error":
-            return self._engine_error(first)
+            return engine_error_response(first)
         chat = isinstance(req, ChatRequest)
         rid = ("chatcmpl-" if chat else "cmpl-") + first["request_id"]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(gen, rid, chat, include_usage), media_type="text/event-stream")
+            return StreamingResponse(sse_stream(gen, rid, chat, include_usage, self.model), media_type="text/event-stream")
         texts: list[str] = []
         end: dict[str, Any] | None = None
         try:
@@ -393,64 +218,16 @@ class Api:
                 elif ev["type"] == "end":
                     end = ev
                 elif ev["type"] == "error":
-                    return self._engine_error(ev)
+                    return engine_error_response(ev)
         except asyncio.CancelledError:
-            _cancel(gen)
+            cancel_call(gen)
             raise
         except RayActorError as err:  # nothing sent to the client yet: the caller may resend
-            _cancel(gen)
+            cancel_call(gen)
             raise _ReplicaFailed() from err
         if end is None:
             return internal_error("generation ended without a result", "the replica's event stream ended early")
-        text = "".join(texts)
-        base = {"id": rid, "created": int(time.time()), "model": self.model, "usage": end["usage"], "speculation": end["speculation"]}
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": end["finish_reason"]}
-            return {"object": "chat.completion", **base, "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end["finish_reason"]}
-        return {"object": "text_completion", **base, "choices": [choice]}
-
-    async def _stream(self, gen: Any, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return {"id": rid, "object": obj, "created": created, "model": self.model, "choices": [c]}
-
-        def error(what: str, detail: Any, code: str) -> str:
-            eid = uuid.uuid4().hex[:12]
-            log.error("stream %s: %s [error id %s]: %s", rid, what, eid, detail)
-            return _sse({"error": {"message": f"{what} (error id {eid})", "type": "internal_error", "param": None, "code": code}})
-
-        finished = False
-        try:
-            if chat:
-                yield _sse(chunk(None, None, role=True))
-            try:
-                async for ev in gen:
-                    if ev["type"] == "delta" and ev["text"]:
-                        yield _sse(chunk(ev["text"], None))
-                    elif ev["type"] == "end":
-                        finished = True
-                        yield _sse(chunk(None if chat else "", ev["finish_reason"]))
-                        if include_usage:
-                            yield _sse({"id": rid, "object": obj, "created": created, "model": self.model, "choices": [],
-                                        "usage": ev["usage"], "speculation": ev["speculation"]})
-                    elif ev["type"] == "error":
-                        finished = True
-                        yield error("the engine failed on this request", ev["message"], ev["code"] or "engine_error")
-            except RayActorError as err:  # the replica died mid-stream: tell the client, end cleanly
-                finished = True
-                yield error("the engine replica serving this request failed", repr(err)[:2000], "replica_failed")
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:  # client disconnected (or we failed): abort in the engine
-                _cancel(gen)
+        return completion_body(rid, chat, self.model, "".join(texts), end)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
@@ -500,7 +277,7 @@ class Api:
     async def override(self, request: Request) -> Any:
         if (denied := self._auth(request)) is not None:
             return denied
-        body = await self._json_body(request)
+        body = await json_body(request, self.args.limits.max_body_bytes)
         if isinstance(body, JSONResponse):
             return body
         try:
