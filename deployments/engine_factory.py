@@ -1,0 +1,53 @@
+"""How a replica gets its engine: ``EngineBundle`` and the default ``build_engine``.
+
+``AppArgs.engine_factory`` names a callable ``(AppArgs) -> EngineBundle``; the default
+builds the real ``treespark`` engine on the configured model pair (tests name a fake
+engine instead, to isolate the deployments from the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.config import AppArgs
+from deployments.text import ByteTokenizer
+
+
+@dataclass(frozen=True)
+class EngineBundle:
+    """What an ``engine_factory`` returns: the engine, a tokenizer (HF or ``ByteTokenizer``),
+    the ``SamplingParams`` constructor, and the token ids that end a generation."""
+
+    engine: Any
+    tokenizer: Any
+    make_params: Callable[..., Any]
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def load_model_pair(args: AppArgs) -> Any:
+    import treespark
+
+    if args.model == "random":
+        return treespark.random_pair(vocab_size=args.vocab_size, seed=args.seed, device=args.device)
+    if args.model == "default":
+        return treespark.load_pair(device=args.device, progress=False)
+    # A target/drafter pair by id (e.g. Qwen/Qwen3-4B + deepseek-ai/dspark_qwen3_4b_block7).
+    return treespark.load_pair(target=args.model, drafter=args.drafter, device=args.device)
+
+
+def build_engine(args: AppArgs) -> EngineBundle:
+    """The default ``engine_factory``: the real engine on the configured model pair
+    (the pair decides the device)."""
+    from treespark.engine import Engine, EngineConfig, SamplingParams
+
+    pair = load_model_pair(args)
+    engine = Engine(pair, EngineConfig(max_batch_size=args.max_batch_size, max_context=args.max_context))
+    tok = getattr(pair, "tokenizer", None)
+    eos: tuple[int, ...] = ()
+    if tok is None:
+        tok = ByteTokenizer(engine.vocab_size)
+    elif getattr(tok, "eos_token_id", None) is not None:
+        eos = (int(tok.eos_token_id),)
+    return EngineBundle(engine=engine, tokenizer=tok, make_params=SamplingParams, eos_token_ids=eos)

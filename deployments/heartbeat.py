@@ -1,0 +1,188 @@
+"""A replica's heartbeat: reporting to the controller and applying its answer.
+
+A thread reports load and tree statistics to the controller every ``heartbeat_s``
+(``make_report``: the engine steps since the last beat summarized by
+``summarize_steps``, the counters, calibration and per-round records) and applies the
+budget and calibration in the reply. If the controller cannot be reached, the replica
+prices its own speculation with the local policy from its own load, and keeps trying
+(re-creating the controller if it is gone for good); the controller registers it again
+on the first report that gets through.
+
+``HeartbeatMixin`` holds this half of ``ReplicaCore``; it reads the host's ``args``,
+``replica_id``, ``policy``, ``loop`` (the ``EngineLoop``), ``bundle``, and the
+``counters`` / ``_tokens_emitted`` it shares with request handling under ``_lock``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from deployments.reports import TreeStats, budget_from_wire, budget_to_wire
+from treespark.budget import Budget
+from treespark.policy import LoadSnapshot
+
+log = logging.getLogger("ray.serve")
+
+
+def summarize_steps(stats: list[Any]) -> TreeStats:
+    """Means of the engine's ``StepStats`` over one heartbeat window."""
+    if not stats:
+        return TreeStats()
+    n = len(stats)
+    rows = [x for s in stats for x in range(s.batch_size)]
+    nrows = max(len(rows), 1)
+
+    def mean_rows(attr: str) -> float:
+        return sum(sum(getattr(s, attr)) for s in stats) / nrows
+
+    return TreeStats(
+        steps=n,
+        batch_size=sum(s.batch_size for s in stats) / n,
+        mean_tree_size=mean_rows("tree_sizes"),
+        mean_width=mean_rows("widths"),
+        mean_depth=mean_rows("depths"),
+        accepted_per_round=mean_rows("accepted"),
+        step_s=sum(s.step_s for s in stats) / n,
+        draft_s=sum(s.draft_s for s in stats) / n,
+        verify_s=sum(s.verify_s for s in stats) / n,
+        theta=stats[-1].theta,
+    )
+
+
+def _logit(q: float) -> float:
+    """Calibration records travel as (logit q, accepted): the controller fits
+    sigmoid(a * logit q + b), the map the engine's ``Calibration`` applies."""
+    q = min(max(q, 1e-6), 1 - 1e-6)
+    return math.log(q) - math.log1p(-q)
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+class HeartbeatMixin:
+    """The controller link of ``ReplicaCore`` (see the module docstring for what it reads)."""
+
+    def _init_heartbeat(self, connect: Callable[[], Any] | None) -> None:
+        """The starting budget (the local policy at idle) and, with ``connect``, the thread."""
+        self.budget: Budget = self.policy.budget_for(LoadSnapshot.idle(), self.replica_id)
+        self.budget_source = "local"
+        self.loop.set_budget(self.budget)
+        self.calibration: tuple[float, float] | None = None
+        cal = getattr(self.bundle.engine, "calibration", None)
+        if hasattr(cal, "a") and hasattr(cal, "b"):
+            cal = (cal.a, cal.b)
+        self.base_calibration = (float(cal[0]), float(cal[1])) if isinstance(cal, (tuple, list)) and len(cal) == 2 else None
+        self.controller_ok = False
+        self.registrations = 0
+        self.heartbeats_ok = 0
+        self.heartbeats_failed = 0
+        self.last_heartbeat_error: str | None = None
+        self.last_tree = TreeStats()
+        self._connect = connect
+        self._stop = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeat_loop, name="treespark-heartbeat", daemon=True)
+        if connect is not None:
+            self._hb.start()
+
+    def _stop_heartbeat(self) -> None:
+        self._stop.set()
+
+    def make_report(self, dt: float) -> dict[str, Any]:
+        window = [s for _, s in self.loop.drain_step_stats()]
+        tree = summarize_steps(window)
+        if window:
+            self.last_tree = tree
+        else:  # idle: keep showing the last trees, marked as no steps in this window
+            tree = dataclasses.replace(self.last_tree, steps=0)
+        records: list[tuple[float, bool]] = []
+        rounds: list[tuple[int, int]] = []
+        with self._lock:
+            for s in window:
+                self.counters["steps"] += 1
+                self.counters["rounds"] += s.batch_size
+                self.counters["draft_tokens"] += sum(s.tree_sizes)
+                self.counters["accepted_tokens"] += sum(s.accepted)
+                records.extend((_logit(float(q)), bool(y)) for q, y in s.calibration_records)
+                # keyed by the step's widest tree: every row paid for that width (padding)
+                width = max(s.tree_sizes, default=0)
+                rounds.extend((width, a) for a in s.accepted)
+            emitted, self._tokens_emitted = self._tokens_emitted, 0
+            counters = dict(self.counters)
+        load = self.loop.load
+        return {
+            "replica_id": self.replica_id,
+            "active": load.running,
+            "queued": load.waiting,
+            "kv_slots_in_use": load.kv_slots_in_use,
+            "rss_bytes": rss_bytes(),
+            "tokens_per_s": emitted / dt if dt > 0 else 0.0,
+            "tree": tree.__dict__,
+            "budget": budget_to_wire(self.budget),
+            "budget_source": self.budget_source,
+            "counters": counters,
+            "calibration_records": records[-1024:],
+            "calibration": self.calibration,
+            "round_records": rounds[-2048:],
+            "base_calibration": self.base_calibration,
+        }
+
+    def apply_budget(self, budget: Budget, source: str) -> None:
+        self.budget_source = source
+        if budget != self.budget:
+            self.budget = budget
+            self.loop.set_budget(budget)
+
+    def heartbeat_once(self, handle: Any, dt: float) -> dict[str, Any]:
+        """One report; raises if the controller does not answer in time."""
+        import ray
+
+        report = self.make_report(dt)
+        reply = ray.get(handle.report.remote(report), timeout=self.args.controller.rpc_timeout_s)
+        self.apply_budget(budget_from_wire(reply["budget"]), "controller")
+        if reply.get("registered"):
+            self.registrations += 1
+        cal = reply.get("calibration")
+        if cal is not None and tuple(cal) != self.calibration:
+            self.calibration = (float(cal[0]), float(cal[1]))
+            self.loop.set_calibration(*self.calibration)
+        return reply
+
+    def _heartbeat_loop(self) -> None:
+        period = self.args.controller.heartbeat_s
+        handle, last, retry_at = None, time.monotonic(), 0.0
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            if handle is None and now < retry_at:  # controller down: back off a little
+                self._use_local_policy()
+                continue
+            try:
+                if handle is None:
+                    handle = self._connect()
+                self.heartbeat_once(handle, now - last)
+                self.controller_ok = True
+                self.heartbeats_ok += 1
+            except Exception as err:  # noqa: BLE001 - controller unreachable: serve on
+                self.heartbeats_failed += 1
+                self.last_heartbeat_error = repr(err)[:500]
+                if self.controller_ok:
+                    log.warning("replica %s: controller unreachable (%r); using the local policy", self.replica_id, err)
+                self.controller_ok = False
+                handle, retry_at = None, time.monotonic() + 0.5
+                self._use_local_policy()
+            last = now
+
+    def _use_local_policy(self) -> None:
+        load = self.loop.load
+        self.apply_budget(self.policy.budget_for(LoadSnapshot(1, load.running, load.waiting), self.replica_id), "local")
