@@ -64,7 +64,7 @@ from deployments.schemas import (
     StreamOptions,
     TextPart,
 )
-from deployments.validation import engine_request, json_body, parse
+from deployments.validation import check_override, engine_request, json_body, parse
 
 __all__ = [
     "Api",
@@ -284,6 +284,8 @@ class Api:
             req = OverrideRequest.model_validate(body)
         except ValidationError as err:
             return validation_error_response(err)
+        if (refused := check_override(req, self.args)) is not None:
+            return refused
         budget = None if req.budget is None else req.budget.model_dump()
         try:
             await self._controller_call("set_override", budget)

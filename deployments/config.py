@@ -167,6 +167,9 @@ class AppArgs(_Strict):
     seed: int = 0
     max_batch_size: int = Field(8, ge=1)
     max_context: int = Field(1024, ge=2)
+    # draft nodes per tree the engines hold at most, whatever the budget (EngineConfig.max_tree_nodes);
+    # also the largest node_cap ``POST /v1/speculation/override`` accepts
+    max_tree_nodes: int = Field(64, ge=0)
     default_max_tokens: int = Field(256, ge=1)  # chat requests without max_tokens
     device: str | None = None
     engine_factory: str = "deployments.replica:build_engine"  # "module:callable(AppArgs) -> (engine, tokenizer)"

@@ -43,7 +43,8 @@ def build_engine(args: AppArgs) -> EngineBundle:
     from treespark.engine import Engine, EngineConfig, SamplingParams
 
     pair = load_model_pair(args)
-    engine = Engine(pair, EngineConfig(max_batch_size=args.max_batch_size, max_context=args.max_context))
+    engine = Engine(pair, EngineConfig(max_batch_size=args.max_batch_size, max_context=args.max_context,
+                                        max_tree_nodes=args.max_tree_nodes))
     tok = getattr(pair, "tokenizer", None)
     eos: tuple[int, ...] = ()
     if tok is None:

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from deployments.config import AppArgs
 from deployments.errors import error_response, validation_error_response
-from deployments.schemas import ChatRequest, SamplingRequest
+from deployments.schemas import ChatRequest, OverrideRequest, SamplingRequest
 
 
 async def read_body(request: Request, limit: int) -> bytes | JSONResponse:
@@ -80,6 +80,15 @@ def check_limits(req: SamplingRequest, args: AppArgs) -> JSONResponse | None:
     if len(ids) > lim.max_stop_token_ids or any(not 0 <= t < 2**31 for t in ids):
         return error_response(400, f"stop_token_ids must be at most {lim.max_stop_token_ids} non-negative "
                                    "token ids", "stop_token_ids", "invalid_value")
+    return None
+
+
+def check_override(req: OverrideRequest, args: AppArgs) -> JSONResponse | None:
+    """None if the engines can run the override budget; a 400 for a larger ``node_cap``
+    than ``args.max_tree_nodes`` (an engine would silently clip it)."""
+    if req.budget is not None and req.budget.node_cap > args.max_tree_nodes:
+        return error_response(400, f"budget.node_cap: must be <= {args.max_tree_nodes} (the engines' max_tree_nodes)",
+                              "budget", "invalid_value")
     return None
 
 

@@ -121,6 +121,24 @@ def test_chat_limits(api):
     assert assert_openai_error(r, 400)["param"] == "max_tokens"
 
 
+def test_override_node_cap_is_bounded_by_the_engines(api):
+    cap = api.args.max_tree_nodes
+    override = api.api._controller.state
+    try:
+        r = api.post("/v1/speculation/override", {"budget": {"theta": 0.0, "node_cap": cap + 1, "branch_cap": 2}})
+        err = assert_openai_error(r, 400, "invalid_value")
+        assert err["param"] == "budget" and str(cap) in err["message"]
+        r = api.post("/v1/speculation/override", {"budget": {"theta": 0.0, "node_cap": 10**9, "branch_cap": 2}})
+        assert_openai_error(r, 400, "invalid_value")
+        assert override.override is None  # nothing reached the controller
+        r = api.post("/v1/speculation/override", {"budget": {"theta": 0.0, "node_cap": cap, "branch_cap": 2}})
+        assert r.status == 200 and r.json()["override"]["node_cap"] == cap
+        assert override.override is not None and override.override.node_cap == cap
+    finally:
+        assert api.post("/v1/speculation/override", {"budget": None}).status == 200
+    assert override.override is None
+
+
 def test_deep_json_is_400_not_500(api):
     assert_openai_error(api.post("/v1/completions", b"[" * 2000 + b"]" * 2000), 400, "invalid_json")
     assert_openai_error(api.post("/v1/completions", b"\xff\xfe"), 400, "invalid_json")
