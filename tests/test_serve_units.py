@@ -143,6 +143,60 @@ def test_engine_loop_add_error_abort():
     assert loop.drain_step_stats()
 
 
+class _FlakyEngine(FakeEngine):
+    """``step`` raises once when ``fail`` is set; ``abort("b")`` frees b, then raises."""
+
+    fail = False
+
+    def step(self):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().step()
+
+    def abort(self, request_id):
+        super().abort(request_id)
+        if request_id == "b":
+            raise RuntimeError("abort failed")
+
+
+def _wait(cond, timeout=5.0):
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and not cond():
+        time.sleep(0.01)
+    assert cond()
+
+
+def test_engine_loop_survives_a_failed_step():
+    engine = _FlakyEngine(max_batch_size=2, step_sleep_s=0.005)
+    loop = EngineLoop(engine).start()
+    got = {rid: [] for rid in "abcd"}
+    try:
+        for rid in "abc":  # a and b run, c waits for a batch row
+            loop.add(rid, [1, 2], SamplingParams(max_tokens=500), got[rid].append)
+        _wait(lambda: len(got["a"]) > 2 and len(got["b"]) > 2)
+        assert engine.num_running == 2 and engine.num_waiting == 1
+        engine.fail = True
+        _wait(lambda: all(got[rid] and isinstance(got[rid][-1], Failed) for rid in "abc"))
+        # every request in flight (running or waiting) got one final error and was aborted in the engine
+        for rid in "abc":
+            failed = [x for x in got[rid] if isinstance(x, Failed)]
+            assert len(failed) == 1 and "engine step failed" in str(failed[0].error) and "illegal memory" in str(failed[0].error)
+        assert set(engine.aborted_ids) == {"a", "b", "c"}
+        assert engine.num_running == 0 and engine.num_waiting == 0
+        assert loop.alive and "illegal memory" in loop.last_error
+        n = {rid: len(got[rid]) for rid in "abc"}
+        # the loop serves on; the failed requests hear nothing more
+        loop.add("d", [1, 2], SamplingParams(max_tokens=5), got["d"].append)
+        _wait(lambda: got["d"] and getattr(got["d"][-1], "finished", False))
+        assert got["d"][0] is ACCEPTED and got["d"][-1].finish_reason == "length"
+        assert {rid: len(got[rid]) for rid in "abc"} == n and loop.alive and loop.load.alive
+    finally:
+        loop.stop()
+
+
 def _core(**kw):
     args = AppArgs(model="random", engine_factory="serving.fake_engine:build_fake_engine", max_context=64, **kw)
     return ReplicaCore(args, "r0", connect=None)
