@@ -71,6 +71,7 @@ def rss_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
 
+
 class HeartbeatMixin:
     """The controller link of ``ReplicaCore`` (see the module docstring for what it reads)."""
 
