@@ -113,7 +113,8 @@ def cmd_bench(args) -> None:
     else:
         from treespark.bench.wallclock import wallclock_benchmark
 
-        table = wallclock_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts)
+        table = wallclock_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts,
+                                    chains=args.chains or (1, 2, 3, 4))
     _write(table, args.out)
 
 
@@ -191,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--prompts", type=int, default=16)
-    b.add_argument("--chains", type=int, nargs="+", help="acceptance: chain lengths to tune over")
+    b.add_argument("--chains", type=int, nargs="+", help="acceptance, wallclock: chain lengths to tune over")
     b.add_argument("--out", help="also write the markdown table here")
     b.set_defaults(func=cmd_bench)
 
