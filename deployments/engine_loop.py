@@ -128,6 +128,17 @@ class EngineLoop:
             self._user_on_step(stats)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as err:  # the thread is dying: say why, then fail what waits
+            log.exception("engine loop died")
+            self.last_error = repr(err)
+            raise
+        finally:
+            for rid in list(self._sinks):
+                self._finish(rid, Failed(RuntimeError("engine loop stopped")))
+
+    def _serve(self) -> None:
         self._snapshot_load()
         while not self._stop.is_set():
             busy = self._has_work()
@@ -146,8 +157,6 @@ class EngineLoop:
             if self._has_work():
                 self._step()
             self._snapshot_load()
-        for rid in list(self._sinks):
-            self._finish(rid, Failed(RuntimeError("engine loop stopped")))
 
     def _has_work(self) -> bool:
         try:
@@ -188,10 +197,15 @@ class EngineLoop:
                 except Exception:  # noqa: BLE001
                     log.exception("engine.abort(%s) failed", rid)
                 self._finish(rid, Aborted(rid))
-        elif kind == "budget":
-            self.engine.set_budget(cmd[1])
-        elif kind == "calibration":
-            self.engine.set_calibration(cmd[1], cmd[2])
+        elif kind in ("budget", "calibration"):
+            try:  # a bad push keeps the engine's previous setting; the loop serves on
+                if kind == "budget":
+                    self.engine.set_budget(cmd[1])
+                else:
+                    self.engine.set_calibration(cmd[1], cmd[2])
+            except Exception as err:  # noqa: BLE001
+                log.exception("engine.set_%s(%r) failed", kind, cmd[1:])
+                self.last_error = repr(err)
 
     def _step(self) -> None:
         try:

@@ -197,6 +197,32 @@ def test_engine_loop_survives_a_failed_step():
         loop.stop()
 
 
+class _BadPushEngine(FakeEngine):
+    def set_budget(self, budget):
+        raise ValueError("node_cap above the engine's max_tree_nodes")
+
+
+def test_engine_loop_survives_a_failed_budget_push_and_fails_waiters_when_it_dies():
+    engine = _BadPushEngine(max_batch_size=1, step_sleep_s=0.005)
+    loop = EngineLoop(engine).start()
+    got = {rid: [] for rid in "ab"}
+    try:
+        loop.set_budget(object())
+        loop.add("a", [1, 2], SamplingParams(max_tokens=5), got["a"].append)
+        _wait(lambda: got["a"] and getattr(got["a"][-1], "finished", False))
+        assert loop.alive and "max_tree_nodes" in loop.last_error
+        # the thread dies from something unexpected: what waits still hears an error
+        loop.add("b", [1, 2], SamplingParams(max_tokens=400), got["b"].append)
+        _wait(lambda: len(got["b"]) > 2)
+        engine.has_unfinished = lambda: (_ for _ in ()).throw(SystemExit("boom"))
+        engine.step = engine.has_unfinished
+        loop.set_budget(None)  # wakes the loop; _has_work swallows Exception, not SystemExit
+        _wait(lambda: isinstance(got["b"][-1], Failed))
+        assert not loop.alive
+    finally:
+        loop.stop()
+
+
 def _core(**kw):
     args = AppArgs(model="random", engine_factory="serving.fake_engine:build_fake_engine", max_context=64, **kw)
     return ReplicaCore(args, "r0", connect=None)
