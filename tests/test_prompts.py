@@ -80,3 +80,13 @@ def test_synthetic_prompts_are_deterministic_distinct_and_never_heldout():
     heldout = {p.text for p in load_prompts(split="heldout")}
     assert not heldout & set(texts)
     assert {p.split for p in a} == {"train"} and {p.kind for p in a} == set(KINDS)
+
+
+def test_tuning_prompts_are_disjoint_from_training_and_heldout():
+    from treespark.prompts import synthetic_prompts, tuning_prompts
+
+    tune = [p.text for p in tuning_prompts()]
+    assert len(tune) == len(set(tune)) >= 60
+    assert tune == [p.text for p in tuning_prompts()]  # deterministic
+    seen = {p.text for p in synthetic_prompts()} | {p.text for p in load_prompts()}
+    assert not seen & set(tune)

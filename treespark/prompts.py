@@ -6,6 +6,10 @@ everyday questions) and half code-style (Python functions, snippets to explain o
 shell one-liners, SQL). About a quarter of each kind is in the ``heldout`` split:
 heldout prompts are for evaluation only, never for training or tuning a drafter or
 a policy.
+
+Two templated sets complete it: ``synthetic_prompts()`` (training material for the
+drafter recipe) and ``tuning_prompts()`` (on other subjects; what ``treespark
+calibrate`` fits on and default budgets are chosen on). The three never overlap.
 """
 
 from __future__ import annotations
@@ -116,6 +120,30 @@ _CODE_TASKS = (
     "computes the greatest common divisor of two numbers", "formats a number with thousands separators",
     "memoizes an expensive function",
 )
+
+
+# Tuning requests: the same templates on subjects and tasks the drafter never saw in
+# training, for fitting the calibration and choosing defaults. Neither training nor
+# the heldout evaluation uses them.
+_TUNE_SUBJECTS = (
+    "glaciers", "the violin", "kites", "honey", "earthquakes", "origami", "submarines",
+    "wind turbines", "the alphabet", "snow", "spices", "bridges",
+)
+_TUNE_TASKS = (
+    "capitalizes the first letter of every word", "checks whether two strings are anagrams",
+    "returns the second largest number in a list", "converts a Roman numeral to an integer",
+    "counts the lines in a file", "computes a running average of a list",
+    "finds all pairs in a list that sum to a target", "turns a list of pairs into a dictionary",
+)
+
+
+def tuning_prompts() -> list[Prompt]:
+    """Templated requests reserved for tuning (calibration, default budgets): never
+    trained on, never used for the heldout evaluation."""
+    texts = [("chat", t.format(x=x)) for x in _TUNE_SUBJECTS for t in _CHAT_TEMPLATES]
+    texts += [("code", t.format(x=x)) for x in _TUNE_TASKS for t in _CODE_TEMPLATES]
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(0)).tolist()
+    return [Prompt(id=f"tune-{i:03d}", kind=texts[i][0], split="train", text=texts[i][1]) for i in order]
 
 
 def synthetic_prompts(seed: int = 0) -> list[Prompt]:

@@ -51,7 +51,7 @@ def reliability_png(q: torch.Tensor, y: torch.Tensor, report: CalibrationReport,
 
 def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_tokens: int = 64,
                    temperatures=(0.0, 1.0), log=print) -> CalibrationReport:
-    prompts = bench_prompts(pair, n_prompts, split="train")
+    prompts = bench_prompts(pair, n_prompts, split="tune")
     qs, ys = [], []
     for t in temperatures:
         q, y = collect_records(pair, prompts, temperature=t, max_tokens=max_tokens,

@@ -22,12 +22,13 @@ def pair_by_name(name: str) -> ModelPair:
 
 
 def bench_prompts(pair: ModelPair, n: int, split: str = "heldout", seed: int = 0) -> list[list[int]]:
-    """Held-out chat-templated prompts for a real pair; random token prompts otherwise."""
+    """Chat-templated prompts of ``split`` for a real pair ("heldout" for evaluation,
+    "tune" for calibration and defaults, "train"); random token prompts otherwise."""
     if pair.tokenizer is not None:
-        from treespark.prompts import load_prompts
+        from treespark.prompts import load_prompts, tuning_prompts
         from treespark.recipe import chat_ids
 
-        texts = [p.text for p in load_prompts(split)]
+        texts = [p.text for p in (tuning_prompts() if split == "tune" else load_prompts(split))]
         return [chat_ids(pair.tokenizer, texts[i % len(texts)]) for i in range(n)]
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, pair.vocab_size, (24,), generator=g).tolist() for _ in range(n)]
