@@ -110,6 +110,11 @@ def cmd_bench(args) -> None:
         from treespark.bench.linear import linear_benchmark
 
         table = linear_benchmark(pair)
+    elif args.what == "theta":
+        from treespark.bench.wallclock import theta_sweep
+
+        table = theta_sweep(pair, max_tokens=args.max_tokens, n_prompts=args.prompts,
+                            chains=args.chains or (2, 3, 4))
     else:
         from treespark.bench.wallclock import wallclock_benchmark
 
@@ -186,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device")
     c.set_defaults(func=cmd_calibrate)
 
-    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | linear")
-    b.add_argument("what", choices=["engine", "acceptance", "wallclock", "linear"])
+    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear")
+    b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear"])
     b.add_argument("--pair", default="default", choices=["default", "random"])
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     b.add_argument("--max-tokens", type=int, default=64)

@@ -55,7 +55,7 @@ class DrafterRecipe:
     markov_rank: int = 64
     draft_vocab: int = 8192
     mask_token_id: int = 3           # SmolLM2's <repo_name>: never seen in chat
-    train: TrainConfig = TrainConfig(steps=5000, lr=1.5e-3, anchors_per_step=48)
+    train: TrainConfig = TrainConfig(steps=12000, lr=1.5e-3, anchors_per_step=48)
     seed: int = 0
 
 

@@ -29,7 +29,9 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
             results[f"fixed tree {cap}"] = tau(Budget(0.0, cap, 4))
         for rank in ("logq", "marginal", "calibrated"):
             results[f"{rank} @ {equal_budget} nodes"] = tau(Budget(0.0, equal_budget, 4), rank)
-        results["adaptive (calibrated)"] = tau(Budget.adaptive())
+        default = Budget.adaptive()
+        results[f"adaptive (theta {default.theta:g}, default)"] = tau(default)
+        results["adaptive (theta 0.01, cheap verify)"] = tau(Budget.adaptive(theta=0.01))
         chain_tau = chains[best_k][0]
         for name, (value, size) in results.items():
             rows.append([f"{t:g}", name, f"{value:.3f}", f"{size:.1f}", f"{value / chain_tau:.3f}"])

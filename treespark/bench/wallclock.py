@@ -55,3 +55,23 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
     ours = results["adaptive tree"]
     rows = [[k, f"{v:.2f}", f"{ours / v:.2f}x"] for k, v in results.items()]
     return markdown_table(["decoder (batch 1, greedy)", "tokens/s", "adaptive speed-up"], rows)
+
+
+def theta_sweep(pair: ModelPair, *, thetas=(0.02, 0.05, 0.08, 0.12), chains=(2, 3, 4),
+                n_prompts: int = 3, max_tokens: int = 48, log=print) -> str:
+    """Batch-1 tokens/s of adaptive trees (node_cap 32, branch_cap 4) at several prices,
+    beside chains and plain decoding, on the *tuning* prompts: how the default theta
+    of ``Budget.adaptive`` is chosen without touching the heldout ones."""
+    prompts = bench_prompts(pair, n_prompts, split="tune")
+    budgets = {"plain": Budget.off()}
+    budgets.update({f"adaptive theta={t:g}": Budget(t, 32, 4) for t in thetas})
+    budgets.update({f"chain k={k}": Budget.chain(k) for k in chains})
+    rows = []
+    for name, b in budgets.items():
+        tokens, wall, drafted, rounds = 0, 0.0, 0, 0
+        for p in prompts:
+            r = run_engine(pair, [p], b, max_tokens=max_tokens, batch_size=1)
+            tokens, wall, drafted, rounds = tokens + r.tokens, wall + r.wall_s, drafted + r.drafted, rounds + r.rounds
+        log(f"{name}: {tokens / wall:.2f} tok/s")
+        rows.append([name, f"{tokens / wall:.2f}", f"{drafted / max(rounds, 1):.1f}"])
+    return markdown_table(["budget (batch 1, greedy, tuning prompts)", "tokens/s", "mean tree size"], rows)
