@@ -202,6 +202,7 @@ class _BadPushEngine(FakeEngine):
         raise ValueError("node_cap above the engine's max_tree_nodes")
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
 def test_engine_loop_survives_a_failed_budget_push_and_fails_waiters_when_it_dies():
     engine = _BadPushEngine(max_batch_size=1, step_sleep_s=0.005)
     loop = EngineLoop(engine).start()

@@ -11,6 +11,8 @@ def engine_benchmark(pair: ModelPair, *, batch_sizes=(1, 4, 8, 16), max_tokens: 
                      chain: int = 4, temperature: float = 0.0, log=print) -> str:
     configs = {"plain": Budget.off(), f"chain-{chain}": Budget.chain(chain), "adaptive": Budget.adaptive()}
     rows = []
+    for budget in configs.values():  # warm-up: the first forwards of a process are slow
+        run_engine(pair, bench_prompts(pair, 1), budget, max_tokens=8, batch_size=1, temperature=temperature)
     for bs in batch_sizes:
         prompts = bench_prompts(pair, bs)
         results = {}
