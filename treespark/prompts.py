@@ -137,13 +137,19 @@ _TUNE_TASKS = (
 )
 
 
+def _templated(subjects, tasks, prefix: str, seed: int) -> list[Prompt]:
+    """The chat templates over ``subjects`` and the code templates over ``tasks``, in an
+    order shuffled by ``seed``; ids keep each request's unshuffled index."""
+    texts = [("chat", t.format(x=x)) for x in subjects for t in _CHAT_TEMPLATES]
+    texts += [("code", t.format(x=x)) for x in tasks for t in _CODE_TEMPLATES]
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [Prompt(id=f"{prefix}-{i:03d}", kind=texts[i][0], split="train", text=texts[i][1]) for i in order]
+
+
 def tuning_prompts() -> list[Prompt]:
     """Templated requests reserved for tuning (calibration, default budgets): never
     trained on, never used for the heldout evaluation."""
-    texts = [("chat", t.format(x=x)) for x in _TUNE_SUBJECTS for t in _CHAT_TEMPLATES]
-    texts += [("code", t.format(x=x)) for x in _TUNE_TASKS for t in _CODE_TEMPLATES]
-    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(0)).tolist()
-    return [Prompt(id=f"tune-{i:03d}", kind=texts[i][0], split="train", text=texts[i][1]) for i in order]
+    return _templated(_TUNE_SUBJECTS, _TUNE_TASKS, "tune", seed=0)
 
 
 def synthetic_prompts(seed: int = 0) -> list[Prompt]:
@@ -151,9 +157,4 @@ def synthetic_prompts(seed: int = 0) -> list[Prompt]:
 
     Training material only. None of them equals a heldout prompt (checked)."""
     held = {p.text for p in load_prompts("heldout")}
-    texts = [("chat", t.format(x=x)) for x in _CHAT_SUBJECTS for t in _CHAT_TEMPLATES]
-    texts += [("code", t.format(x=x)) for x in _CODE_TASKS for t in _CODE_TEMPLATES]
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(texts), generator=g).tolist()
-    return [Prompt(id=f"synth-{i:03d}", kind=texts[i][0], split="train", text=texts[i][1])
-            for i in order if texts[i][1] not in held]
+    return [p for p in _templated(_CHAT_SUBJECTS, _CODE_TASKS, "synth", seed) if p.text not in held]
