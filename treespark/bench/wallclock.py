@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,25 @@ def _hf(pair: ModelPair, prompts, max_tokens: int, **kwargs) -> tuple[int, float
     return tokens, time.perf_counter() - t0
 
 
+@dataclass(frozen=True)
+class _Batch1:
+    tokens: int
+    wall_s: float
+    drafted: int
+    rounds: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def _one_at_a_time(pair: ModelPair, prompts, budget: Budget, max_tokens: int) -> _Batch1:
+    """Serve ``prompts`` one request at a time (batch 1) and add up the runs."""
+    runs = [run_engine(pair, [p], budget, max_tokens=max_tokens, batch_size=1) for p in prompts]
+    return _Batch1(sum(r.tokens for r in runs), sum(r.wall_s for r in runs),
+                   sum(r.drafted for r in runs), sum(r.rounds for r in runs))
+
+
 def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int = 96,
                         chains=(1, 2, 3, 4), budget: Budget | None = None, log=print) -> str:
     """Batch-1 tokens/s of the adaptive tree (``budget``, default ``Budget.adaptive()``),
@@ -31,11 +51,7 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
     prompts = bench_prompts(pair, n_prompts)
 
     def tok_s(b: Budget) -> float:
-        tokens, wall = 0, 0.0
-        for p in prompts:  # one request at a time
-            r = run_engine(pair, [p], b, max_tokens=max_tokens, batch_size=1)
-            tokens, wall = tokens + r.tokens, wall + r.wall_s
-        return tokens / wall
+        return _one_at_a_time(pair, prompts, b, max_tokens).tokens_per_s
 
     results: dict[str, float] = {}
     results["adaptive tree"] = tok_s(budget or Budget.adaptive())
@@ -68,10 +84,7 @@ def theta_sweep(pair: ModelPair, *, thetas=(0.02, 0.05, 0.08, 0.12), chains=(2, 
     budgets.update({f"chain k={k}": Budget.chain(k) for k in chains})
     rows = []
     for name, b in budgets.items():
-        tokens, wall, drafted, rounds = 0, 0.0, 0, 0
-        for p in prompts:
-            r = run_engine(pair, [p], b, max_tokens=max_tokens, batch_size=1)
-            tokens, wall, drafted, rounds = tokens + r.tokens, wall + r.wall_s, drafted + r.drafted, rounds + r.rounds
-        log(f"{name}: {tokens / wall:.2f} tok/s")
-        rows.append([name, f"{tokens / wall:.2f}", f"{drafted / max(rounds, 1):.1f}"])
+        r = _one_at_a_time(pair, prompts, b, max_tokens)
+        log(f"{name}: {r.tokens_per_s:.2f} tok/s")
+        rows.append([name, f"{r.tokens_per_s:.2f}", f"{r.drafted / max(r.rounds, 1):.1f}"])
     return markdown_table(["budget (batch 1, greedy, tuning prompts)", "tokens/s", "mean tree size"], rows)
