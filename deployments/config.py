@@ -172,7 +172,7 @@ class AppArgs(_Strict):
     max_tree_nodes: int = Field(64, ge=0)
     default_max_tokens: int = Field(256, ge=1)  # chat requests without max_tokens
     device: str | None = None
-    engine_factory: str = "deployments.replica:build_engine"  # "module:callable(AppArgs) -> (engine, tokenizer)"
+    engine_factory: str = "deployments.replica:build_engine"  # "module:callable(AppArgs) -> EngineBundle", run on the engine thread
     policy: PolicyArgs = Field(default_factory=PolicyArgs)
     replica: ReplicaArgs = Field(default_factory=ReplicaArgs)
     controller: ControllerArgs = Field(default_factory=ControllerArgs)

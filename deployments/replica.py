@@ -29,10 +29,6 @@ class Replica:
         from deployments.controller import get_or_create_controller
 
         a = AppArgs.model_validate(args)
-        if a.replica.torch_threads:
-            import torch
-
-            torch.set_num_threads(a.replica.torch_threads)
         ctx = serve.get_replica_context()
         rid = str(getattr(ctx.replica_id, "unique_id", ctx.replica_id))
         self.core = ReplicaCore(a, rid, connect=lambda: get_or_create_controller(args))

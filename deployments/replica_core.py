@@ -29,6 +29,15 @@ from deployments.reports import COUNTERS, budget_to_wire
 from deployments.text import Detokenizer, StopMatcher, encode_chat, encode_text
 
 
+def _build_bundle(args: AppArgs) -> EngineBundle:
+    """Runs on the engine loop thread: torch's thread count, then the engine factory."""
+    if args.replica.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.replica.torch_threads)
+    return import_attr(args.engine_factory)(args)
+
+
 def _error(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> dict[str, Any]:
     return {"type": "error", "status": status, "message": message, "param": param, "code": code}
 
@@ -40,12 +49,19 @@ class ReplicaCore(HeartbeatMixin):
     def __init__(self, args: AppArgs, replica_id: str, connect: Callable[[], Any] | None = None) -> None:
         self.args = args
         self.replica_id = replica_id
-        bundle: EngineBundle = import_attr(args.engine_factory)(args)
+        # The engine is built on the thread that runs it, so torch keeps one OpenMP
+        # worker team (see deployments.engine_loop).
+        self.loop = EngineLoop().start()
+        try:
+            bundle: EngineBundle = self.loop.call(lambda: _build_bundle(args))
+            self.loop.attach(bundle.engine)
+        except BaseException:
+            self.loop.stop()
+            raise
         self.bundle = bundle
         self.tokenizer = bundle.tokenizer
         self.vocab_size = int(bundle.engine.vocab_size)
         self.policy = args.policy.build(args.max_batch_size)
-        self.loop = EngineLoop(bundle.engine).start()
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(COUNTERS, 0.0)
         self._tokens_emitted = 0

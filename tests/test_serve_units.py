@@ -3,10 +3,11 @@
 import asyncio
 import math
 import random
+import threading
 
 import pytest
 import yaml
-from serving.fake_engine import FakeEngine, SamplingParams
+from serving.fake_engine import FakeEngine, SamplingParams, build_fake_engine
 
 from deployments.config import AppArgs
 from deployments.controller import (
@@ -222,6 +223,84 @@ def test_engine_loop_survives_a_failed_budget_push_and_fails_waiters_when_it_die
         assert not loop.alive
     finally:
         loop.stop()
+
+
+def test_engine_loop_call_and_attach():
+    """Work posted with ``call`` runs on the loop thread (where the engine must be built);
+    requests fail until an engine is attached; a call the loop never runs raises."""
+    loop = EngineLoop(name="eng-under-test").start()
+    got = []
+    try:
+        loop.add("early", [1, 2], SamplingParams(max_tokens=3), got.append)
+        _wait(lambda: got)
+        assert isinstance(got[0], Failed) and "not ready" in str(got[0].error)
+        assert loop.call(lambda: threading.current_thread().name) == "eng-under-test"
+        with pytest.raises(ZeroDivisionError):
+            loop.call(lambda: 1 / 0)
+        loop.attach(FakeEngine(step_sleep_s=0.001))
+        with pytest.raises(RuntimeError, match="already has an engine"):
+            loop.attach(FakeEngine())
+        got.clear()
+        loop.add("a", [1, 2], SamplingParams(max_tokens=3), got.append)
+        _wait(lambda: got and getattr(got[-1], "finished", False))
+        assert got[0] is ACCEPTED and sum(len(o.new_token_ids) for o in got[1:]) == 3
+    finally:
+        loop.stop()
+    with pytest.raises(RuntimeError, match="not running"):
+        loop.call(lambda: None)
+
+
+class _DyingEngine(FakeEngine):
+    gate = threading.Event()
+
+    def step(self):
+        self.gate.wait(5)
+        raise SystemExit("boom")  # not an Exception: the loop thread dies
+
+
+def test_engine_loop_call_queued_behind_a_dying_loop_raises():
+    engine = _DyingEngine(step_sleep_s=0.001)
+    loop = EngineLoop(engine).start()
+    got, errors = [], []
+
+    def call():
+        try:
+            loop.call(lambda: "never")
+        except RuntimeError as err:
+            errors.append(err)
+
+    try:
+        loop.add("a", [1, 2], SamplingParams(max_tokens=5), got.append)
+        _wait(lambda: got)  # accepted; the loop is now inside step(), waiting on the gate
+        caller = threading.Thread(target=call)
+        caller.start()
+        _wait(lambda: loop._cmds.qsize() == 1)
+        engine.gate.set()
+        caller.join(5)
+        assert not caller.is_alive() and len(errors) == 1 and "stopped" in str(errors[0])
+        assert isinstance(got[-1], Failed) and not loop.alive
+    finally:
+        loop.stop()
+
+
+BUILT_ON: list[str] = []
+
+
+def build_recording_engine(args):
+    BUILT_ON.append(threading.current_thread().name)
+    return build_fake_engine(args)
+
+
+def test_replica_core_builds_its_engine_on_the_loop_thread():
+    BUILT_ON.clear()
+    args = AppArgs(model="random", engine_factory="test_serve_units:build_recording_engine", max_context=64)
+    core = ReplicaCore(args, "r0", connect=None)
+    try:
+        assert BUILT_ON == ["treespark-engine"] and core.loop.alive
+        evs = asyncio.run(_collect(core, {"prompt": "ab", "max_tokens": 4, "temperature": 0.0}))
+        assert evs[-1]["type"] == "end" and evs[-1]["usage"]["completion_tokens"] == 4
+    finally:
+        core.shutdown()
 
 
 def _core(**kw):
