@@ -190,7 +190,7 @@ class ControllerState:
     def status(self) -> dict[str, Any]:
         now = self.clock()
         self.prune(now)
-        acc = [y for _, y in self.records]
+        acc = [r[1] for r in self.records]
         return {
             "replicas": {
                 rid: {

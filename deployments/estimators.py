@@ -1,9 +1,10 @@
 """What the controller learns online from the replicas' heartbeats (pure, no Ray).
 
-* the calibration map ``P(accepted) = sigmoid(a * logit q + b)``: a logistic fit on
-  (logit q, accepted) records (``fit_calibration``), shrunk toward the replicas'
-  stored fit while records are few (``shrink_calibration``), judged by its expected
-  calibration error (``calibration_ece``);
+* the calibration map ``P(accepted) = sigmoid(a * logit q + b + o)``: a logistic fit of
+  (a, b) on (logit q, accepted, o) records, o being the replica's fixed offset for the
+  edge's sibling rank (``fit_calibration``), shrunk toward the replicas' stored fit
+  while records are few (``shrink_calibration``), judged by its expected calibration
+  error (``calibration_ece``);
 * what a tree of n nodes buys under the current traffic: a sliding window of
   (tree size, accepted) round records (``RoundWindow``);
 * the drafting seconds per draft node, from heartbeat step-time means
@@ -18,18 +19,20 @@ from collections.abc import Iterable, Sequence
 
 from treespark.costmodel import AcceptanceStats
 
+Record = tuple[float, bool, float]  # (x = logit q, accepted, o = the sibling-rank offset)
 
-def fit_calibration(records: Sequence[tuple[float, bool]], iters: int = 25, l2: float = 1e-3) -> tuple[float, float]:
-    """Logistic regression ``P(accepted) = sigmoid(a * x + b)`` by Newton's method on
-    (x = logit q, accepted) records, a small ridge keeping it finite on separable data."""
+
+def fit_calibration(records: Sequence[Record], iters: int = 25, l2: float = 1e-3) -> tuple[float, float]:
+    """Logistic regression ``P(accepted) = sigmoid(a * x + b + o)`` by Newton's method on
+    (x, accepted, o) records (o fixed), a small ridge keeping it finite on separable data."""
     n = len(records)
     if n == 0:
         raise ValueError("no calibration records")
     a, b = 1.0, 0.0
     for _ in range(iters):
         ga = gb = haa = hab = hbb = 0.0
-        for x, y in records:
-            z = max(min(a * x + b, 35.0), -35.0)
+        for x, y, o in records:
+            z = max(min(a * x + b + o, 35.0), -35.0)
             p = 1.0 / (1.0 + math.exp(-z))
             r = p - (1.0 if y else 0.0)
             w = p * (1.0 - p)
@@ -55,14 +58,14 @@ def _sigmoid(z: float) -> float:
     return 1.0 / (1.0 + math.exp(-z))
 
 
-def calibration_ece(records: Sequence[tuple[float, bool]], a: float, b: float, bins: int = 15) -> float:
-    """Expected calibration error of ``sigmoid(a * x + b)`` on (x = logit q, accepted)
+def calibration_ece(records: Sequence[Record], a: float, b: float, bins: int = 15) -> float:
+    """Expected calibration error of ``sigmoid(a * x + b + o)`` on (x, accepted, o)
     records, equal-width bins (as ``treespark.calibration.expected_calibration_error``)."""
     if not records:
         return float("nan")
     n_b, p_b, y_b = [0] * bins, [0.0] * bins, [0.0] * bins
-    for x, y in records:
-        p = _sigmoid(a * x + b)
+    for x, y, o in records:
+        p = _sigmoid(a * x + b + o)
         i = min(int(p * bins), bins - 1)
         n_b[i] += 1
         p_b[i] += p

@@ -57,8 +57,9 @@ def summarize_steps(stats: list[Any]) -> TreeStats:
 
 
 def _logit(q: float) -> float:
-    """Calibration records travel as (logit q, accepted): the controller fits
-    sigmoid(a * logit q + b), the map the engine's ``Calibration`` applies."""
+    """Calibration records travel as (logit q, accepted, offset): the controller fits
+    sigmoid(a * logit q + b + offset), the map the engine's ``Calibration`` applies
+    (the offset is the stored calibration's term for the edge's sibling rank)."""
     q = min(max(q, 1e-6), 1 - 1e-6)
     return math.log(q) - math.log1p(-q)
 
@@ -82,6 +83,8 @@ class HeartbeatMixin:
         self.loop.set_budget(self.budget)
         self.calibration: tuple[float, float] | None = None
         cal = getattr(self.bundle.engine, "calibration", None)
+        # the stored sibling offsets: fixed, so the controller refits (a, b) around them
+        self._sibling_offset: Callable[[int], float] = getattr(cal, "offset", lambda rank: 0.0)
         if hasattr(cal, "a") and hasattr(cal, "b"):
             cal = (cal.a, cal.b)
         self.base_calibration = (float(cal[0]), float(cal[1])) if isinstance(cal, (tuple, list)) and len(cal) == 2 else None
@@ -107,7 +110,7 @@ class HeartbeatMixin:
             self.last_tree = tree
         else:  # idle: keep showing the last trees, marked as no steps in this window
             tree = dataclasses.replace(self.last_tree, steps=0)
-        records: list[tuple[float, bool]] = []
+        records: list[tuple[float, bool, float]] = []
         rounds: list[tuple[int, int]] = []
         with self._lock:
             for s in window:
@@ -115,7 +118,8 @@ class HeartbeatMixin:
                 self.counters["rounds"] += s.batch_size
                 self.counters["draft_tokens"] += sum(s.tree_sizes)
                 self.counters["accepted_tokens"] += sum(s.accepted)
-                records.extend((_logit(float(q)), bool(y)) for q, y in s.calibration_records)
+                records.extend((_logit(float(q)), bool(y), self._sibling_offset(int(r)))
+                               for q, y, r in s.calibration_records)
                 # keyed by the step's widest tree: every row paid for that width (padding)
                 width = max(s.tree_sizes, default=0)
                 rounds.extend((width, a) for a in s.accepted)

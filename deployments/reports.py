@@ -52,7 +52,8 @@ class ReplicaReport:
     budget: dict[str, float]
     budget_source: str
     counters: dict[str, float]
-    calibration_records: tuple[tuple[float, bool], ...] = ()
+    # (logit q, accepted, logit offset of the edge's sibling rank under the stored calibration)
+    calibration_records: tuple[tuple[float, bool, float], ...] = ()
     calibration: tuple[float, float] | None = None
     round_records: tuple[tuple[int, int], ...] = ()         # (tree size, accepted) per request-round
     base_calibration: tuple[float, float] | None = None     # the replica's stored (a, b)
@@ -63,7 +64,8 @@ class ReplicaReport:
     def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:
         d = dict(d)
         d["tree"] = TreeStats(**d.get("tree", {}))
-        d["calibration_records"] = tuple((float(x), bool(y)) for x, y in d.get("calibration_records", ()))
+        d["calibration_records"] = tuple((float(r[0]), bool(r[1]), float(r[2]) if len(r) > 2 else 0.0)
+                                         for r in d.get("calibration_records", ()))
         if d.get("calibration") is not None:
             d["calibration"] = tuple(d["calibration"])
         if d.get("base_calibration") is not None:

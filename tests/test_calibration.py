@@ -13,6 +13,7 @@ from treespark.calibration import (
     expected_calibration_error,
     fit_calibration,
     logit,
+    p_hat_of,
 )
 
 
@@ -41,6 +42,30 @@ def test_report_shows_improvement_and_round_trips(tmp_path):
     assert json.loads(path.read_text())["ece"] == report.ece_after
 
 
+def test_fit_recovers_sibling_offsets_and_beats_the_two_scalar_map(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    n = 60_000
+    q = torch.rand(n, generator=g, dtype=torch.float64) * 0.98 + 0.01
+    rank = torch.randint(0, 5, (n,), generator=g)
+    truth = Calibration(1.4, -0.5, sibling_bias=(-0.8, -1.5, -2.0))
+    y = torch.rand(n, generator=g, dtype=torch.float64) < p_hat_of(truth, q, rank)
+    report = calibrate(q, y, rank)
+    cal = report.calibration
+    assert abs(cal.a - 1.4) < 0.06 and abs(cal.b + 0.5) < 0.06
+    # ranks 3 and 4 share the last offset (-2.0 both in the truth)
+    assert [round(c, 1) for c in cal.sibling_bias] == pytest.approx([-0.8, -1.5, -2.0], abs=0.11)
+    assert cal.offset(0) == 0.0 and cal.offset(9) == cal.sibling_bias[-1]
+    two = calibrate(q, y)
+    assert two.calibration.sibling_bias == ()
+    assert report.log_loss_after < two.log_loss_after - 0.01
+    path = tmp_path / "c.json"
+    cal.save(path)
+    assert Calibration.load(path) == cal
+    path.write_text(json.dumps({"a": 0.5, "b": -1.0}))   # a file from before sibling offsets
+    assert Calibration.load(path) == Calibration(0.5, -1.0)
+    assert cal.with_ab(2.0, 1.0) == Calibration(2.0, 1.0, cal.sibling_bias)
+
+
 def test_ece_of_a_perfect_predictor_is_small():
     q, y = synthetic(1.0, 0.0, 50_000, seed=3)
     assert expected_calibration_error(q, y) < 0.01
@@ -53,3 +78,7 @@ def test_bad_inputs():
         fit_calibration(torch.tensor([0.5]), torch.tensor([True, False]))
     with pytest.raises(ValueError):
         Calibration(a=float("nan"), b=0.0)
+    with pytest.raises(ValueError):
+        Calibration(a=1.0, b=0.0, sibling_bias=(float("inf"),))
+    with pytest.raises(ValueError):
+        fit_calibration(torch.tensor([0.5, 0.4]), torch.tensor([True, False]), torch.tensor([0]))

@@ -240,9 +240,9 @@ def test_online_calibration_shrinks_toward_stored_and_reports_ece():
     rng = random.Random(0)
     a, b = 0.6, -1.0  # the truth; the stored fit (1, 0) is overconfident
     recs = []
-    for _ in range(3000):
-        x = rng.uniform(-5, 3)
-        recs.append((x, rng.random() < 1 / (1 + math.exp(-(a * x + b)))))
+    for _ in range(3000):  # a replica's fixed sibling-rank offsets ride along; (a, b) is fitted around them
+        x, o = rng.uniform(-5, 3), rng.choice((0.0, -1.0))
+        recs.append((x, rng.random() < 1 / (1 + math.exp(-(a * x + b + o))), o))
     assert shrink_calibration((2.0, 1.0), (1.0, 0.0), 0, 100) == (1.0, 0.0)
     assert shrink_calibration((2.0, 1.0), (1.0, 0.0), 100, 100) == (1.5, 0.5)
     s = ControllerState(CostModelPolicy(AFFINE), online_calibration=True, min_calibration_records=1000,

@@ -126,4 +126,4 @@ def test_budget_changes_between_steps_and_per_request(mimic16):
     assert all(s.tree_sizes[0] == 0 and s.tree_sizes[1] <= 2 for s in off)
     s = stats[-1]
     assert s.batch_size == 2 and s.tokens_verified == sum(s.tree_sizes) + 2 and s.verify_s > 0
-    assert s.calibration_records and all(0 < q <= 1 for q, _ in s.calibration_records)
+    assert s.calibration_records and all(0 < q <= 1 and r >= 0 for q, _, r in s.calibration_records)

@@ -69,7 +69,10 @@ def target_dist(path: tuple[int, ...], temperature: float) -> torch.Tensor:
     return target_probs(logits_for(path, salt=0), temperature)
 
 
-def enumerate_round(budget, temperature, verifier=verify_sampled, rank="calibrated"):
+CAL = Calibration(1.2, -0.3)
+
+
+def enumerate_round(budget, temperature, verifier=verify_sampled, rank="calibrated", cal=CAL):
     """{emitted tokens continued to length D: probability}."""
     root = 0
     dist: dict[tuple[int, ...], float] = {}
@@ -78,7 +81,7 @@ def enumerate_round(budget, temperature, verifier=verify_sampled, rank="calibrat
         script = stack.pop()
         s = ReplaySampler(script)
         try:
-            tree = expand(TableProposal(), root, budget, Calibration(1.2, -0.3), temperature, s, rank=rank)
+            tree = expand(TableProposal(), root, budget, cal, temperature, s, rank=rank)
             paths = []
             for i in range(tree.num_nodes):
                 node, path = i, []
@@ -121,6 +124,16 @@ def test_one_round_is_lossless(temperature, budget):
     dist = enumerate_round(budget, temperature)
     assert abs(sum(dist.values()) - 1.0) < 1e-9
     assert tv(dist, target_joint(temperature)) < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+def test_sibling_rank_offsets_stay_lossless(temperature):
+    """Per-rank calibration changes which slots are opened (rank-dependent expected
+    acceptance), never the output distribution."""
+    cal = Calibration(1.2, -0.3, sibling_bias=(-1.5, -0.5))
+    for budget in BUDGETS:
+        dist = enumerate_round(budget, temperature, cal=cal)
+        assert tv(dist, target_joint(temperature)) < 1e-6
 
 
 def test_trees_in_the_enumeration_are_wide_and_deep():

@@ -78,6 +78,25 @@ def test_survival_is_a_product_along_paths():
         assert t.survival[i] <= t.survival[t.parents[i]]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sibling_offsets_reshape_trees(temperature):
+    """Negative offsets for later siblings trade width for depth at the same node count;
+    survival uses each edge's own rank."""
+    b = Budget(theta=0.0, node_cap=12, branch_cap=4)
+    base = Calibration(1.0, 0.0)
+    plain = grow(b, temperature, cal=base)
+    narrow = grow(b, temperature, cal=Calibration(1.0, 0.0, sibling_bias=(-4.0, -6.0)))
+    assert narrow.size == plain.size == 12
+    assert narrow.width < plain.width and sum(narrow.depths) > sum(plain.depths)
+    assert grow(b, temperature, cal=Calibration(1.0, 0.0, sibling_bias=(0.0,))).tokens == plain.tokens
+    if temperature == 0.0:
+        cal = Calibration(1.0, 0.0, sibling_bias=(-1.0, -2.0))
+        t = grow(b, cal=cal)
+        for i in range(1, t.num_nodes):
+            r = t.children[t.parents[i]].index(i)
+            assert t.survival[i] == pytest.approx(t.survival[t.parents[i]] * cal.p_hat_scalar(t.q[i], r))
+
+
 def test_greedy_children_are_the_top_k():
     t = grow(Budget(theta=0.0, node_cap=3, branch_cap=3))
     top = torch.softmax(PeakedProposal().logits(0, 1), -1).topk(3).indices.tolist()

@@ -80,15 +80,18 @@ def test_fit_calibration_recovers_parameters():
     a, b = 1.7, -0.4
     recs = []
     for _ in range(4000):
-        x = rng.uniform(-4, 3)
-        recs.append((x, rng.random() < 1 / (1 + math.exp(-(a * x + b)))))
+        x, o = rng.uniform(-4, 3), rng.choice((0.0, -1.2))
+        recs.append((x, rng.random() < 1 / (1 + math.exp(-(a * x + b + o))), o))
     fa, fb = fit_calibration(recs)
     assert abs(fa - a) < 0.2 and abs(fb - b) < 0.2
+    # the offsets matter: dropping them biases b
+    _, fb0 = fit_calibration([(x, y, 0.0) for x, y, _ in recs])
+    assert fb0 < b - 0.3
 
 
 def test_online_calibration_is_pushed():
     s = ControllerState(LadderPolicy(), online_calibration=True, min_calibration_records=10)
-    out = s.report(rep("a", records=[(1.0, True), (-1.0, False)] * 10 + [(1.0, False), (-1.0, True)] * 2))
+    out = s.report(rep("a", records=[(1.0, True, 0.0), (-1.0, False, 0.0)] * 10 + [(1.0, False, 0.0), (-1.0, True, 0.0)] * 2))
     assert out["calibration"] is not None and out["calibration"][0] > 0
 
 
@@ -258,6 +261,7 @@ class _DyingEngine(FakeEngine):
         raise SystemExit("boom")  # not an Exception: the loop thread dies
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
 def test_engine_loop_call_queued_behind_a_dying_loop_raises():
     engine = _DyingEngine(step_sleep_s=0.001)
     loop = EngineLoop(engine).start()

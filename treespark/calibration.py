@@ -1,17 +1,23 @@
-"""Calibration of edge acceptance: p_hat(edge) = sigmoid(a * logit(q) + b).
+"""Calibration of edge acceptance: p_hat(edge) = sigmoid(a * logit(q) + b + c_r).
 
 The drafter's probability q of a child token is a ranking signal, not a probability
 of acceptance. TreeSpark fits two scalars (a, b) by logistic regression on records
 (q, accepted) of edges whose ancestors were accepted, so that the product of p_hat
 along a root-to-node path estimates P(node accepted): the *path survival* that
 drives expansion, stopping and the serving budget. Reported with ECE and Brier.
+
+We add one offset ``c_r`` per *sibling rank* r (the r-th child of its parent, 0-based;
+c_0 = 0, the last offset repeats for deeper ranks). A second child with q = 0.3 sits
+beside a first child that usually holds more of the mass, and at most one child is
+accepted, so it survives far less often than a first child with q = 0.3.
+``sibling_bias = ()`` is the paper's two-scalar map.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,30 +32,55 @@ def logit(q: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Two scalars mapping drafter probability to acceptance probability."""
+    """Maps a drafter probability (and the edge's sibling rank) to an acceptance probability."""
 
     a: float = 1.0
     b: float = 0.0
+    sibling_bias: tuple[float, ...] = ()   # c_1, c_2, ...: logit offsets of the 2nd, 3rd, ... child
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.a) and math.isfinite(self.b)):
-            raise ValueError(f"calibration (a, b) must be finite, got ({self.a}, {self.b})")
+        object.__setattr__(self, "sibling_bias", tuple(float(c) for c in self.sibling_bias))
+        if not all(math.isfinite(v) for v in (self.a, self.b, *self.sibling_bias)):
+            raise ValueError(f"calibration (a, b, sibling_bias) must be finite, got "
+                             f"({self.a}, {self.b}, {self.sibling_bias})")
 
-    def p_hat(self, q: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.a * logit(q.to(torch.float32)) + self.b)
+    def offset(self, rank: int) -> float:
+        """c_rank: 0 for a first child; the last offset for ranks beyond the fitted ones."""
+        if rank <= 0 or not self.sibling_bias:
+            return 0.0
+        return self.sibling_bias[min(rank, len(self.sibling_bias)) - 1]
 
-    def p_hat_scalar(self, q: float) -> float:
+    def p_hat(self, q: torch.Tensor, rank: int = 0) -> torch.Tensor:
+        return torch.sigmoid(self.a * logit(q.to(torch.float32)) + self.b + self.offset(rank))
+
+    def p_hat_scalar(self, q: float, rank: int = 0) -> float:
         q = min(max(q, _EPS), 1 - _EPS)
-        z = self.a * (math.log(q) - math.log1p(-q)) + self.b
+        z = self.a * (math.log(q) - math.log1p(-q)) + self.b + self.offset(rank)
         return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
 
-    def save(self, path: str | Path, **report: float) -> None:
-        Path(path).write_text(json.dumps({**asdict(self), **report}, indent=2) + "\n")
+    def with_ab(self, a: float, b: float) -> Calibration:
+        """New (a, b), the same sibling offsets (what an online refit of (a, b) pushes)."""
+        return Calibration(a=a, b=b, sibling_bias=self.sibling_bias)
+
+    def save(self, path: str | Path, **report: object) -> None:
+        data = {"a": self.a, "b": self.b, "sibling_bias": list(self.sibling_bias)}
+        Path(path).write_text(json.dumps({**data, **report}, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
         data = json.loads(Path(path).read_text())
-        return cls(a=float(data["a"]), b=float(data["b"]))
+        return cls(a=float(data["a"]), b=float(data["b"]),
+                   sibling_bias=tuple(float(c) for c in data.get("sibling_bias", ())))
+
+
+def load_two_scalar(path: str | Path) -> Calibration | None:
+    """The (a, b)-only fit that ``treespark calibrate`` stores beside one with sibling
+    offsets (key ``ab_only``), for side-by-side benchmarks; None if the file has none."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    ab = json.loads(path.read_text()).get("ab_only")
+    return None if ab is None else Calibration(a=float(ab["a"]), b=float(ab["b"]))
 
 
 @dataclass(frozen=True)
@@ -60,24 +91,42 @@ class CalibrationReport:
     ece_after: float
     brier_before: float
     brier_after: float
+    log_loss_before: float
+    log_loss_after: float
+
+
+def _design(q: torch.Tensor, rank: torch.Tensor | None, sibling_ranks: int) -> torch.Tensor:
+    """Columns: logit q, 1, then [rank == r] for r = 1 .. sibling_ranks - 1 and
+    [rank >= sibling_ranks] (no rank columns when ``rank`` is None)."""
+    x = logit(q.to(torch.float64).flatten())
+    cols = [x, torch.ones_like(x)]
+    if rank is not None and sibling_ranks > 0:
+        r = rank.flatten().long()
+        cols += [(r == j).to(torch.float64) for j in range(1, sibling_ranks)]
+        cols.append((r >= sibling_ranks).to(torch.float64))
+    return torch.stack(cols, dim=1)
 
 
 def fit_calibration(
-    q: torch.Tensor, accepted: torch.Tensor, *, iters: int = 100, l2: float = 1e-4
+    q: torch.Tensor, accepted: torch.Tensor, rank: torch.Tensor | None = None, *,
+    sibling_ranks: int = 3, iters: int = 100, l2: float = 1e-4,
 ) -> Calibration:
-    """Logistic regression of ``accepted`` on logit(q) by Newton's method.
+    """Logistic regression of ``accepted`` on logit(q) (and the sibling rank) by Newton's method.
 
-    q: [N] drafter probabilities of edges whose ancestors were accepted; accepted: [N] bool.
+    q: [N] drafter probabilities of edges whose ancestors were accepted; accepted: [N] bool;
+    rank: [N] each edge's sibling rank (0 = first child), or None for the two-scalar fit.
+    With ``rank``, offsets are fitted for ranks 1 .. sibling_ranks (the last one pooling
+    every deeper rank); a rank never seen keeps offset 0 (the ridge holds it there).
     """
-    if q.numel() != accepted.numel():
-        raise ValueError("q and accepted must have the same length")
+    if q.numel() != accepted.numel() or (rank is not None and rank.numel() != q.numel()):
+        raise ValueError("q, accepted (and rank) must have the same length")
     if q.numel() == 0:
         raise ValueError("cannot fit a calibration on zero records")
-    x = logit(q.to(torch.float64).flatten())
+    X = _design(q, rank, sibling_ranks)                          # [N, P]
     y = accepted.to(torch.float64).flatten()
-    X = torch.stack([x, torch.ones_like(x)], dim=1)  # [N, 2]
-    w = torch.tensor([1.0, 0.0], dtype=torch.float64)
-    reg = torch.diag(torch.tensor([l2, l2], dtype=torch.float64)) * len(y)
+    w = torch.zeros(X.shape[1], dtype=torch.float64)
+    w[0] = 1.0
+    reg = torch.eye(X.shape[1], dtype=torch.float64) * l2 * len(y)
     for _ in range(iters):
         p = torch.sigmoid(X @ w)
         grad = X.T @ (p - y) + reg @ w
@@ -86,7 +135,16 @@ def fit_calibration(
         w = w - step
         if step.abs().max() < 1e-10:
             break
-    return Calibration(a=float(w[0]), b=float(w[1]))
+    return Calibration(a=float(w[0]), b=float(w[1]), sibling_bias=tuple(float(c) for c in w[2:]))
+
+
+def p_hat_of(cal: Calibration, q: torch.Tensor, rank: torch.Tensor | None = None) -> torch.Tensor:
+    """p_hat of every record (float64), each at its own sibling rank (rank 0 if None)."""
+    z = cal.a * logit(q.to(torch.float64).flatten()) + cal.b
+    if rank is not None and cal.sibling_bias:
+        offsets = torch.tensor((0.0, *cal.sibling_bias), dtype=torch.float64)
+        z = z + offsets[rank.flatten().long().clamp(0, len(cal.sibling_bias))]
+    return torch.sigmoid(z)
 
 
 def expected_calibration_error(p: torch.Tensor, y: torch.Tensor, bins: int = 15) -> float:
@@ -106,10 +164,17 @@ def brier_score(p: torch.Tensor, y: torch.Tensor) -> float:
     return float(((p.to(torch.float64) - y.to(torch.float64)) ** 2).mean())
 
 
-def calibrate(q: torch.Tensor, accepted: torch.Tensor) -> CalibrationReport:
-    """Fit (a, b) and report ECE / Brier before (p_hat = q) and after."""
-    cal = fit_calibration(q, accepted)
-    after = cal.p_hat(q)
+def log_loss(p: torch.Tensor, y: torch.Tensor) -> float:
+    p = p.to(torch.float64).flatten().clamp(1e-12, 1 - 1e-12)
+    y = y.to(torch.float64).flatten()
+    return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
+
+
+def calibrate(q: torch.Tensor, accepted: torch.Tensor, rank: torch.Tensor | None = None) -> CalibrationReport:
+    """Fit the calibration (with sibling offsets when ``rank`` is given) and report ECE,
+    Brier and log-loss before (p_hat = q) and after."""
+    cal = fit_calibration(q, accepted, rank)
+    after = p_hat_of(cal, q, rank)
     return CalibrationReport(
         calibration=cal,
         n=int(q.numel()),
@@ -117,4 +182,6 @@ def calibrate(q: torch.Tensor, accepted: torch.Tensor) -> CalibrationReport:
         ece_after=expected_calibration_error(after, accepted),
         brier_before=brier_score(q, accepted),
         brier_after=brier_score(after, accepted),
+        log_loss_before=log_loss(q, accepted),
+        log_loss_after=log_loss(after, accepted),
     )

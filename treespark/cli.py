@@ -103,9 +103,11 @@ def cmd_bench(args) -> None:
         table = engine_benchmark(pair, batch_sizes=tuple(args.batch_sizes), max_tokens=args.max_tokens)
     elif args.what == "acceptance":
         from treespark.bench.acceptance import acceptance_benchmark
+        from treespark.calibration import load_two_scalar
 
+        two = load_two_scalar(Path(_default_dir()) / "calibration.json") if args.pair == "default" else None
         table = acceptance_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts,
-                                     chain_lengths=args.chains)
+                                     chain_lengths=args.chains, two_scalar=two)
     elif args.what == "linear":
         from treespark.bench.linear import linear_benchmark
 
@@ -185,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device")
     t.set_defaults(func=cmd_train)
 
-    c = sub.add_parser("calibrate", help="fit (a, b) on verification traces; writes calibration.json")
+    c = sub.add_parser("calibrate", help="fit (a, b) and sibling-rank offsets on verification traces; "
+                                         "writes calibration.json")
     c.add_argument("--drafter", help="drafter directory (default: the shipped one)")
     c.add_argument("--out")
     c.add_argument("--device")

@@ -156,7 +156,8 @@ class Engine:
         self.budget = budget
 
     def set_calibration(self, a: float, b: float) -> None:
-        self.calibration = Calibration(a=a, b=b)
+        """New (a, b) (an online refit); the sibling offsets stay those of the pair."""
+        self.calibration = self.calibration.with_ab(a, b)
 
     @property
     def num_running(self) -> int:
@@ -287,7 +288,7 @@ class Engine:
         logits = out.logits.cpu()
 
         outputs: list[RequestOutput] = []
-        records: list[tuple[float, bool]] = []
+        records: list[tuple[float, bool, int]] = []
         accepted: list[int] = []
         commit_taps, commit_pos, commit_slot = [], [], []
         for i, (req, tree) in enumerate(zip(batch, trees, strict=True)):

@@ -7,10 +7,10 @@ below ``budget.theta`` or the tree holds ``budget.node_cap`` nodes. Depth is cap
 the drafter's block; siblings by ``budget.branch_cap``.
 
 * T = 0: a node's children are the top-k of q(. | parent, depth), in order;
-  e(n, j) = p_hat(q_j).
+  e(n, j) = p_hat_j(q_j), p_hat_j being the calibration at sibling rank j.
 * T > 0: siblings are drawn without replacement from the temperature-scaled q. A
   slot is chosen on its *expected* acceptance before its token is drawn,
-  e(n, j) = E_{x ~ q without the drawn}[p_hat(q(x))]: a slot kept or dropped on the
+  e(n, j) = E_{x ~ q without the drawn}[p_hat_j(q(x))]: a slot kept or dropped on the
   value of its own draw would bias the output (the proof of recursive rejection
   sampling needs each sibling to be a fresh draw from its proposal).
 
@@ -68,9 +68,9 @@ class _Slots:
     support: int = 0
 
 
-def _edge_value(cal: Calibration, q: float, rank: Rank) -> float:
+def _edge_value(cal: Calibration, q: float, rank: Rank, sibling: int) -> float:
     if rank == "calibrated":
-        return cal.p_hat_scalar(q)
+        return cal.p_hat_scalar(q, sibling)
     return q  # logq and marginal multiply raw probabilities along the path
 
 
@@ -125,12 +125,18 @@ def expand(
         if greedy:
             if j >= len(st.top_q):
                 return None
-            e = _edge_value(calibration, st.top_q[j], rank)
+            e = _edge_value(calibration, st.top_q[j], rank, j)
         else:
             remaining = 1.0 - st.mass_drawn
             if j >= st.support or remaining <= 1e-12:
                 return None
-            e = max(st.expected_total - st.expected_drawn, 0.0) / remaining
+            if rank == "calibrated" and calibration.offset(j) != 0.0:
+                # this rank's own calibration, over what is left to draw
+                p_j = calibration.p_hat(st.q, j).to(torch.float64)
+                left = float((st.q * p_j).sum()) - float((st.q[st.drawn] * p_j[st.drawn]).sum())
+            else:
+                left = st.expected_total - st.expected_drawn
+            e = max(left, 0.0) / remaining
         return tree.survival[n] * e
 
     def push(n: int, j: int) -> None:
@@ -157,7 +163,7 @@ def expand(
             st.drawn.append(d)
             st.mass_drawn += float(st.q[d])
             st.expected_drawn += float(st.q[d] * st.p_hat[d])
-            survival = tree.survival[n] * _edge_value(calibration, float(st.q[d]), rank)
+            survival = tree.survival[n] * _edge_value(calibration, float(st.q[d]), rank, j)
         token = d if proposal.draft_to_target is None else int(proposal.draft_to_target[d])
         i = tree.add(n, token, q=float(st.q[d]), survival=survival)
         push(n, j + 1)

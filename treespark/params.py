@@ -76,4 +76,4 @@ class StepStats:
     verify_s: float
     step_s: float
     prefill_tokens: int = 0
-    calibration_records: tuple[tuple[float, bool], ...] = ()
+    calibration_records: tuple[tuple[float, bool, int], ...] = ()  # (q, accepted, sibling rank)

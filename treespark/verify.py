@@ -17,8 +17,8 @@ plus one token drawn from the target at the last accepted node (the *bonus* or t
   sequence is distributed exactly as the target's (Leviathan et al. 2023, Thm 1,
   applied recursively).
 
-Calibration records are (q, accepted) for every child of every accepted node: the
-edges whose ancestors were accepted.
+Calibration records are (q, accepted, sibling rank) for every child of every accepted
+node: the edges whose ancestors were accepted.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from treespark.tree import DraftTree
 class VerifyResult:
     path: tuple[int, ...]      # accepted draft nodes (root excluded), root to leaf
     tokens: tuple[int, ...]    # emitted: the path's tokens, then one target token
-    records: tuple[tuple[float, bool], ...]  # (q, accepted) of edges below accepted nodes
+    records: tuple[tuple[float, bool, int], ...]  # (q, accepted, sibling rank) of edges below accepted nodes
 
     @property
     def accepted(self) -> int:
@@ -44,8 +44,9 @@ class VerifyResult:
         return len(self.path)
 
 
-def _records(tree: DraftTree, node: int, accepted_child: int | None) -> list[tuple[float, bool]]:
-    return [(tree.q[c], c == accepted_child) for c in tree.children[node]]
+def _records(tree: DraftTree, node: int, accepted_child: int | None) -> list[tuple[float, bool, int]]:
+    """Children are stored in the order they were added: their sibling rank."""
+    return [(tree.q[c], c == accepted_child, r) for r, c in enumerate(tree.children[node])]
 
 
 def verify_greedy(tree: DraftTree, target_argmax: Sequence[int]) -> VerifyResult:

@@ -55,7 +55,7 @@ class StepStats:
     draft_s: float
     verify_s: float
     step_s: float
-    calibration_records: tuple[tuple[float, bool], ...]
+    calibration_records: tuple[tuple[float, bool, int], ...]
 
 
 @dataclass
@@ -153,7 +153,7 @@ class FakeEngine:
         if self.on_step is not None:
             self.on_step(StepStats(n, n * (1 + self.budget.node_cap), (self.budget.node_cap,) * n, (min(self.budget.node_cap, 2),) * n,
                                    (self.budget.branch_cap,) * n, tuple(accepted), self.budget.theta, 0.0, dt, dt,
-                                   ((0.5, True), (-1.0, False)) if n else ()))
+                                   ((0.5, True, 0), (0.2, False, 1)) if n else ()))
         return outs
 
 

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from treespark.bench.common import bench_prompts, markdown_table, run_engine
 from treespark.budget import Budget
+from treespark.calibration import Calibration
 from treespark.models import ModelPair
 
 
 def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: int = 96,
                          temperatures=(0.0, 1.0), equal_budget: int = 16, chain_lengths=None,
-                         log=print) -> str:
+                         two_scalar: Calibration | None = None, log=print) -> str:
+    """tau of every policy on the held-out prompts. ``two_scalar``: an (a, b)-only
+    calibration to compare with the pair's (sibling offsets included) at equal budget
+    and at the default theta."""
     prompts = bench_prompts(pair, n_prompts)
     block = pair.drafter.config.block_size
     rows = []
     for t in temperatures:
-        def tau(budget: Budget, rank: str = "calibrated", t: float = t) -> tuple[float, float]:
-            r = run_engine(pair, prompts, budget, max_tokens=max_tokens, batch_size=8,
+        def tau(budget: Budget, rank: str = "calibrated", t: float = t, on: ModelPair = pair) -> tuple[float, float]:
+            r = run_engine(on, prompts, budget, max_tokens=max_tokens, batch_size=8,
                            temperature=t, rank=rank)
             mean_size = r.drafted / max(r.rounds, 1)
             log(f"T={t} {budget} rank={rank}: tau {r.tau:.3f} (mean tree {mean_size:.1f})")
@@ -30,6 +36,10 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
         for rank in ("logq", "marginal", "calibrated"):
             results[f"{rank} @ {equal_budget} nodes"] = tau(Budget(0.0, equal_budget, 4), rank)
         default = Budget.adaptive()
+        if two_scalar is not None:
+            ab = replace(pair, calibration=two_scalar)
+            results[f"calibrated (a, b) only @ {equal_budget} nodes"] = tau(Budget(0.0, equal_budget, 4), on=ab)
+            results[f"adaptive (theta {default.theta:g}), (a, b) only"] = tau(default, on=ab)
         results[f"adaptive (theta {default.theta:g}, default)"] = tau(default)
         results["adaptive (theta 0.01, cheap verify)"] = tau(Budget.adaptive(theta=0.01))
         chain_tau = chains[best_k][0]

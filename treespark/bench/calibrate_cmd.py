@@ -8,21 +8,24 @@ import torch
 
 from treespark.bench.common import bench_prompts, run_engine
 from treespark.budget import Budget
-from treespark.calibration import CalibrationReport, calibrate
+from treespark.calibration import CalibrationReport, calibrate, p_hat_of
 from treespark.models import ModelPair
 
 
 def collect_records(pair: ModelPair, prompts, *, temperature: float, max_tokens: int,
-                    budget: Budget) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, accepted) of every edge below an accepted node, from real verification rounds."""
+                    budget: Budget) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, accepted, sibling rank) of every edge below an accepted node, from real
+    verification rounds."""
     r = run_engine(pair, prompts, budget, max_tokens=max_tokens, batch_size=8, temperature=temperature)
     recs = [rec for s in r.step_stats for rec in s.calibration_records]
-    q = torch.tensor([x for x, _ in recs], dtype=torch.float64)
-    y = torch.tensor([a for _, a in recs], dtype=torch.bool)
-    return q, y
+    q = torch.tensor([x for x, _, _ in recs], dtype=torch.float64)
+    y = torch.tensor([a for _, a, _ in recs], dtype=torch.bool)
+    rank = torch.tensor([j for _, _, j in recs], dtype=torch.long)
+    return q, y, rank
 
 
-def reliability_png(q: torch.Tensor, y: torch.Tensor, report: CalibrationReport, path: Path) -> None:
+def reliability_png(q: torch.Tensor, y: torch.Tensor, rank: torch.Tensor, report: CalibrationReport,
+                    path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,7 +33,7 @@ def reliability_png(q: torch.Tensor, y: torch.Tensor, report: CalibrationReport,
 
     bins = torch.linspace(0, 1, 11)
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    for label, p in (("raw q", q), ("calibrated p_hat", report.calibration.p_hat(q).double())):
+    for label, p in (("raw q", q), ("calibrated p_hat", p_hat_of(report.calibration, q, rank))):
         idx = (p * 10).long().clamp(max=9)
         xs, ys = [], []
         for b in range(10):
@@ -52,23 +55,34 @@ def reliability_png(q: torch.Tensor, y: torch.Tensor, report: CalibrationReport,
 def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_tokens: int = 64,
                    temperatures=(0.0, 1.0), log=print) -> CalibrationReport:
     prompts = bench_prompts(pair, n_prompts, split="tune")
-    qs, ys = [], []
+    qs, ys, ranks = [], [], []
     for t in temperatures:
-        q, y = collect_records(pair, prompts, temperature=t, max_tokens=max_tokens,
-                               budget=Budget(0.0, 24, 4))
+        q, y, rank = collect_records(pair, prompts, temperature=t, max_tokens=max_tokens,
+                                     budget=Budget(0.0, 24, 4))
         log(f"T={t}: {len(q)} edge records, acceptance {float(y.double().mean()):.3f}")
         qs.append(q)
         ys.append(y)
-    q, y = torch.cat(qs), torch.cat(ys)
-    report = calibrate(q, y)
+        ranks.append(rank)
+    q, y, rank = torch.cat(qs), torch.cat(ys), torch.cat(ranks)
+    plain = calibrate(q, y)          # (a, b) alone: the paper's map, for comparison
+    report = calibrate(q, y, rank)
+    log(f"(a, b) alone:        a={plain.calibration.a:.3f} b={plain.calibration.b:.3f}  ECE {plain.ece_after:.4f}  "
+        f"Brier {plain.brier_after:.4f}  log-loss {plain.log_loss_after:.4f}")
     out_dir.mkdir(parents=True, exist_ok=True)
     report.calibration.save(out_dir / "calibration.json", n=report.n,
                             ece_before=round(report.ece_before, 4), ece_after=round(report.ece_after, 4),
-                            brier_before=round(report.brier_before, 4), brier_after=round(report.brier_after, 4))
+                            brier_before=round(report.brier_before, 4), brier_after=round(report.brier_after, 4),
+                            log_loss_before=round(report.log_loss_before, 4),
+                            log_loss_after=round(report.log_loss_after, 4),
+                            ab_only={"a": plain.calibration.a, "b": plain.calibration.b,
+                                     "ece": round(plain.ece_after, 4), "brier": round(plain.brier_after, 4),
+                                     "log_loss": round(plain.log_loss_after, 4)})
     try:
-        reliability_png(q, y, report, out_dir / "reliability.png")
+        reliability_png(q, y, rank, report, out_dir / "reliability.png")
     except ImportError:
         log("matplotlib is not installed: no reliability diagram (pip install '.[loadtest]')")
-    log(f"a={report.calibration.a:.3f} b={report.calibration.b:.3f}  ECE {report.ece_before:.4f} -> "
-        f"{report.ece_after:.4f}  Brier {report.brier_before:.4f} -> {report.brier_after:.4f}")
+    c = report.calibration
+    log(f"with sibling offsets: a={c.a:.3f} b={c.b:.3f} c={[round(x, 3) for x in c.sibling_bias]}  "
+        f"ECE {report.ece_before:.4f} -> {report.ece_after:.4f}  Brier {report.brier_before:.4f} -> "
+        f"{report.brier_after:.4f}  log-loss {report.log_loss_before:.4f} -> {report.log_loss_after:.4f}")
     return report
