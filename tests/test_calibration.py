@@ -82,3 +82,22 @@ def test_bad_inputs():
         Calibration(a=1.0, b=0.0, sibling_bias=(float("inf"),))
     with pytest.raises(ValueError):
         fit_calibration(torch.tensor([0.5, 0.4]), torch.tensor([True, False]), torch.tensor([0]))
+
+
+def test_calibrate_pair_stores_the_map_in_use_and_its_variant(tmp_path):
+    """`treespark calibrate` on a tiny random pair: both fits land in calibration.json,
+    the one in use on top and the other under ``variant``; the flag swaps them."""
+    from treespark import random_pair
+    from treespark.bench.calibrate_cmd import calibrate_pair
+    from treespark.calibration import load_variant
+
+    pair = random_pair(64, 0, block_size=3)
+    quiet = dict(n_prompts=3, max_tokens=12, log=lambda *a: None)
+    calibrate_pair(pair, tmp_path / "ab", **quiet)
+    used, other = Calibration.load(tmp_path / "ab" / "calibration.json"), load_variant(tmp_path / "ab" / "calibration.json")
+    assert used.sibling_bias == () and len(other.sibling_bias) == 3
+    calibrate_pair(pair, tmp_path / "ranked", sibling_offsets=True, **quiet)
+    path = tmp_path / "ranked" / "calibration.json"
+    assert Calibration.load(path) == other and load_variant(path) == used
+    assert json.loads(path.read_text())["n"] > 0
+    assert load_variant(tmp_path / "missing.json") is None

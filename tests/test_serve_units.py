@@ -282,7 +282,8 @@ def test_engine_loop_call_queued_behind_a_dying_loop_raises():
         engine.gate.set()
         caller.join(5)
         assert not caller.is_alive() and len(errors) == 1 and "stopped" in str(errors[0])
-        assert isinstance(got[-1], Failed) and not loop.alive
+        assert isinstance(got[-1], Failed)
+        _wait(lambda: not loop.alive)
     finally:
         loop.stop()
 

@@ -84,7 +84,7 @@ def cmd_calibrate(args) -> None:
     from treespark.bench.calibrate_cmd import calibrate_pair
 
     pair = load_pair(drafter=args.drafter, device=args.device)
-    calibrate_pair(pair, Path(args.out or args.drafter or _default_dir()))
+    calibrate_pair(pair, Path(args.out or args.drafter or _default_dir()), sibling_offsets=args.sibling_offsets)
 
 
 def _default_dir() -> str:
@@ -103,11 +103,11 @@ def cmd_bench(args) -> None:
         table = engine_benchmark(pair, batch_sizes=tuple(args.batch_sizes), max_tokens=args.max_tokens)
     elif args.what == "acceptance":
         from treespark.bench.acceptance import acceptance_benchmark
-        from treespark.calibration import load_two_scalar
+        from treespark.calibration import load_variant
 
-        two = load_two_scalar(Path(_default_dir()) / "calibration.json") if args.pair == "default" else None
+        variant = load_variant(Path(_default_dir()) / "calibration.json") if args.pair == "default" else None
         table = acceptance_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts,
-                                     chain_lengths=args.chains, two_scalar=two)
+                                     chain_lengths=args.chains, variant=variant)
     elif args.what == "linear":
         from treespark.bench.linear import linear_benchmark
 
@@ -187,11 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device")
     t.set_defaults(func=cmd_train)
 
-    c = sub.add_parser("calibrate", help="fit (a, b) and sibling-rank offsets on verification traces; "
-                                         "writes calibration.json")
+    c = sub.add_parser("calibrate", help="fit the calibration (a, b) on verification traces (and the variant "
+                                         "with sibling-rank offsets); writes calibration.json")
     c.add_argument("--drafter", help="drafter directory (default: the shipped one)")
     c.add_argument("--out")
     c.add_argument("--device")
+    c.add_argument("--sibling-offsets", action="store_true",
+                   help="use the fit with sibling-rank offsets (both are fitted and stored)")
     c.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear")

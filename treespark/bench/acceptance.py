@@ -12,10 +12,10 @@ from treespark.models import ModelPair
 
 def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: int = 96,
                          temperatures=(0.0, 1.0), equal_budget: int = 16, chain_lengths=None,
-                         two_scalar: Calibration | None = None, log=print) -> str:
-    """tau of every policy on the held-out prompts. ``two_scalar``: an (a, b)-only
-    calibration to compare with the pair's (sibling offsets included) at equal budget
-    and at the default theta."""
+                         variant: Calibration | None = None, log=print) -> str:
+    """tau of every policy on the held-out prompts. ``variant``: another calibration of
+    the same drafter (``treespark calibrate`` stores it: with sibling offsets if the
+    pair's has none) compared at equal budget and at the default theta."""
     prompts = bench_prompts(pair, n_prompts)
     block = pair.drafter.config.block_size
     rows = []
@@ -36,10 +36,11 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
         for rank in ("logq", "marginal", "calibrated"):
             results[f"{rank} @ {equal_budget} nodes"] = tau(Budget(0.0, equal_budget, 4), rank)
         default = Budget.adaptive()
-        if two_scalar is not None:
-            ab = replace(pair, calibration=two_scalar)
-            results[f"calibrated (a, b) only @ {equal_budget} nodes"] = tau(Budget(0.0, equal_budget, 4), on=ab)
-            results[f"adaptive (theta {default.theta:g}), (a, b) only"] = tau(default, on=ab)
+        if variant is not None:
+            other = replace(pair, calibration=variant)
+            label = "sibling offsets" if variant.sibling_bias else "(a, b) only"
+            results[f"calibrated, {label} @ {equal_budget} nodes"] = tau(Budget(0.0, equal_budget, 4), on=other)
+            results[f"adaptive (theta {default.theta:g}), {label}"] = tau(default, on=other)
         results[f"adaptive (theta {default.theta:g}, default)"] = tau(default)
         results["adaptive (theta 0.01, cheap verify)"] = tau(Budget.adaptive(theta=0.01))
         chain_tau = chains[best_k][0]

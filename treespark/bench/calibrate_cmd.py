@@ -52,8 +52,17 @@ def reliability_png(q: torch.Tensor, y: torch.Tensor, rank: torch.Tensor, report
     del bins
 
 
+def _summary(r: CalibrationReport) -> dict:
+    c = r.calibration
+    return {"a": c.a, "b": c.b, "sibling_bias": list(c.sibling_bias), "ece": round(r.ece_after, 4),
+            "brier": round(r.brier_after, 4), "log_loss": round(r.log_loss_after, 4)}
+
+
 def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_tokens: int = 64,
-                   temperatures=(0.0, 1.0), log=print) -> CalibrationReport:
+                   temperatures=(0.0, 1.0), sibling_offsets: bool = False, log=print) -> CalibrationReport:
+    """Fit both maps on the tuning prompts' verification traces: (a, b) alone and with
+    sibling-rank offsets. The one in use (``sibling_offsets``) goes to calibration.json
+    with its report; the other is stored under ``variant`` for side-by-side benchmarks."""
     prompts = bench_prompts(pair, n_prompts, split="tune")
     qs, ys, ranks = [], [], []
     for t in temperatures:
@@ -64,25 +73,23 @@ def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_t
         ys.append(y)
         ranks.append(rank)
     q, y, rank = torch.cat(qs), torch.cat(ys), torch.cat(ranks)
-    plain = calibrate(q, y)          # (a, b) alone: the paper's map, for comparison
-    report = calibrate(q, y, rank)
-    log(f"(a, b) alone:        a={plain.calibration.a:.3f} b={plain.calibration.b:.3f}  ECE {plain.ece_after:.4f}  "
-        f"Brier {plain.brier_after:.4f}  log-loss {plain.log_loss_after:.4f}")
+    plain = calibrate(q, y)            # (a, b) alone: the paper's map
+    ranked = calibrate(q, y, rank)     # with sibling-rank offsets
+    for name, r in (("(a, b) alone", plain), ("with sibling offsets", ranked)):
+        c = r.calibration
+        log(f"{name:>20}: a={c.a:.3f} b={c.b:.3f} c={[round(x, 3) for x in c.sibling_bias]}  ECE {r.ece_before:.4f} -> "
+            f"{r.ece_after:.4f}  Brier {r.brier_before:.4f} -> {r.brier_after:.4f}  log-loss "
+            f"{r.log_loss_before:.4f} -> {r.log_loss_after:.4f}")
+    report, other = (ranked, plain) if sibling_offsets else (plain, ranked)
     out_dir.mkdir(parents=True, exist_ok=True)
     report.calibration.save(out_dir / "calibration.json", n=report.n,
                             ece_before=round(report.ece_before, 4), ece_after=round(report.ece_after, 4),
                             brier_before=round(report.brier_before, 4), brier_after=round(report.brier_after, 4),
                             log_loss_before=round(report.log_loss_before, 4),
-                            log_loss_after=round(report.log_loss_after, 4),
-                            ab_only={"a": plain.calibration.a, "b": plain.calibration.b,
-                                     "ece": round(plain.ece_after, 4), "brier": round(plain.brier_after, 4),
-                                     "log_loss": round(plain.log_loss_after, 4)})
+                            log_loss_after=round(report.log_loss_after, 4), variant=_summary(other))
     try:
         reliability_png(q, y, rank, report, out_dir / "reliability.png")
     except ImportError:
         log("matplotlib is not installed: no reliability diagram (pip install '.[loadtest]')")
-    c = report.calibration
-    log(f"with sibling offsets: a={c.a:.3f} b={c.b:.3f} c={[round(x, 3) for x in c.sibling_bias]}  "
-        f"ECE {report.ece_before:.4f} -> {report.ece_after:.4f}  Brier {report.brier_before:.4f} -> "
-        f"{report.brier_after:.4f}  log-loss {report.log_loss_before:.4f} -> {report.log_loss_after:.4f}")
+    log(f"wrote {out_dir / 'calibration.json'} ({'with' if sibling_offsets else 'without'} sibling offsets)")
     return report
