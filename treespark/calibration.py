@@ -64,15 +64,21 @@ class Calibration:
         """New (a, b), the same sibling offsets (what an online refit of (a, b) pushes)."""
         return Calibration(a=a, b=b, sibling_bias=self.sibling_bias)
 
+    def to_dict(self) -> dict[str, object]:
+        return {"a": self.a, "b": self.b, "sibling_bias": list(self.sibling_bias)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Calibration:
+        """The map in ``data`` (other keys ignored; no ``sibling_bias``: the two-scalar map)."""
+        return cls(a=float(data["a"]), b=float(data["b"]),
+                   sibling_bias=tuple(float(c) for c in data.get("sibling_bias", ())))
+
     def save(self, path: str | Path, **report: object) -> None:
-        data = {"a": self.a, "b": self.b, "sibling_bias": list(self.sibling_bias)}
-        Path(path).write_text(json.dumps({**data, **report}, indent=2) + "\n")
+        Path(path).write_text(json.dumps({**self.to_dict(), **report}, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
-        data = json.loads(Path(path).read_text())
-        return cls(a=float(data["a"]), b=float(data["b"]),
-                   sibling_bias=tuple(float(c) for c in data.get("sibling_bias", ())))
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 def load_variant(path: str | Path) -> Calibration | None:
@@ -83,9 +89,7 @@ def load_variant(path: str | Path) -> Calibration | None:
     if not path.is_file():
         return None
     v = json.loads(path.read_text()).get("variant")
-    if v is None:
-        return None
-    return Calibration(a=float(v["a"]), b=float(v["b"]), sibling_bias=tuple(float(c) for c in v.get("sibling_bias", ())))
+    return None if v is None else Calibration.from_dict(v)
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,8 @@ def reliability_png(q: torch.Tensor, y: torch.Tensor, rank: torch.Tensor, report
 
 
 def _summary(r: CalibrationReport) -> dict:
-    c = r.calibration
-    return {"a": c.a, "b": c.b, "sibling_bias": list(c.sibling_bias), "ece": round(r.ece_after, 4),
-            "brier": round(r.brier_after, 4), "log_loss": round(r.log_loss_after, 4)}
+    return {**r.calibration.to_dict(), "ece": round(r.ece_after, 4), "brier": round(r.brier_after, 4),
+            "log_loss": round(r.log_loss_after, 4)}
 
 
 def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_tokens: int = 64,
