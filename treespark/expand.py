@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
@@ -54,18 +54,27 @@ class Proposal(Protocol):
 
 
 @dataclass
+class _Expected:
+    """T > 0, under one sibling rank's calibration: each token's acceptance ``p`` and
+    sum_x q(x) p(x) over every token (``total``) and over those drawn so far (``drawn``)."""
+
+    p: torch.Tensor
+    total: float
+    drawn: float
+
+
+@dataclass
 class _Slots:
     """The children of one expanded node: their drawing distribution and what is drawn."""
 
     q: torch.Tensor          # [Vd] float64, the drawing distribution
     top_q: list[float]       # T = 0: the top-k probabilities, in order
     top_idx: list[int]
-    p_hat: torch.Tensor | None = None  # T > 0: calibrated acceptance of each token
-    expected_total: float = 0.0        # T > 0: sum_x q(x) p_hat(x)
-    expected_drawn: float = 0.0
     mass_drawn: float = 0.0
     drawn: list[int] | None = None
     support: int = 0
+    # T > 0: one entry per distinct sibling-rank offset in use (one when there are none)
+    expected: dict[float | None, _Expected] = field(default_factory=dict)
 
 
 def _edge_value(cal: Calibration, q: float, rank: Rank, sibling: int) -> float:
@@ -113,10 +122,19 @@ def expand(
             st.top_q = top.values.tolist()
         else:
             st.drawn = []
-            st.p_hat = calibration.p_hat(q).to(torch.float64) if rank == "calibrated" else q
-            st.expected_total = float((q * st.p_hat).sum())
         slots[n] = st
         push(n, 0)
+
+    def expected(st: _Slots, j: int) -> _Expected:
+        """What slot j draws from: sibling rank j's calibration (raw q for the
+        benchmark rankings), computed once per distinct offset."""
+        key = calibration.offset(j) if rank == "calibrated" else None
+        e = st.expected.get(key)
+        if e is None:
+            p = calibration.p_hat(st.q, j).to(torch.float64) if rank == "calibrated" else st.q
+            e = _Expected(p, float((st.q * p).sum()), float((st.q[st.drawn] * p[st.drawn]).sum()))
+            st.expected[key] = e
+        return e
 
     def slot_score(n: int, j: int) -> float | None:
         st = slots[n]
@@ -130,13 +148,8 @@ def expand(
             remaining = 1.0 - st.mass_drawn
             if j >= st.support or remaining <= 1e-12:
                 return None
-            if rank == "calibrated" and calibration.offset(j) != 0.0:
-                # this rank's own calibration, over what is left to draw
-                p_j = calibration.p_hat(st.q, j).to(torch.float64)
-                left = float((st.q * p_j).sum()) - float((st.q[st.drawn] * p_j[st.drawn]).sum())
-            else:
-                left = st.expected_total - st.expected_drawn
-            e = max(left, 0.0) / remaining
+            x = expected(st, j)  # over what is left to draw
+            e = max(x.total - x.drawn, 0.0) / remaining
         return tree.survival[n] * e
 
     def push(n: int, j: int) -> None:
@@ -162,7 +175,8 @@ def expand(
             d = sampler.categorical(remaining)
             st.drawn.append(d)
             st.mass_drawn += float(st.q[d])
-            st.expected_drawn += float(st.q[d] * st.p_hat[d])
+            for x in st.expected.values():
+                x.drawn += float(st.q[d] * x.p[d])
             survival = tree.survival[n] * _edge_value(calibration, float(st.q[d]), rank, j)
         token = d if proposal.draft_to_target is None else int(proposal.draft_to_target[d])
         i = tree.add(n, token, q=float(st.q[d]), survival=survival)
