@@ -90,3 +90,18 @@ def test_tuning_prompts_are_disjoint_from_training_and_heldout():
     assert tune == [p.text for p in tuning_prompts()]  # deterministic
     seen = {p.text for p in synthetic_prompts()} | {p.text for p in load_prompts()}
     assert not seen & set(tune)
+
+
+def test_varied_prompts_are_deterministic_distinct_and_never_heldout_or_tuning():
+    from treespark.prompts import synthetic_prompts, tuning_prompts, varied_prompts
+
+    a, b, c = varied_prompts(0), varied_prompts(0), varied_prompts(1)
+    assert [p.text for p in a] == [p.text for p in b]
+    assert [p.text for p in a] != [p.text for p in c]
+    texts = [p.text for p in a]
+    assert len(texts) == len(set(texts)) >= 1500
+    reserved = {p.text for p in load_prompts(split="heldout")} | {p.text for p in tuning_prompts()}
+    assert not reserved & set(texts)
+    assert not {p.text for p in synthetic_prompts()} & set(texts)  # a pool of its own
+    assert {p.split for p in a} == {"train"} and {p.kind for p in a} == set(KINDS)
+    assert all("{" not in p.text or "```" in p.text for p in a)  # every template filled

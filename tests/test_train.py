@@ -43,3 +43,15 @@ def test_draft_vocabulary_counts_weighted_labels():
     w = torch.tensor([1.0, 1, 1, 10, 1, 1], dtype=torch.float64)
     assert draft_vocabulary(labels, 1, 12, w).tolist() == [7]
     assert draft_vocabulary(labels, 2, 12, w).tolist() == [5, 7]
+
+
+def test_target_answers_do_not_depend_on_the_batch_size():
+    from treespark.recipe import target_answers
+
+    pair = random_pair(32, 3)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, pair.vocab_size, (int(n),), generator=g).tolist() for n in (3, 7, 5, 9, 4)]
+    one = target_answers(pair, prompts, 12, batch_size=1, progress=False)
+    many = target_answers(pair, prompts, 12, batch_size=4, progress=False)
+    assert one == many
+    assert all(a[: len(p)] == p and len(a) == len(p) + 12 for a, p in zip(one, prompts))

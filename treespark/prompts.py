@@ -7,9 +7,11 @@ shell one-liners, SQL). About a quarter of each kind is in the ``heldout`` split
 heldout prompts are for evaluation only, never for training or tuning a drafter or
 a policy.
 
-Two templated sets complete it: ``synthetic_prompts()`` (training material for the
-drafter recipe) and ``tuning_prompts()`` (on other subjects; what ``treespark
-calibrate`` fits on and default budgets are chosen on). The three never overlap.
+Three templated sets complete it: ``synthetic_prompts()`` and ``varied_prompts()``
+(training material for the drafter recipe; the second, larger one is read from
+``assets/prompts/varied.json``) and ``tuning_prompts()`` (on other subjects; what
+``treespark calibrate`` fits on and default budgets are chosen on). Training, tuning
+and heldout texts never overlap.
 """
 
 from __future__ import annotations
@@ -158,3 +160,21 @@ def synthetic_prompts(seed: int = 0) -> list[Prompt]:
     Training material only. None of them equals a heldout prompt (checked)."""
     held = {p.text for p in load_prompts("heldout")}
     return [p for p in _templated(_CHAT_SUBJECTS, _CODE_TASKS, "synth", seed) if p.text not in held]
+
+
+def varied_prompts(seed: int = 0) -> list[Prompt]:
+    """The larger templated training pool (``assets/prompts/varied.json``: groups of
+    templates, each filled with each of its group's items), in an order shuffled by
+    ``seed``. Training material only: texts equal to a heldout or tuning prompt are
+    dropped."""
+    source = resources.files("treespark") / "assets" / "prompts" / "varied.json"
+    groups = json.loads(source.read_text(encoding="utf-8"))["groups"]
+    texts: list[tuple[str, str]] = []
+    for g in groups:
+        if g["kind"] not in KINDS:
+            raise ValueError(f"varied.json: unknown kind {g['kind']!r}")
+        texts += [(g["kind"], t.format(x=x)) for x in g["fill"] for t in g["templates"]]
+    reserved = {p.text for p in load_prompts("heldout")} | {p.text for p in tuning_prompts()}
+    texts = [kt for kt in dict.fromkeys(texts) if kt[1] not in reserved]
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [Prompt(id=f"varied-{i:04d}", kind=texts[i][0], split="train", text=texts[i][1]) for i in order]

@@ -4,8 +4,8 @@
 
 1. sequences: the offline corpus (``treespark.corpus``) cut into fixed-length
    windows, plus the target's own answers (serving contexts look like these): greedy
-   to the train-split prompts and to templated requests (``synthetic_prompts``), and
-   sampled to the train-split prompts; each set is cached on its own in ``work_dir``;
+   to the train-split prompts and to templated requests (``synthetic_prompts`` and the
+   larger ``varied_prompts`` pool), and sampled to the train-split prompts; each set is cached on its own in ``work_dir``;
 2. features: one teacher-forced target pass per sequence (tapped hidden states and
    the target's argmax labels), cached in ``work_dir``;
 3. a reduced draft vocabulary: the most frequent target labels;
@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +29,7 @@ from treespark.corpus import training_texts
 from treespark.drafter import save_drafter
 from treespark.models import ModelPair
 from treespark.params import SamplingParams
-from treespark.prompts import load_prompts, synthetic_prompts
+from treespark.prompts import load_prompts, synthetic_prompts, varied_prompts
 from treespark.train import (
     Features,
     TrainConfig,
@@ -49,6 +50,9 @@ class DrafterRecipe:
     synthetic_prompts: int = 330     # templated train requests answered greedily (prompts.synthetic_prompts)
     sampled_answer_sets: int = 2     # extra answer sets to the train prompts, sampled at ``sampled_temperature``
     sampled_temperature: float = 0.8
+    varied_prompts: int = 1751       # requests from the larger templated pool (prompts.varied_prompts), answered greedily
+    varied_answer_tokens: int = 96   # answer length for those
+    varied_batch_size: int = 64      # rows per engine step while answering them (plain decoding)
     answer_weight: float = 3.0       # how much likelier an answer is drawn than a corpus window
     block_size: int = 6
     tap_layers: tuple[int, ...] = (2, 15, 28)
@@ -80,14 +84,15 @@ def corpus_sequences(tokenizer, total_tokens: int, seq_len: int) -> list[list[in
 
 
 def target_answers(pair: ModelPair, prompts: list[list[int]], max_tokens: int,
-                   *, temperature: float = 0.0, seed: int = 0, progress: bool = True) -> list[list[int]]:
+                   *, temperature: float = 0.0, seed: int = 0, batch_size: int = 16,
+                   progress: bool = True) -> list[list[int]]:
     """The target's own answers (plain decoding through the engine, batched)."""
     from treespark.engine import Engine, EngineConfig
 
     eos = pair.tokenizer.eos_token_id if pair.tokenizer is not None else None
     stop = (eos,) if eos is not None else ()
     longest = max(len(p) for p in prompts)
-    engine = Engine(pair, EngineConfig(max_batch_size=16, max_context=longest + max_tokens),
+    engine = Engine(pair, EngineConfig(max_batch_size=batch_size, max_context=longest + max_tokens),
                     budget=Budget.off())
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, stop_token_ids=stop,
@@ -125,10 +130,12 @@ def build_drafter(recipe: DrafterRecipe, target, tokenizer, work_dir: Path, out_
     held_prompts = [chat_ids(tokenizer, p.text) for p in load_prompts("heldout")]
     n = recipe.answer_tokens
 
-    def answer_features(temperature: float, seed: int, prompts: list[list[int]]):
+    def answer_features(temperature: float, seed: int, prompts: list[list[int]], tokens: int = n,
+                        batch_size: int = 16):
         return lambda: target_features(
             target, recipe.tap_layers,
-            target_answers(pair, prompts, n, temperature=temperature, seed=seed, progress=progress),
+            target_answers(pair, prompts, tokens, temperature=temperature, seed=seed,
+                           batch_size=batch_size, progress=progress),
             progress=progress)
 
     held_feats = _cached(work_dir / f"features_heldout_n{n}.safetensors", answer_features(0.0, 0, held_prompts))
@@ -137,6 +144,13 @@ def build_drafter(recipe: DrafterRecipe, target, tokenizer, work_dir: Path, out_
         synth = [chat_ids(tokenizer, p.text) for p in synthetic_prompts(recipe.seed)[: recipe.synthetic_prompts]]
         answer_sets.append(_cached(work_dir / f"features_synthetic{len(synth)}_greedy_n{n}.safetensors",
                                    answer_features(0.0, 0, synth)))
+    if recipe.varied_prompts:
+        varied = [p.text for p in varied_prompts(recipe.seed)[: recipe.varied_prompts]]
+        digest = hashlib.sha256("\0".join(varied).encode()).hexdigest()[:10]
+        m = recipe.varied_answer_tokens
+        answer_sets.append(_cached(
+            work_dir / f"features_varied{len(varied)}_{digest}_greedy_n{m}.safetensors",
+            answer_features(0.0, 0, [chat_ids(tokenizer, t) for t in varied], m, recipe.varied_batch_size)))
     for k in range(recipe.sampled_answer_sets):
         t = recipe.sampled_temperature
         answer_sets.append(_cached(work_dir / f"features_answers_t{t}_set{k}_n{n}.safetensors",
