@@ -26,6 +26,7 @@ from typing import Any
 
 from deployments.reports import TreeStats, budget_from_wire, budget_to_wire
 from treespark.budget import Budget
+from treespark.params import StepStats
 from treespark.policy import LoadSnapshot
 
 log = logging.getLogger("ray.serve")
@@ -54,6 +55,16 @@ def summarize_steps(stats: list[Any]) -> TreeStats:
         verify_s=sum(s.verify_s for s in stats) / n,
         theta=stats[-1].theta,
     )
+
+
+def round_records(s: StepStats) -> list[tuple[int, int]]:
+    """(node cap, accepted) per row of one step: what the controller learns acceptance
+    per tree size from. Keyed by the row's budget cap, the ``n`` a plan chooses, not by
+    the tree drawn under it (a theta-priced tree is often smaller; an empty one accepts
+    nothing whatever its neighbours drew). Steps from engines without caps fall back to
+    the step's widest tree."""
+    caps = s.node_caps or (max(s.tree_sizes, default=0),) * len(s.accepted)
+    return [(int(n), int(a)) for n, a in zip(caps, s.accepted)]
 
 
 def _logit(q: float) -> float:
@@ -120,9 +131,7 @@ class HeartbeatMixin:
                 self.counters["accepted_tokens"] += sum(s.accepted)
                 records.extend((_logit(float(q)), bool(y), self._sibling_offset(int(r)))
                                for q, y, r in s.calibration_records)
-                # keyed by the step's widest tree: every row paid for that width (padding)
-                width = max(s.tree_sizes, default=0)
-                rounds.extend((width, a) for a in s.accepted)
+                rounds.extend(round_records(s))
             emitted, self._tokens_emitted = self._tokens_emitted, 0
             counters = dict(self.counters)
         load = self.loop.load

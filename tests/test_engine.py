@@ -127,3 +127,16 @@ def test_budget_changes_between_steps_and_per_request(mimic16):
     s = stats[-1]
     assert s.batch_size == 2 and s.tokens_verified == sum(s.tree_sizes) + 2 and s.verify_s > 0
     assert s.calibration_records and all(0 < q <= 1 and r >= 0 for q, _, r in s.calibration_records)
+    # each row reports its own budget's node cap: the engine's one, or the request's
+    assert all(s.node_caps == (12, 2) for s in wide) and all(s.node_caps == (0, 2) for s in off)
+
+
+def test_node_caps_are_clipped_to_max_tree_nodes(mimic16):
+    engine = Engine(mimic16, EngineConfig(max_batch_size=2, max_context=64, max_tree_nodes=5),
+                    budget=Budget(0.0, 40, 4))
+    stats: list[StepStats] = []
+    engine.on_step = stats.append
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=20))
+    for _ in range(3):
+        engine.step()
+    assert stats and all(s.node_caps == (5,) and s.tree_sizes[0] <= 5 for s in stats)

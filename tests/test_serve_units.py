@@ -371,3 +371,16 @@ def test_configs_validate():
             assert opts["ray_actor_options"]["num_gpus"] == 1
         else:
             assert opts["ray_actor_options"]["num_gpus"] == 0
+
+
+def test_round_records_are_keyed_by_each_rows_node_cap():
+    from deployments.heartbeat import round_records
+    from treespark.params import StepStats
+
+    base = dict(batch_size=3, tokens_verified=9, depths=(2, 0, 1), widths=(2, 0, 1), theta=0.1,
+                draft_s=0.0, verify_s=0.0, step_s=0.0)
+    s = StepStats(tree_sizes=(4, 0, 1), accepted=(2, 0, 1), node_caps=(8, 8, 2), **base)
+    # the empty tree counts as a round at its cap that accepted nothing, not at the widest tree
+    assert round_records(s) == [(8, 2), (8, 0), (2, 1)]
+    legacy = StepStats(tree_sizes=(4, 0, 1), accepted=(2, 0, 1), **base)
+    assert round_records(legacy) == [(4, 2), (4, 0), (4, 1)]

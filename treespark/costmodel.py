@@ -190,8 +190,8 @@ class AcceptanceProfile:
 class AcceptanceStats:
     """Per tree size ``n``: rounds seen (``counts[n]``) and draft tokens they accepted
     (``sums[n]``); what the controller gathers from the replicas' per-round records.
-    Replicas key each round by its step's *widest* tree: the verify forward pads every
-    row to it, so that width is what the step paid for."""
+    Replicas key each round by its row's budget node cap (``StepStats.node_caps``): the
+    ``n`` a plan chooses is a cap, and a theta-priced tree under it is often smaller."""
 
     counts: tuple[int, ...] = ()
     sums: tuple[float, ...] = ()

@@ -340,6 +340,7 @@ class Engine:
                 step_s=time.perf_counter() - t0,
                 prefill_tokens=prefill_tokens,
                 calibration_records=tuple(records),
+                node_caps=tuple(b.node_cap for b in budgets),
             ))
         return outputs
 

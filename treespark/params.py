@@ -77,3 +77,4 @@ class StepStats:
     step_s: float
     prefill_tokens: int = 0
     calibration_records: tuple[tuple[float, bool, int], ...] = ()  # (q, accepted, sibling rank)
+    node_caps: tuple[int, ...] = ()  # each row's budget node cap (after max_tree_nodes)
