@@ -61,9 +61,9 @@ def round_records(s: StepStats) -> list[tuple[int, int]]:
     """(node cap, accepted) per row of one step: what the controller learns acceptance
     per tree size from. Keyed by the row's budget cap, the ``n`` a plan chooses, not by
     the tree drawn under it (a theta-priced tree is often smaller; an empty one accepts
-    nothing whatever its neighbours drew). Steps from engines without caps fall back to
-    the step's widest tree."""
-    caps = s.node_caps or (max(s.tree_sizes, default=0),) * len(s.accepted)
+    nothing whatever its neighbours drew). Steps from engines without caps (a custom
+    ``engine_factory``'s stats may lack the field) fall back to the step's widest tree."""
+    caps = getattr(s, "node_caps", ()) or (max(s.tree_sizes, default=0),) * len(s.accepted)
     return [(int(n), int(a)) for n, a in zip(caps, s.accepted)]
 
 
