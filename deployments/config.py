@@ -182,6 +182,19 @@ class AppArgs(_Strict):
     # ``Authorization: Bearer <key>``, and the API refuses to start if the variable is empty.
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+    @model_validator(mode="after")
+    def _caps_fit_the_engines(self) -> AppArgs:
+        """A budget the engines would clip is a configuration error, not a silent change."""
+        p, cap = self.policy, self.max_tree_nodes
+        named = {"costmodel": [("policy.max_nodes", p.max_nodes)],
+                 "fixed": [("policy.budget.node_cap", p.budget.node_cap if p.budget else 0)],
+                 "ladder": [(f"policy.budgets[{i}].node_cap", b.node_cap) for i, b in enumerate(p.budgets)]}
+        for name, n in named[p.kind]:
+            if n > cap:
+                raise ValueError(f"{name} is {n} but max_tree_nodes is {cap}: the engines would clip "
+                                 f"every tree to {cap} nodes; raise max_tree_nodes or lower {name}")
+        return self
+
     @property
     def model_name(self) -> str:
         if self.served_model_name:

@@ -56,6 +56,7 @@ class Controller:
             online_calibration=a.controller.online_calibration,
             min_calibration_records=a.controller.min_calibration_records,
             calibration_prior_records=a.controller.calibration_prior_records,
+            rounds=RoundWindow(max_nodes=a.max_tree_nodes),
         )
 
     def configure(self, args: dict[str, Any]) -> None:
@@ -67,6 +68,8 @@ class Controller:
         s.policy, s.heartbeat_timeout_s = a.policy.build(a.max_batch_size), a.controller.heartbeat_timeout_s
         s.online_calibration, s.min_calibration_records = a.controller.online_calibration, a.controller.min_calibration_records
         s.calibration_prior_records = a.controller.calibration_prior_records
+        if s.rounds.max_nodes != a.max_tree_nodes:  # records are keyed by node caps up to it
+            s.rounds = RoundWindow(max_nodes=a.max_tree_nodes)
         s._reassign()
 
     def report(self, report: dict[str, Any]) -> dict[str, Any]:

@@ -373,6 +373,33 @@ def test_configs_validate():
             assert opts["ray_actor_options"]["num_gpus"] == 0
 
 
+def test_budgets_the_engines_would_clip_are_refused():
+    from pydantic import ValidationError
+
+    fixed = {"kind": "fixed", "budget": {"theta": 0.0, "node_cap": 48, "branch_cap": 4}}
+    assert AppArgs(policy=fixed, max_tree_nodes=48).policy.budget.node_cap == 48
+    with pytest.raises(ValidationError, match=r"policy.budget.node_cap is 48 but max_tree_nodes is 32"):
+        AppArgs(policy=fixed, max_tree_nodes=32)
+    with pytest.raises(ValidationError, match=r"policy.budgets\[0\].node_cap is 24 but max_tree_nodes is 16"):
+        AppArgs(max_tree_nodes=16, policy={"thresholds": [2.0], "budgets": [
+            {"theta": 0.0, "node_cap": 24, "branch_cap": 4}, {"theta": 1.0, "node_cap": 0, "branch_cap": 1}]})
+    with pytest.raises(ValidationError, match=r"policy.max_nodes is 32 but max_tree_nodes is 8"):
+        AppArgs(max_tree_nodes=8, policy={"kind": "costmodel", "cost_model": "configs/costmodel-smollm2.json"})
+    for path in ("configs/cluster.yaml", "configs/gpu-cluster.yaml", "configs/load-default.yaml",
+                 "configs/load-random.yaml"):
+        (app,) = yaml.safe_load(open(path))["applications"]
+        AppArgs.model_validate(app["args"])  # the shipped configs stay valid
+
+
+def test_controller_learns_acceptance_up_to_the_engines_max_tree_nodes():
+    from deployments.controller import Controller
+
+    c = Controller(AppArgs(max_tree_nodes=40).wire())
+    assert c.state.rounds.max_nodes == 40
+    c.configure(AppArgs(max_tree_nodes=96).wire())
+    assert c.state.rounds.max_nodes == 96
+
+
 def test_round_records_are_keyed_by_each_rows_node_cap():
     from deployments.heartbeat import round_records
     from treespark.params import StepStats
