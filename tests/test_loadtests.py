@@ -107,3 +107,10 @@ def test_short_locust_run_against_the_service(tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "raw" / "timeline-records.jsonl").read_text().splitlines()]
     assert recs and all(r["ok"] and r["tokens"] == 16 and r["ttft"] is not None for r in recs)
     assert (tmp_path / "timeline.png").exists() and (tmp_path / "timeline-summary.md").exists()
+
+
+def test_compare_runs_every_policy_at_a_level_before_the_next_level():
+    from loadtests.experiment import compare_order
+
+    order = compare_order([1, 4], ["adaptive", "chain", "off"])
+    assert order == [(1, "adaptive"), (1, "chain"), (1, "off"), (4, "adaptive"), (4, "chain"), (4, "off")]
