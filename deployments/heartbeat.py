@@ -64,7 +64,7 @@ def round_records(s: StepStats) -> list[tuple[int, int]]:
     nothing whatever its neighbours drew). Steps from engines without caps (a custom
     ``engine_factory``'s stats may lack the field) fall back to the step's widest tree."""
     caps = getattr(s, "node_caps", ()) or (max(s.tree_sizes, default=0),) * len(s.accepted)
-    return [(int(n), int(a)) for n, a in zip(caps, s.accepted)]
+    return [(int(n), int(a)) for n, a in zip(caps, s.accepted, strict=True)]
 
 
 def _logit(q: float) -> float:

@@ -54,4 +54,4 @@ def test_target_answers_do_not_depend_on_the_batch_size():
     one = target_answers(pair, prompts, 12, batch_size=1, progress=False)
     many = target_answers(pair, prompts, 12, batch_size=4, progress=False)
     assert one == many
-    assert all(a[: len(p)] == p and len(a) == len(p) + 12 for a, p in zip(one, prompts))
+    assert all(a[: len(p)] == p and len(a) == len(p) + 12 for a, p in zip(one, prompts, strict=True))

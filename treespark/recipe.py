@@ -5,7 +5,8 @@
 1. sequences: the offline corpus (``treespark.corpus``) cut into fixed-length
    windows, plus the target's own answers (serving contexts look like these): greedy
    to the train-split prompts and to templated requests (``synthetic_prompts`` and the
-   larger ``varied_prompts`` pool), and sampled to the train-split prompts; each set is cached on its own in ``work_dir``;
+   larger ``varied_prompts`` pool), and sampled to the train-split prompts; each set
+   is cached on its own in ``work_dir``;
 2. features: one teacher-forced target pass per sequence (tapped hidden states and
    the target's argmax labels), cached in ``work_dir``;
 3. a reduced draft vocabulary: the most frequent target labels;
