@@ -151,8 +151,9 @@ def p_hat_of(cal: Calibration, q: torch.Tensor, rank: torch.Tensor | None = None
     """p_hat of every record (float64), each at its own sibling rank (rank 0 if None)."""
     z = cal.a * logit(q.to(torch.float64).flatten()) + cal.b
     if rank is not None and cal.sibling_bias:
-        offsets = torch.tensor((0.0, *cal.sibling_bias), dtype=torch.float64)
-        z = z + offsets[rank.flatten().long().clamp(0, len(cal.sibling_bias))]
+        last = len(cal.sibling_bias)  # Calibration.offset is constant from this rank on
+        offsets = torch.tensor([cal.offset(r) for r in range(last + 1)], dtype=torch.float64)
+        z = z + offsets[rank.flatten().long().clamp(0, last)]
     return torch.sigmoid(z)
 
 
