@@ -9,7 +9,7 @@ Replicas report every heartbeat; the state
   ``BudgetPolicy`` for each replica's budget (``assign_budgets``; an operator
   ``override`` pins one budget for all);
 * keeps cluster counters (monotone across dropped replicas), calibration records and
-  per-round (tree size, accepted) records, and refits what ``deployments.estimators``
+  per-round (node cap, accepted) records, and refits what ``deployments.estimators``
   learns from them;
 * answers ``status()``, what ``GET /v1/speculation`` and ``/metrics`` show.
 

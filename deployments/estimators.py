@@ -6,7 +6,7 @@
   while records are few (``shrink_calibration``), judged by its expected calibration
   error (``calibration_ece``);
 * what a tree of n nodes buys under the current traffic: a sliding window of
-  (tree size, accepted) round records (``RoundWindow``);
+  (node cap, accepted) round records (``RoundWindow``);
 * the drafting seconds per draft node, from heartbeat step-time means
   (``fit_draft_cost``).
 """
@@ -81,7 +81,7 @@ def shrink_calibration(fit: tuple[float, float], base: tuple[float, float], n: i
 
 
 class RoundWindow:
-    """The last ``maxlen`` (tree size, accepted) round records, with running per-size
+    """The last ``maxlen`` (node cap, accepted) round records, with running per-size
     sums so ``stats()`` costs O(sizes), not O(records)."""
 
     def __init__(self, maxlen: int = 20000, max_nodes: int = 64) -> None:

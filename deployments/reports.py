@@ -55,7 +55,7 @@ class ReplicaReport:
     # (logit q, accepted, logit offset of the edge's sibling rank under the stored calibration)
     calibration_records: tuple[tuple[float, bool, float], ...] = ()
     calibration: tuple[float, float] | None = None
-    round_records: tuple[tuple[int, int], ...] = ()         # (tree size, accepted) per request-round
+    round_records: tuple[tuple[int, int], ...] = ()         # (node cap, accepted) per request-round
     base_calibration: tuple[float, float] | None = None     # the replica's stored (a, b)
     kv_slots_in_use: int | None = None                      # engine KV rows holding a request
     rss_bytes: int | None = None                            # the replica process's resident memory

@@ -202,7 +202,7 @@ class AcceptanceStats:
 
     @classmethod
     def from_rounds(cls, rounds: Sequence[tuple[int, int]], max_nodes: int = 64) -> AcceptanceStats:
-        """``rounds``: (tree size, accepted) per request-round."""
+        """``rounds``: (node cap, accepted) per request-round."""
         counts, sums = [0] * (max_nodes + 1), [0.0] * (max_nodes + 1)
         for n, a in rounds:
             n = min(max(int(n), 0), max_nodes)
