@@ -23,17 +23,27 @@ Record = tuple[float, bool, float]  # (x = logit q, accepted, o = the sibling-ra
 
 
 def fit_calibration(records: Sequence[Record], iters: int = 25, l2: float = 1e-3) -> tuple[float, float]:
-    """Logistic regression ``P(accepted) = sigmoid(a * x + b + o)`` by Newton's method on
-    (x, accepted, o) records (o fixed), a small ridge keeping it finite on separable data."""
+    """Logistic regression ``P(accepted) = sigmoid(a * x + b + o)`` by damped Newton on
+    (x, accepted, o) records (o fixed), a small ridge keeping it finite on separable data.
+    Each step is halved until the mean loss drops: a full step from the identity start
+    overshoots when acceptance depends weakly on q (the default pair at T = 1)."""
     n = len(records)
     if n == 0:
         raise ValueError("no calibration records")
+
+    def loss(a: float, b: float) -> float:
+        total = 0.0
+        for x, y, o in records:
+            z = a * x + b + o
+            total += (max(z, 0.0) + math.log1p(math.exp(-abs(z)))) - (z if y else 0.0)
+        return total / n + 0.5 * l2 * (a * a + b * b)
+
     a, b = 1.0, 0.0
+    current = loss(a, b)
     for _ in range(iters):
         ga = gb = haa = hab = hbb = 0.0
         for x, y, o in records:
-            z = max(min(a * x + b + o, 35.0), -35.0)
-            p = 1.0 / (1.0 + math.exp(-z))
+            p = _sigmoid(a * x + b + o)
             r = p - (1.0 if y else 0.0)
             w = p * (1.0 - p)
             ga += r * x
@@ -47,8 +57,13 @@ def fit_calibration(records: Sequence[Record], iters: int = 25, l2: float = 1e-3
         if det <= 1e-12:
             break
         da, db = (hbb * ga - hab * gb) / det, (haa * gb - hab * ga) / det
-        a, b = a - da, b - db
-        if abs(da) + abs(db) < 1e-8:
+        t = 1.0
+        while (trial := loss(a - t * da, b - t * db)) > current and t > 1e-6:
+            t /= 2
+        if trial > current:  # no descent left at this precision
+            break
+        a, b, current = a - t * da, b - t * db, trial
+        if t * (abs(da) + abs(db)) < 1e-8:
             break
     return a, b
 

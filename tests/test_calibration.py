@@ -31,6 +31,16 @@ def test_fit_recovers_known_parameters(a, b):
     assert abs(cal.a - a) < 0.06 and abs(cal.b - b) < 0.06
 
 
+def test_fit_converges_when_acceptance_depends_weakly_on_q():
+    """A full Newton step from the identity start overshot to a = 2e4 on data like the
+    default pair's T = 1 records: many tiny q, acceptance barely rising with q."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.rand(4000, generator=g, dtype=torch.float64) ** 3 * 0.98 + 1e-5
+    y = torch.rand(4000, generator=g, dtype=torch.float64) < torch.sigmoid(0.2 * logit(q) - 1.0)
+    cal = fit_calibration(q, y)
+    assert abs(cal.a - 0.2) < 0.05 and abs(cal.b + 1.0) < 0.1
+
+
 def test_report_shows_improvement_and_round_trips(tmp_path):
     q, y = synthetic(2.0, -1.0, 20_000, seed=2)
     report = calibrate(q, y)

@@ -89,6 +89,17 @@ def test_fit_calibration_recovers_parameters():
     assert fb0 < b - 0.3
 
 
+def test_fit_calibration_converges_when_acceptance_depends_weakly_on_q():
+    rng = random.Random(3)
+    recs = []
+    for _ in range(4000):
+        q = rng.random() ** 3 * 0.98 + 1e-5
+        x = math.log(q / (1 - q))
+        recs.append((x, rng.random() < 1 / (1 + math.exp(-(0.2 * x - 1.0))), 0.0))
+    fa, fb = fit_calibration(recs)
+    assert abs(fa - 0.2) < 0.05 and abs(fb + 1.0) < 0.1
+
+
 def test_online_calibration_is_pushed():
     s = ControllerState(LadderPolicy(), online_calibration=True, min_calibration_records=10)
     out = s.report(rep("a", records=[(1.0, True, 0.0), (-1.0, False, 0.0)] * 10 + [(1.0, False, 0.0), (-1.0, True, 0.0)] * 2))

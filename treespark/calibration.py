@@ -136,13 +136,26 @@ def fit_calibration(
     w = torch.zeros(X.shape[1], dtype=torch.float64)
     w[0] = 1.0
     reg = torch.eye(X.shape[1], dtype=torch.float64) * l2 * len(y)
+
+    def objective(w: torch.Tensor) -> float:
+        z = X @ w
+        return float((torch.nn.functional.softplus(z) - y * z).sum() + 0.5 * w @ reg @ w)
+
+    loss = objective(w)
     for _ in range(iters):
         p = torch.sigmoid(X @ w)
         grad = X.T @ (p - y) + reg @ w
         hess = (X * (p * (1 - p)).unsqueeze(1)).T @ X + reg
         step = torch.linalg.solve(hess, grad)
-        w = w - step
-        if step.abs().max() < 1e-10:
+        # a full Newton step can overshoot from the identity start (it did on the
+        # default pair's T = 1 records alone: a = 4e4); halve it until the loss drops
+        t = 1.0
+        while (new_loss := objective(w - t * step)) > loss and t > 1e-6:
+            t /= 2
+        if new_loss > loss:  # no descent left at this precision
+            break
+        w, loss = w - t * step, new_loss
+        if (t * step).abs().max() < 1e-10:
             break
     return Calibration(a=float(w[0]), b=float(w[1]), sibling_bias=tuple(float(c) for c in w[2:]))
 
