@@ -96,6 +96,9 @@ class HeartbeatMixin:
         cal = getattr(self.bundle.engine, "calibration", None)
         # the stored sibling offsets: fixed, so the controller refits (a, b) around them
         self._sibling_offset: Callable[[int], float] = getattr(cal, "offset", lambda rank: 0.0)
+        # the refit is of the T = 0 map; sampled rows' records describe it only when
+        # the same map also serves T > 0 (no sampled map of its own)
+        self._refit_sampled = getattr(cal, "sampled", None) is None
         if hasattr(cal, "a") and hasattr(cal, "b"):
             cal = (cal.a, cal.b)
         self.base_calibration = (float(cal[0]), float(cal[1])) if isinstance(cal, (tuple, list)) and len(cal) == 2 else None
@@ -129,8 +132,8 @@ class HeartbeatMixin:
                 self.counters["rounds"] += s.batch_size
                 self.counters["draft_tokens"] += sum(s.tree_sizes)
                 self.counters["accepted_tokens"] += sum(s.accepted)
-                records.extend((_logit(float(q)), bool(y), self._sibling_offset(int(r)))
-                               for q, y, r in s.calibration_records)
+                used = s.calibration_records + (getattr(s, "sampled_records", ()) if self._refit_sampled else ())
+                records.extend((_logit(float(q)), bool(y), self._sibling_offset(int(r))) for q, y, r in used)
                 rounds.extend(round_records(s))
             emitted, self._tokens_emitted = self._tokens_emitted, 0
             counters = dict(self.counters)

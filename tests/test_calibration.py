@@ -76,6 +76,19 @@ def test_fit_recovers_sibling_offsets_and_beats_the_two_scalar_map(tmp_path):
     assert cal.with_ab(2.0, 1.0) == Calibration(2.0, 1.0, cal.sibling_bias)
 
 
+def test_sampled_map_round_trips_and_survives_an_online_refit(tmp_path):
+    sampled = Calibration(0.3, -1.1, sibling_bias=(-1.0,))
+    cal = Calibration(0.8, -0.3, sampled=sampled)
+    assert cal.at(0.0) is cal and cal.at(0.7) is sampled and cal.at(1.0) is sampled
+    assert Calibration(0.8, -0.3).at(1.0) == Calibration(0.8, -0.3)
+    cal.save(tmp_path / "c.json", n=10)
+    assert Calibration.load(tmp_path / "c.json") == cal
+    refit = cal.with_ab(1.0, 0.0)
+    assert refit.sampled == sampled and (refit.a, refit.b) == (1.0, 0.0)
+    with pytest.raises(ValueError, match="sampled map"):
+        Calibration(1.0, 0.0, sampled=cal)
+
+
 def test_ece_of_a_perfect_predictor_is_small():
     q, y = synthetic(1.0, 0.0, 50_000, seed=3)
     assert expected_calibration_error(q, y) < 0.01
@@ -103,11 +116,17 @@ def test_calibrate_pair_stores_the_map_in_use_and_its_variant(tmp_path):
 
     pair = random_pair(64, 0, block_size=3)
     quiet = dict(n_prompts=3, max_tokens=12, log=lambda *a: None)
-    calibrate_pair(pair, tmp_path / "ab", **quiet)
+    returned = calibrate_pair(pair, tmp_path / "ab", **quiet)
     used, other = Calibration.load(tmp_path / "ab" / "calibration.json"), load_variant(tmp_path / "ab" / "calibration.json")
+    assert used == returned
     assert used.sibling_bias == () and len(other.sibling_bias) == 3
+    # each regime has its own fit: the sampled map comes from T = 1 records
+    assert used.sampled is not None and used.sampled.sibling_bias == () and (used.sampled.a, used.sampled.b) != (used.a, used.b)
+    assert other.sampled is not None and len(other.sampled.sibling_bias) == 3
     calibrate_pair(pair, tmp_path / "ranked", sibling_offsets=True, **quiet)
     path = tmp_path / "ranked" / "calibration.json"
     assert Calibration.load(path) == other and load_variant(path) == used
-    assert json.loads(path.read_text())["n"] > 0
+    stored = json.loads(path.read_text())
+    assert stored["n"] > 0 and stored["sampled"]["n"] > 0 and stored["sampled"]["temperature"] == 1.0
+    assert (tmp_path / "ranked" / "reliability.png").stat().st_size > 0
     assert load_variant(tmp_path / "missing.json") is None

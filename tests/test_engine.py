@@ -131,6 +131,22 @@ def test_budget_changes_between_steps_and_per_request(mimic16):
     assert all(s.node_caps == (12, 2) for s in wide) and all(s.node_caps == (0, 2) for s in off)
 
 
+def test_records_are_split_by_temperature(mimic16):
+    """Greedy rows' edge records and sampled rows' land apart (each regime has its own map)."""
+    def records(temperature):
+        engine = Engine(mimic16, EngineConfig(max_batch_size=1, max_context=64), budget=Budget(0.0, 8, 3))
+        stats: list[StepStats] = []
+        engine.on_step = stats.append
+        engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=16, temperature=temperature, seed=1))
+        while engine.has_unfinished():
+            engine.step()
+        return sum(len(s.calibration_records) for s in stats), sum(len(s.sampled_records) for s in stats)
+
+    greedy, sampled = records(0.0), records(1.0)
+    assert greedy[0] > 0 and greedy[1] == 0
+    assert sampled[0] == 0 and sampled[1] > 0
+
+
 def test_node_caps_are_clipped_to_max_tree_nodes(mimic16):
     engine = Engine(mimic16, EngineConfig(max_batch_size=2, max_context=64, max_tree_nodes=5),
                     budget=Budget(0.0, 40, 4))

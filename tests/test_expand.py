@@ -97,6 +97,17 @@ def test_sibling_offsets_reshape_trees(temperature):
             assert t.survival[i] == pytest.approx(t.survival[t.parents[i]] * cal.p_hat_scalar(t.q[i], r))
 
 
+def test_a_sampled_map_drafts_every_t_above_zero_and_only_those():
+    """``Calibration.sampled`` grows the trees at T > 0; T = 0 keeps the top-level map."""
+    b = Budget(theta=0.05, node_cap=32, branch_cap=4)
+    top = Calibration(1.0, 0.0)
+    two = Calibration(1.0, 0.0, sampled=Calibration(1.0, -8.0))  # sampled edges rated near zero
+    assert grow(b, 0.0, cal=two).tokens == grow(b, 0.0, cal=top).tokens
+    for t in (0.5, 1.0):
+        assert grow(b, t, cal=top).size > 2 and grow(b, t, cal=two).size == 0
+    assert grow(b, 1.0, cal=Calibration(1.0, -8.0, sampled=top)).tokens == grow(b, 1.0, cal=top).tokens
+
+
 def test_greedy_children_are_the_top_k():
     t = grow(Budget(theta=0.0, node_cap=3, branch_cap=3))
     top = torch.softmax(PeakedProposal().logits(0, 1), -1).topk(3).indices.tolist()

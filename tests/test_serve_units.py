@@ -361,6 +361,21 @@ def test_replica_core_generate_and_errors():
         core.shutdown()
 
 
+@pytest.mark.parametrize("factory,per_step", [("build_fake_engine", 3), ("build_fake_engine_with_sampled_map", 2)])
+def test_heartbeat_sends_sampled_records_only_without_a_sampled_map(factory, per_step):
+    """The online refit is of the T = 0 map: T > 0 rows' records describe it only when
+    the same map drafts at T > 0 (the fake engine emits 2 greedy and 1 sampled per step)."""
+    args = AppArgs(model="random", engine_factory=f"serving.fake_engine:{factory}", max_context=64)
+    core = ReplicaCore(args, "r0", connect=None)
+    try:
+        asyncio.run(_collect(core, {"prompt": "ab", "max_tokens": 6}))
+        report = core.make_report(1.0)
+        assert report["tree"]["steps"] > 0
+        assert len(report["calibration_records"]) == per_step * report["tree"]["steps"]
+    finally:
+        core.shutdown()
+
+
 def test_configs_validate():
     for path in ("configs/cluster.yaml", "configs/gpu-cluster.yaml"):
         cfg = yaml.safe_load(open(path))

@@ -84,7 +84,8 @@ def cmd_calibrate(args) -> None:
     from treespark.bench.calibrate_cmd import calibrate_pair
 
     pair = load_pair(drafter=args.drafter, device=args.device)
-    calibrate_pair(pair, Path(args.out or args.drafter or _default_dir()), sibling_offsets=args.sibling_offsets)
+    calibrate_pair(pair, Path(args.out or args.drafter or _default_dir()), sibling_offsets=args.sibling_offsets,
+                   sampled_temperature=args.sampled_temperature)
 
 
 def _default_dir() -> str:
@@ -187,11 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device")
     t.set_defaults(func=cmd_train)
 
-    c = sub.add_parser("calibrate", help="fit the calibration (a, b) on verification traces (and the variant "
-                                         "with sibling-rank offsets); writes calibration.json")
+    c = sub.add_parser("calibrate", help="fit the calibration (a, b) on greedy verification traces and a "
+                                         "second map for T > 0 on sampled ones (and the variant with "
+                                         "sibling-rank offsets); writes calibration.json")
     c.add_argument("--drafter", help="drafter directory (default: the shipped one)")
     c.add_argument("--out")
     c.add_argument("--device")
+    c.add_argument("--sampled-temperature", type=float, default=1.0,
+                   help="the temperature of the traces the T > 0 map is fitted on (default 1)")
     c.add_argument("--sibling-offsets", action="store_true",
                    help="use the fit with sibling-rank offsets (both are fitted and stored)")
     c.set_defaults(func=cmd_calibrate)

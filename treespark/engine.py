@@ -156,7 +156,8 @@ class Engine:
         self.budget = budget
 
     def set_calibration(self, a: float, b: float) -> None:
-        """New (a, b) (an online refit); the sibling offsets stay those of the pair."""
+        """New (a, b) of the T = 0 map (an online refit); the sibling offsets and the
+        sampled map stay those of the pair."""
         self.calibration = self.calibration.with_ab(a, b)
 
     @property
@@ -289,16 +290,18 @@ class Engine:
 
         outputs: list[RequestOutput] = []
         records: list[tuple[float, bool, int]] = []
+        sampled_records: list[tuple[float, bool, int]] = []
         accepted: list[int] = []
         commit_taps, commit_pos, commit_slot = [], [], []
         for i, (req, tree) in enumerate(zip(batch, trees, strict=True)):
             row_logits = logits[i, : tree.num_nodes]
             if req.params.temperature == 0:
                 result = verify_greedy(tree, row_logits.argmax(-1).tolist())
+                records += result.records
             else:
                 probs = target_probs(row_logits, req.params.temperature, req.params.top_p)
                 result = verify_sampled(tree, probs, req.sampler)
-            records += result.records
+                sampled_records += result.records
             accepted.append(result.accepted)
             req.rounds.append(RoundStats(tree.size, tree.depth, tree.width, result.accepted,
                                          (req.budget or self.budget).theta))
@@ -340,6 +343,7 @@ class Engine:
                 step_s=time.perf_counter() - t0,
                 prefill_tokens=prefill_tokens,
                 calibration_records=tuple(records),
+                sampled_records=tuple(sampled_records),
                 node_caps=tuple(b.node_cap for b in budgets),
             ))
         return outputs

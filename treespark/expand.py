@@ -6,6 +6,8 @@ Expansion pops the best slot, draws its token, and stops when the best slot scor
 below ``budget.theta`` or the tree holds ``budget.node_cap`` nodes. Depth is capped by
 the drafter's block; siblings by ``budget.branch_cap``.
 
+The calibration is ``calibration.at(temperature)``: its sampled map at T > 0.
+
 * T = 0: a node's children are the top-k of q(. | parent, depth), in order;
   e(n, j) = p_hat_j(q_j), p_hat_j being the calibration at sibling rank j.
 * T > 0: siblings are drawn without replacement from the temperature-scaled q. A
@@ -95,6 +97,7 @@ def expand(
     rank: Rank = "calibrated",
 ) -> DraftTree:
     """Grow one draft tree best-first under ``budget``; see the module docstring."""
+    calibration = calibration.at(temperature)
     tree = DraftTree.root_only(root_token)
     tree.draft_to_target = proposal.draft_to_target
     depth_limit = proposal.max_depth if max_depth is None else min(proposal.max_depth, max_depth)

@@ -76,5 +76,6 @@ class StepStats:
     verify_s: float
     step_s: float
     prefill_tokens: int = 0
-    calibration_records: tuple[tuple[float, bool, int], ...] = ()  # (q, accepted, sibling rank)
+    calibration_records: tuple[tuple[float, bool, int], ...] = ()  # (q, accepted, sibling rank), T = 0 rows
+    sampled_records: tuple[tuple[float, bool, int], ...] = ()      # the same, T > 0 rows
     node_caps: tuple[int, ...] = ()  # each row's budget node cap (after max_tree_nodes)

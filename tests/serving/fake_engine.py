@@ -56,6 +56,7 @@ class StepStats:
     verify_s: float
     step_s: float
     calibration_records: tuple[tuple[float, bool, int], ...]
+    sampled_records: tuple[tuple[float, bool, int], ...] = ()
 
 
 @dataclass
@@ -153,7 +154,8 @@ class FakeEngine:
         if self.on_step is not None:
             self.on_step(StepStats(n, n * (1 + self.budget.node_cap), (self.budget.node_cap,) * n, (min(self.budget.node_cap, 2),) * n,
                                    (self.budget.branch_cap,) * n, tuple(accepted), self.budget.theta, 0.0, dt, dt,
-                                   ((0.5, True, 0), (0.2, False, 1)) if n else ()))
+                                   ((0.5, True, 0), (0.2, False, 1)) if n else (),
+                                   ((0.3, True, 0),) if n else ()))
         return outs
 
 
@@ -163,3 +165,12 @@ def build_fake_engine(args, step_sleep_s: float = 0.01):
 
     engine = FakeEngine(args.vocab_size, args.max_batch_size, args.max_context, step_sleep_s=step_sleep_s)
     return EngineBundle(engine=engine, tokenizer=ByteTokenizer(args.vocab_size), make_params=SamplingParams, eos_token_ids=())
+
+
+def build_fake_engine_with_sampled_map(args, step_sleep_s: float = 0.01):
+    """As ``build_fake_engine``, its calibration holding a sampled map of its own."""
+    from treespark.calibration import Calibration
+
+    bundle = build_fake_engine(args, step_sleep_s)
+    bundle.engine.calibration = Calibration(1.0, 0.0, sampled=Calibration(0.5, -1.0))
+    return bundle

@@ -2,93 +2,121 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from treespark.bench.common import bench_prompts, run_engine
 from treespark.budget import Budget
-from treespark.calibration import CalibrationReport, calibrate, p_hat_of
+from treespark.calibration import Calibration, CalibrationReport, calibrate, p_hat_of
 from treespark.models import ModelPair
 
 
 def collect_records(pair: ModelPair, prompts, *, temperature: float, max_tokens: int,
                     budget: Budget) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, accepted, sibling rank) of every edge below an accepted node, from real
-    verification rounds."""
+    verification rounds at ``temperature``."""
     r = run_engine(pair, prompts, budget, max_tokens=max_tokens, batch_size=8, temperature=temperature)
-    recs = [rec for s in r.step_stats for rec in s.calibration_records]
+    recs = [rec for s in r.step_stats
+            for rec in (s.calibration_records if temperature == 0 else s.sampled_records)]
     q = torch.tensor([x for x, _, _ in recs], dtype=torch.float64)
     y = torch.tensor([a for _, a, _ in recs], dtype=torch.bool)
     rank = torch.tensor([j for _, _, j in recs], dtype=torch.long)
     return q, y, rank
 
 
-def reliability_png(q: torch.Tensor, y: torch.Tensor, rank: torch.Tensor, report: CalibrationReport,
-                    path: Path) -> None:
+@dataclass(frozen=True)
+class RegimeFit:
+    """One temperature regime's records and its two fits: (a, b) alone and with offsets."""
+
+    label: str
+    q: torch.Tensor
+    y: torch.Tensor
+    rank: torch.Tensor
+    plain: CalibrationReport
+    ranked: CalibrationReport
+
+    def chosen(self, sibling_offsets: bool) -> CalibrationReport:
+        return self.ranked if sibling_offsets else self.plain
+
+
+def reliability_png(fits: list[RegimeFit], sibling_offsets: bool, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bins = torch.linspace(0, 1, 11)
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    for label, p in (("raw q", q), ("calibrated p_hat", p_hat_of(report.calibration, q, rank))):
-        idx = (p * 10).long().clamp(max=9)
-        xs, ys = [], []
-        for b in range(10):
-            m = idx == b
-            if int(m.sum()) >= 20:
-                xs.append(float(p[m].mean()))
-                ys.append(float(y[m].double().mean()))
-        ax.plot(xs, ys, marker="o", label=label)
-    ax.plot([0, 1], [0, 1], "k--", lw=0.8)
-    ax.set(xlabel="predicted acceptance", ylabel="observed acceptance", xlim=(0, 1), ylim=(0, 1),
-           title=f"ECE {report.ece_before:.3f} -> {report.ece_after:.3f} (n={report.n})")
-    ax.legend()
+    fig, axes = plt.subplots(1, len(fits), figsize=(4.5 * len(fits), 4.5), squeeze=False)
+    for ax, f in zip(axes[0], fits, strict=True):
+        report = f.chosen(sibling_offsets)
+        for label, p in (("raw q", f.q), ("calibrated p_hat", p_hat_of(report.calibration, f.q, f.rank))):
+            idx = (p * 10).long().clamp(max=9)
+            xs, ys = [], []
+            for b in range(10):
+                m = idx == b
+                if int(m.sum()) >= 20:
+                    xs.append(float(p[m].mean()))
+                    ys.append(float(f.y[m].double().mean()))
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+        ax.set(xlabel="predicted acceptance", ylabel="observed acceptance", xlim=(0, 1), ylim=(0, 1),
+               title=f"{f.label}: ECE {report.ece_before:.3f} -> {report.ece_after:.3f} (n={report.n})")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    del bins
 
 
-def _summary(r: CalibrationReport) -> dict:
-    return {**r.calibration.to_dict(), "ece": round(r.ece_after, 4), "brier": round(r.brier_after, 4),
-            "log_loss": round(r.log_loss_after, 4)}
+def _report_fields(r: CalibrationReport) -> dict:
+    return {"n": r.n, "ece_before": round(r.ece_before, 4), "ece_after": round(r.ece_after, 4),
+            "brier_before": round(r.brier_before, 4), "brier_after": round(r.brier_after, 4),
+            "log_loss_before": round(r.log_loss_before, 4), "log_loss_after": round(r.log_loss_after, 4)}
 
 
 def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_tokens: int = 64,
-                   temperatures=(0.0, 1.0), sibling_offsets: bool = False, log=print) -> CalibrationReport:
-    """Fit both maps on the tuning prompts' verification traces: (a, b) alone and with
-    sibling-rank offsets. The one in use (``sibling_offsets``) goes to calibration.json
-    with its report; the other is stored under ``variant`` for side-by-side benchmarks."""
+                   sampled_temperature: float = 1.0, sibling_offsets: bool = False,
+                   log=print) -> Calibration:
+    """Fit the T = 0 map on greedy verification traces of the tuning prompts and the
+    sampled map (used at every T > 0) on traces at ``sampled_temperature``; each both
+    ways, (a, b) alone and with sibling-rank offsets. The maps in use
+    (``sibling_offsets``) go to calibration.json with their reports; the other pair of
+    maps is stored under ``variant`` for side-by-side benchmarks."""
+    if not sampled_temperature > 0:
+        raise ValueError(f"sampled_temperature must be > 0, got {sampled_temperature}")
     prompts = bench_prompts(pair, n_prompts, split="tune")
-    qs, ys, ranks = [], [], []
-    for t in temperatures:
+    fits = []
+    for t in (0.0, sampled_temperature):
         q, y, rank = collect_records(pair, prompts, temperature=t, max_tokens=max_tokens,
                                      budget=Budget(0.0, 24, 4))
-        log(f"T={t}: {len(q)} edge records, acceptance {float(y.double().mean()):.3f}")
-        qs.append(q)
-        ys.append(y)
-        ranks.append(rank)
-    q, y, rank = torch.cat(qs), torch.cat(ys), torch.cat(ranks)
-    plain = calibrate(q, y)            # (a, b) alone: the paper's map
-    ranked = calibrate(q, y, rank)     # with sibling-rank offsets
-    for name, r in (("(a, b) alone", plain), ("with sibling offsets", ranked)):
-        c = r.calibration
-        log(f"{name:>20}: a={c.a:.3f} b={c.b:.3f} c={[round(x, 3) for x in c.sibling_bias]}  ECE {r.ece_before:.4f} -> "
-            f"{r.ece_after:.4f}  Brier {r.brier_before:.4f} -> {r.brier_after:.4f}  log-loss "
-            f"{r.log_loss_before:.4f} -> {r.log_loss_after:.4f}")
-    report, other = (ranked, plain) if sibling_offsets else (plain, ranked)
+        if len(q) == 0:
+            raise RuntimeError(f"no calibration records at T={t:g}: the drafter never drafted")
+        fit = RegimeFit(f"T={t:g}", q, y, rank, calibrate(q, y), calibrate(q, y, rank))
+        log(f"{fit.label}: {len(q)} edge records, acceptance {float(y.double().mean()):.3f}")
+        for name, r in (("(a, b) alone", fit.plain), ("with sibling offsets", fit.ranked)):
+            c = r.calibration
+            log(f"  {name:>20}: a={c.a:.3f} b={c.b:.3f} c={[round(x, 3) for x in c.sibling_bias]}  ECE "
+                f"{r.ece_before:.4f} -> {r.ece_after:.4f}  Brier {r.brier_before:.4f} -> {r.brier_after:.4f}  "
+                f"log-loss {r.log_loss_before:.4f} -> {r.log_loss_after:.4f}")
+        fits.append(fit)
+    greedy, sampled = fits
+
+    def combined(offsets: bool) -> Calibration:
+        return replace(greedy.chosen(offsets).calibration, sampled=sampled.chosen(offsets).calibration)
+
+    def with_reports(offsets: bool) -> dict:
+        return {**combined(offsets).to_dict(), **_report_fields(greedy.chosen(offsets)),
+                "sampled": {**sampled.chosen(offsets).calibration.to_dict(),
+                            "temperature": sampled_temperature, **_report_fields(sampled.chosen(offsets))}}
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    report.calibration.save(out_dir / "calibration.json", n=report.n,
-                            ece_before=round(report.ece_before, 4), ece_after=round(report.ece_after, 4),
-                            brier_before=round(report.brier_before, 4), brier_after=round(report.brier_after, 4),
-                            log_loss_before=round(report.log_loss_before, 4),
-                            log_loss_after=round(report.log_loss_after, 4), variant=_summary(other))
+    path = out_dir / "calibration.json"
+    path.write_text(json.dumps({**with_reports(sibling_offsets), "variant": with_reports(not sibling_offsets)},
+                               indent=2) + "\n")
     try:
-        reliability_png(q, y, rank, report, out_dir / "reliability.png")
+        reliability_png(fits, sibling_offsets, out_dir / "reliability.png")
     except ImportError:
         log("matplotlib is not installed: no reliability diagram (pip install '.[loadtest]')")
-    log(f"wrote {out_dir / 'calibration.json'} ({'with' if sibling_offsets else 'without'} sibling offsets)")
-    return report
+    log(f"wrote {path} ({'with' if sibling_offsets else 'without'} sibling offsets)")
+    return combined(sibling_offsets)
