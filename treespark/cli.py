@@ -108,7 +108,8 @@ def cmd_bench(args) -> None:
 
         variant = load_variant(Path(_default_dir()) / "calibration.json") if args.pair == "default" else None
         table = acceptance_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts,
-                                     chain_lengths=args.chains, variant=variant)
+                                     chain_lengths=args.chains, variant=variant,
+                                     temperatures=tuple(args.temperatures), seed=args.seed)
     elif args.what == "linear":
         from treespark.bench.linear import linear_benchmark
 
@@ -207,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--prompts", type=int, default=16)
     b.add_argument("--chains", type=int, nargs="+", help="acceptance, wallclock: chain lengths to tune over")
+    b.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="acceptance: the temperatures")
+    b.add_argument("--seed", type=int, default=0,
+                   help="acceptance: the first request's sampling seed (request i uses seed + i)")
     b.add_argument("--out", help="also write the markdown table here")
     b.set_defaults(func=cmd_bench)
 

@@ -12,17 +12,18 @@ from treespark.models import ModelPair
 
 def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: int = 96,
                          temperatures=(0.0, 1.0), equal_budget: int = 16, chain_lengths=None,
-                         variant: Calibration | None = None, log=print) -> str:
+                         variant: Calibration | None = None, seed: int = 0, log=print) -> str:
     """tau of every policy on the held-out prompts. ``variant``: another calibration of
     the same drafter (``treespark calibrate`` stores it: with sibling offsets if the
-    pair's has none) compared at equal budget and at the default theta."""
+    pair's has none) compared at equal budget and at the default theta. ``seed``: the
+    first request's sampling seed (request i draws with seed + i; T > 0 rows only)."""
     prompts = bench_prompts(pair, n_prompts)
     block = pair.drafter.config.block_size
     rows = []
     for t in temperatures:
         def tau(budget: Budget, rank: str = "calibrated", t: float = t, on: ModelPair = pair) -> tuple[float, float]:
             r = run_engine(on, prompts, budget, max_tokens=max_tokens, batch_size=8,
-                           temperature=t, rank=rank)
+                           temperature=t, rank=rank, seed=seed)
             mean_size = r.drafted / max(r.rounds, 1)
             log(f"T={t} {budget} rank={rank}: tau {r.tau:.3f} (mean tree {mean_size:.1f})")
             return r.tau, mean_size
@@ -41,8 +42,10 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
             label = "sibling offsets" if variant.sibling_bias else "(a, b) only"
             results[f"calibrated, {label} @ {equal_budget} nodes"] = tau(Budget(0.0, equal_budget, 4), on=other)
             results[f"adaptive (theta {default.theta:g}), {label}"] = tau(default, on=other)
+            results[f"adaptive (theta 0.01), {label}"] = tau(Budget.adaptive(theta=0.01), on=other)
         results[f"adaptive (theta {default.theta:g}, default)"] = tau(default)
-        results["adaptive (theta 0.01, cheap verify)"] = tau(Budget.adaptive(theta=0.01))
+        for theta in (0.01, 0.003):  # prices for a verify forward that is nearly free in width (GPU)
+            results[f"adaptive (theta {theta:g}, cheap verify)"] = tau(Budget.adaptive(theta=theta))
         chain_tau = chains[best_k][0]
         for name, (value, size) in results.items():
             rows.append([f"{t:g}", name, f"{value:.3f}", f"{size:.1f}", f"{value / chain_tau:.3f}"])
