@@ -10,9 +10,9 @@ Optionally, one offset ``c_r`` per *sibling rank* r (the r-th child of its paren
 0-based; c_0 = 0, the last offset repeats for deeper ranks). A second child with
 q = 0.3 sits beside a first child that usually holds more of the mass, and at most one
 child is accepted, so it survives less often than a first child with q = 0.3. On the
-default pair the offsets fit better (log-loss 0.332 -> 0.317) but did not rank better
-(tau at 16 nodes 1.763 with and without them at T = 0; docs/benchmarks.md), so the
-shipped map is the paper's two scalars (``sibling_bias = ()``).
+default pair the offsets fit the T = 1 records better (log-loss 0.332 -> 0.312; at T = 0
+they come out near zero) but did not buy tokens per forward (docs/benchmarks.md), so
+the shipped maps are the paper's two scalars (``sibling_bias = ()``).
 
 Acceptance means different things at T = 0 (the target's argmax equals the child) and
 at T > 0 (rejection sampling accepts the drawn child with probability min(1, p/q)), so
