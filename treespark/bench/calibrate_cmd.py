@@ -106,7 +106,8 @@ def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_t
         return replace(greedy.chosen(offsets).calibration, sampled=sampled.chosen(offsets).calibration)
 
     def with_reports(offsets: bool) -> dict:
-        return {**combined(offsets).to_dict(), **_report_fields(greedy.chosen(offsets)),
+        """The T = 0 map and its report, the sampled map and its report nested under "sampled"."""
+        return {**greedy.chosen(offsets).calibration.to_dict(), **_report_fields(greedy.chosen(offsets)),
                 "sampled": {**sampled.chosen(offsets).calibration.to_dict(),
                             "temperature": sampled_temperature, **_report_fields(sampled.chosen(offsets))}}
 
