@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from treespark.linear import Linear, linear
+
 
 @dataclass(frozen=True)
 class DSparkConfig:
@@ -126,10 +128,10 @@ class DSparkAttention(nn.Module):
         super().__init__()
         self.c = c
         h, hd = c.hidden_size, c.head_dim
-        self.q_proj = nn.Linear(h, c.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, c.num_key_value_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, c.num_key_value_heads * hd, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * hd, h, bias=False)
+        self.q_proj = Linear(h, c.num_attention_heads * hd, bias=False)
+        self.k_proj = Linear(h, c.num_key_value_heads * hd, bias=False)
+        self.v_proj = Linear(h, c.num_key_value_heads * hd, bias=False)
+        self.o_proj = Linear(c.num_attention_heads * hd, h, bias=False)
         self.q_norm = RMSNorm(hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(hd, c.rms_norm_eps)
 
@@ -161,9 +163,9 @@ class DSparkAttention(nn.Module):
 class DSparkMLP(nn.Module):
     def __init__(self, c: DSparkConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -211,8 +213,8 @@ class DSparkDrafter(nn.Module):
         c = self.config = config
         if not c.shared_embeddings:
             self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-            self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab, bias=False)
-        self.fc = nn.Linear(c.context_size, c.hidden_size, bias=False)
+            self.lm_head = Linear(c.hidden_size, c.draft_vocab, bias=False)
+        self.fc = Linear(c.context_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DSparkLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -246,7 +248,7 @@ class DSparkDrafter(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         if self.config.shared_embeddings:
             assert self._shared_head is not None
-            return h @ self._shared_head.T
+            return linear(h, self._shared_head)
         return self.lm_head(h)
 
     @property

@@ -1,44 +1,71 @@
-"""Which matrix product is fastest for the verify forward's small row counts?
+"""Which matrix-product layout is fastest for decoding's few-row forwards?
 
-Times ``F.linear(x, W)`` against ``(W @ x.T).T`` on the target's own weight shapes
-for 1..64 rows, side by side in one run. ``TargetRunner`` uses W @ x^T up to
-``SMALL_ROWS`` rows on CPU; this benchmark is how that threshold was chosen.
+One pass multiplies every linear weight of the target (30 layers x 7, plus the LM
+head) by ``rows`` rows, as a forward does, in four layouts, side by side in one
+run (median of ``reps`` passes):
+
+- ``F.linear``: ``x @ W^T``;
+- ``W @ X``, X column-major: what chaining ``(W @ x^T).T`` into the next product hands it;
+- ``W @ x^T``, x row-major;
+- ``treespark.linear``: ``W @ x^T`` row-major with its padding (1 -> 2 rows, 10-15 -> 16)
+  up to ``SMALL_ROWS`` rows, ``F.linear`` above.
+
+This is how ``treespark.linear``'s rules and constants were chosen.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
 from treespark.bench.common import markdown_table
+from treespark.linear import linear
 from treespark.models import ModelPair
 
+LAYOUTS = {
+    "F.linear": lambda x, w: F.linear(x, w),
+    "W @ X (col-major)": lambda x, w: w @ x.T.contiguous(),
+    "W @ x^T (row-major)": lambda x, w: (w @ x.T).T.contiguous(),
+    "treespark.linear": linear,
+}
 
-def _time(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    t0 = time.perf_counter()
+
+def _weights(pair: ModelPair) -> list[torch.Tensor]:
+    ws = []
+    for layer in pair.target.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        ws += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+               m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+    return ws + [pair.target.get_output_embeddings().weight]
+
+
+def _pass_ms(ws: list[torch.Tensor], n: int, fn, reps: int) -> float:
+    xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype, device=w.device) for w in ws}
+
+    def one_pass() -> None:
+        for w in ws:
+            fn(xs[w.shape[1]], w)
+
+    one_pass()
+    times = []
     for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
+        t0 = time.perf_counter()
+        one_pass()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 @torch.no_grad()
-def linear_benchmark(pair: ModelPair, rows=(1, 2, 4, 8, 16, 32, 64), reps: int = 20, log=print) -> str:
-    layer = pair.target.model.layers[0]
-    shapes = {"q_proj": layer.self_attn.q_proj.weight, "mlp.gate": layer.mlp.gate_proj.weight,
-              "mlp.down": layer.mlp.down_proj.weight}
+def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128), reps: int = 5,
+                     log=print) -> str:
+    ws = _weights(pair)
     out = []
     for n in rows:
-        cells = [str(n)]
-        for name, w in shapes.items():
-            x = torch.randn(n, w.shape[1], dtype=w.dtype, device=w.device)
-            a = _time(lambda x=x, w=w: F.linear(x, w), reps)
-            b = _time(lambda x=x, w=w: (w @ x.T).T, reps)
-            cells.append(f"{a * 1e6:.0f} / {b * 1e6:.0f} ({a / b:.2f}x)")
-            log(f"rows={n:>3} {name:>9}: F.linear {a * 1e6:7.0f} us   W@x^T {b * 1e6:7.0f} us")
-        out.append(cells)
-    header = ["rows"] + [f"{k} {tuple(v.shape)}: linear / W@x^T us (speed-up)" for k, v in shapes.items()]
-    return markdown_table(header, out)
+        ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in LAYOUTS.items()}
+        log(f"rows={n:>3} " + "  ".join(f"{k} {v:6.1f} ms" for k, v in ms.items()))
+        best = min(ms.values())
+        out.append([str(n)] + [f"{v:.1f}" + (" *" if v == best else "") for v in ms.values()])
+    return markdown_table(["rows"] + [f"{k} (ms per pass)" for k in LAYOUTS], out)
