@@ -1,10 +1,22 @@
-"""treespark.linear: the CPU product layouts give F.linear's values, row-major."""
+"""treespark.linear: the CPU product layouts and packed weights give F.linear's values."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from treespark.linear import SMALL_ROWS, Linear, linear, padded_rows
+from treespark import random_pair
+from treespark.kv import KVStore
+from treespark.linear import (
+    PACKED_MIN_ROWS,
+    SMALL_ROWS,
+    Linear,
+    can_pack,
+    linear,
+    pack,
+    packed_linear,
+    padded_rows,
+)
+from treespark.target import TargetRunner
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 9, 10, 15, 16, 17, SMALL_ROWS, SMALL_ROWS + 1])
@@ -47,3 +59,47 @@ def test_linear_module_keeps_nn_linear_state_dict_and_gradients():
     b(x).sum().backward()
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(a.weight.grad, b.weight.grad)
+
+
+needs_onednn = pytest.mark.skipif(not can_pack(torch.zeros(2, 2)), reason="this PyTorch has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("n", [1, 3, 8, 33])
+def test_packed_linear_matches_f_linear(n):
+    g = torch.Generator().manual_seed(n)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(2, n, 24, generator=g)
+    for bias in (None, b):
+        torch.testing.assert_close(packed_linear(x, pack(w, bias)), F.linear(x, w, bias),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_pack_refuses_what_it_cannot_pack():
+    with pytest.raises(ValueError, match="bfloat16"):
+        pack(torch.zeros(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="shape"):
+        pack(torch.zeros(4))
+
+
+@needs_onednn
+def test_target_runner_packs_and_matches_the_model_at_every_row_count():
+    """The runner's logits (plain products below PACKED_MIN_ROWS rows, packed ones
+    above) equal the transformers forward of the same sequence."""
+    pair = random_pair(64, 3)
+    runner = TargetRunner(pair.target, (0,))
+    assert runner._packed, "a float32 CPU target gets packed weights"
+    seq = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = pair.target(seq).logits[0]
+    for k in (1, 2, PACKED_MIN_ROWS, 8, 20):
+        store = KVStore(runner.store_shape, 1, 32, torch.device("cpu"), torch.float32)
+        n0 = 24 - k
+        if n0:  # the prefix first, in one forward
+            pos = torch.arange(n0)[None]
+            runner.forward(seq[:, :n0], pos, pos, store, slice(0, 1),
+                           torch.ones(n0, n0, dtype=torch.bool).tril()[None, None])
+        pos = torch.arange(n0, 24)[None]
+        mask = torch.ones(k, 24, dtype=torch.bool).tril(n0)[None, None]
+        out = runner.forward(seq[:, n0:], pos, pos, store, slice(0, 1), mask)
+        torch.testing.assert_close(out.logits[0], ref[n0:], rtol=1e-4, atol=1e-4)

@@ -8,8 +8,10 @@ the hidden states of the layers the drafter taps.
 We run the transformers model's own weights and modules (embeddings, norms, rotary
 embedding) through a small forward of our own instead of ``model(...)``: it writes
 into our preallocated per-request KV rows, computes logits only where needed, and
-multiplies small row counts in the layouts a CPU BLAS runs fastest
-(``treespark.linear``; 2-3x faster than ``F.linear`` at 1-8 rows). Supported: the Llama family
+multiplies on CPU in the layouts that run fastest there (``treespark.linear``: 2x
+faster than ``F.linear`` at 1-4 rows, oneDNN-packed weights from 3 rows on). The
+packed weights are copies taken at construction: they double the weight memory on
+CPU, and a later in-place change to the model's weights is not seen. Supported: the Llama family
 (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k norms).
 """
 
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from treespark.kv import KVStore, StoreShape
-from treespark.linear import linear
+from treespark.linear import PACKED_MIN_ROWS, PackedWeight, can_pack, linear, pack, packed_linear
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +62,12 @@ class TargetRunner:
         self.hidden_size = cfg.hidden_size
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        # on CPU, a copy of every product weight in oneDNN's layout (treespark.linear)
+        self._packed: dict[torch.nn.Module, PackedWeight] = {}
+        linears = [m for layer in base.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+        linears.append(model.get_output_embeddings())
+        if all(can_pack(m.weight) for m in linears):
+            self._packed = {m: pack(m.weight, m.bias) for m in linears}
 
     @property
     def store_shape(self) -> StoreShape:
@@ -67,6 +75,9 @@ class TargetRunner:
 
     def _linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         """x: [N, in] -> [N, out] (row-major)."""
+        packed = self._packed.get(layer) if x.shape[0] >= PACKED_MIN_ROWS else None
+        if packed is not None:
+            return packed_linear(x, packed)
         return linear(x, layer.weight, layer.bias)
 
     def _attention(self, layer, x, cos, sin, store, idx, rows, write_pos, mask, b, k):

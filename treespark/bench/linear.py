@@ -8,9 +8,11 @@ run (median of ``reps`` passes):
 - ``W @ X``, X column-major: what chaining ``(W @ x^T).T`` into the next product hands it;
 - ``W @ x^T``, x row-major;
 - ``treespark.linear``: ``W @ x^T`` row-major with its padding (1 -> 2 rows, 10-15 -> 16)
-  up to ``SMALL_ROWS`` rows, ``F.linear`` above.
+  up to ``SMALL_ROWS`` rows, ``F.linear`` above;
+- oneDNN packed: ``packed_linear`` on weights packed once (where ``can_pack``).
 
-This is how ``treespark.linear``'s rules and constants were chosen.
+This is how ``treespark.linear``'s rules and constants were chosen (``TargetRunner``
+uses ``linear`` below ``PACKED_MIN_ROWS`` rows and packed weights from there on).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from treespark.bench.common import markdown_table
-from treespark.linear import linear
+from treespark.linear import can_pack, linear, pack, packed_linear
 from treespark.models import ModelPair
 
 LAYOUTS = {
@@ -62,10 +64,14 @@ def _pass_ms(ws: list[torch.Tensor], n: int, fn, reps: int) -> float:
 def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128), reps: int = 5,
                      log=print) -> str:
     ws = _weights(pair)
+    layouts = dict(LAYOUTS)
+    if all(can_pack(w) for w in ws):
+        packs = {id(w): pack(w) for w in ws}
+        layouts["oneDNN packed"] = lambda x, w: packed_linear(x, packs[id(w)])
     out = []
     for n in rows:
-        ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in LAYOUTS.items()}
+        ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in layouts.items()}
         log(f"rows={n:>3} " + "  ".join(f"{k} {v:6.1f} ms" for k, v in ms.items()))
         best = min(ms.values())
         out.append([str(n)] + [f"{v:.1f}" + (" *" if v == best else "") for v in ms.values()])
-    return markdown_table(["rows"] + [f"{k} (ms per pass)" for k in LAYOUTS], out)
+    return markdown_table(["rows"] + [f"{k} (ms per pass)" for k in layouts], out)
