@@ -30,17 +30,32 @@ class _Batch1:
     wall_s: float
     drafted: int
     rounds: int
+    accepted: int
+    draft_s: float    # summed over decode steps (prefill steps left out)
+    verify_s: float
+    decode_steps: int
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s
 
+    def breakdown(self) -> list[str]:
+        """Mean draft tree, draft ms and verify ms per decode step, tokens per round."""
+        n = max(self.decode_steps, 1)
+        return [f"{self.drafted / max(self.rounds, 1):.1f}", f"{1e3 * self.draft_s / n:.1f}",
+                f"{1e3 * self.verify_s / n:.1f}", f"{(self.accepted + self.rounds) / max(self.rounds, 1):.2f}"]
+
 
 def _one_at_a_time(pair: ModelPair, prompts, budget: Budget, max_tokens: int) -> _Batch1:
-    """Serve ``prompts`` one request at a time (batch 1) and add up the runs."""
+    """Serve ``prompts`` one request at a time (batch 1) and add up the runs, after an
+    untimed warm-up request (so the first decoder timed pays no first-use costs)."""
+    run_engine(pair, prompts[:1], budget, max_tokens=min(max_tokens, 16), batch_size=1)
     runs = [run_engine(pair, [p], budget, max_tokens=max_tokens, batch_size=1) for p in prompts]
+    steps = [s for r in runs for s in r.step_stats if s.prefill_tokens == 0]
     return _Batch1(sum(r.tokens for r in runs), sum(r.wall_s for r in runs),
-                   sum(r.drafted for r in runs), sum(r.rounds for r in runs))
+                   sum(r.drafted for r in runs), sum(r.rounds for r in runs),
+                   sum(r.accepted for r in runs), sum(s.draft_s for s in steps),
+                   sum(s.verify_s for s in steps), len(steps))
 
 
 def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int = 96,
@@ -50,27 +65,33 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
     decoding, and HF ``generate()`` greedy and prompt lookup, on the same prompts."""
     prompts = bench_prompts(pair, n_prompts)
 
-    def tok_s(b: Budget) -> float:
-        return _one_at_a_time(pair, prompts, b, max_tokens).tokens_per_s
+    def run(b: Budget) -> _Batch1:
+        return _one_at_a_time(pair, prompts, b, max_tokens)
 
     results: dict[str, float] = {}
-    results["adaptive tree"] = tok_s(budget or Budget.adaptive())
-    log(f"adaptive tree: {results['adaptive tree']:.2f} tok/s")
-    chain_speed = {}
+    breakdown: dict[str, list[str]] = {}
+    ours = run(budget or Budget.adaptive())
+    results["adaptive tree"], breakdown["adaptive tree"] = ours.tokens_per_s, ours.breakdown()
+    log(f"adaptive tree: {ours.tokens_per_s:.2f} tok/s")
+    chain_runs = {}
     for k in chains:
-        chain_speed[k] = tok_s(Budget.chain(k))
-        log(f"chain k={k}: {chain_speed[k]:.2f} tok/s")
-    best = max(chain_speed, key=chain_speed.get)
-    results[f"tuned chain (k={best})"] = chain_speed[best]
-    results["our plain decoding"] = tok_s(Budget.off())
-    log(f"our plain decoding: {results['our plain decoding']:.2f} tok/s")
+        chain_runs[k] = run(Budget.chain(k))
+        log(f"chain k={k}: {chain_runs[k].tokens_per_s:.2f} tok/s")
+    best = max(chain_runs, key=lambda k: chain_runs[k].tokens_per_s)
+    name = f"tuned chain (k={best})"
+    results[name], breakdown[name] = chain_runs[best].tokens_per_s, chain_runs[best].breakdown()
+    plain = run(Budget.off())
+    results["our plain decoding"], breakdown["our plain decoding"] = plain.tokens_per_s, plain.breakdown()
+    log(f"our plain decoding: {plain.tokens_per_s:.2f} tok/s")
     for name, kwargs in {"HF generate greedy": {}, "HF prompt lookup": {"prompt_lookup_num_tokens": 10}}.items():
+        _hf(pair, prompts[:1], min(max_tokens, 16), **kwargs)  # warm-up, untimed
         tokens, wall = _hf(pair, prompts, max_tokens, **kwargs)
         results[name] = tokens / wall
         log(f"{name}: {results[name]:.2f} tok/s")
-    ours = results["adaptive tree"]
-    rows = [[k, f"{v:.2f}", f"{ours / v:.2f}x"] for k, v in results.items()]
-    return markdown_table(["decoder (batch 1, greedy)", "tokens/s", "adaptive speed-up"], rows)
+    rows = [[k, f"{v:.2f}", f"{ours.tokens_per_s / v:.2f}x", *breakdown.get(k, ["-"] * 4)]
+            for k, v in results.items()]
+    return markdown_table(["decoder (batch 1, greedy)", "tokens/s", "adaptive speed-up", "mean tree",
+                           "draft ms / step", "verify ms / step", "tokens / round"], rows)
 
 
 def theta_sweep(pair: ModelPair, *, thetas=(0.02, 0.05, 0.08, 0.12), chains=(2, 3, 4),

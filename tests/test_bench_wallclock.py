@@ -1,0 +1,30 @@
+"""treespark bench wallclock / theta on a tiny random pair: the table's rows and columns."""
+
+from treespark import random_pair
+from treespark.bench.wallclock import theta_sweep, wallclock_benchmark
+
+
+def _rows(table: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+
+
+def test_wallclock_table_has_every_decoder_and_the_round_breakdown():
+    pair = random_pair(64, 0, block_size=4)
+    table = wallclock_benchmark(pair, n_prompts=2, max_tokens=6, chains=(1, 2), log=lambda *_: None)
+    header = table.splitlines()[0]
+    assert "draft ms / step" in header and "tokens / round" in header
+    rows = {r[0]: r for r in _rows(table)}
+    assert set(rows) == {"adaptive tree", "tuned chain (k=1)", "our plain decoding",
+                         "HF generate greedy", "HF prompt lookup"} or "tuned chain (k=2)" in rows
+    assert rows["adaptive tree"][2] == "1.00x"
+    plain = rows["our plain decoding"]
+    assert plain[3] == "0.0" and plain[6] == "1.00"  # no tree: one token per round
+    assert float(rows["adaptive tree"][5]) > 0
+    assert rows["HF generate greedy"][3:] == ["-"] * 4
+
+
+def test_theta_sweep_rows():
+    pair = random_pair(64, 0, block_size=4)
+    rows = _rows(theta_sweep(pair, thetas=(0.1,), chains=(2,), n_prompts=1, max_tokens=5, log=lambda *_: None))
+    assert [r[0] for r in rows] == ["plain", "adaptive theta=0.1", "chain k=2"]
+    assert rows[0][2] == "0.0" and 0 < float(rows[2][2]) <= 2.0
