@@ -20,9 +20,10 @@ With every row holding an ``n``-node tree, ``G = bs * (1 + A(n))``, ``K = bs * (
 and ``dT/dK = (dT/dk) / bs``, so the price is ``theta = (1 + A(n)) * T'(bs, n+1) / T(bs, n+1)``.
 Drafting is not free either: best-first expansion costs about ``node_s`` seconds per
 node (learned online by the controller from the replicas' draft times), added to the
-step. CPU forwards are not convex in ``k`` (one token runs a matrix-vector product, two run a
-matrix product), so the marginal rule alone would refuse a tree whose first node is
-dear and the rest nearly free. ``plan_budget`` therefore first picks the tree size
+step. CPU forwards are not convex in ``k`` (the measured ``T(bs, k)`` is flat for a few
+tokens, then rises, with kinks where the matrix-product kernels change), so the
+marginal rule alone would refuse a tree whose first node is dear and the rest nearly
+free. ``plan_budget`` therefore first picks the tree size
 ``n*`` of highest expected goodput ``(1 + A(n)) / T(bs, n + 1)`` (``n* = 0``: plain
 decoding), then prices the marginal node at ``n*``; best-first expansion under that
 ``theta`` and ``node_cap = n*`` stops where the calibrated survival says a node no
