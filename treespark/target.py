@@ -11,8 +11,10 @@ into our preallocated per-request KV rows, computes logits only where needed, an
 multiplies on CPU in the layouts that run fastest there (``treespark.linear``: 2x
 faster than ``F.linear`` at 1-4 rows, oneDNN-packed weights from 3 rows on). The
 packed weights are copies taken at construction: they double the weight memory on
-CPU, and a later in-place change to the model's weights is not seen. Supported: the Llama family
-(Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k norms).
+CPU, and a later in-place change to the model's weights is not seen.
+
+Supported: the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
+q/k norms).
 """
 
 from __future__ import annotations
