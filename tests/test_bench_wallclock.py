@@ -14,8 +14,10 @@ def test_wallclock_table_has_every_decoder_and_the_round_breakdown():
     header = table.splitlines()[0]
     assert "draft ms / step" in header and "tokens / round" in header
     rows = {r[0]: r for r in _rows(table)}
-    assert set(rows) == {"adaptive tree", "tuned chain (k=1)", "our plain decoding",
-                         "HF generate greedy", "HF prompt lookup"} or "tuned chain (k=2)" in rows
+    chain = [name for name in rows if name.startswith("tuned chain (k=")]
+    assert chain in (["tuned chain (k=1)"], ["tuned chain (k=2)"])  # the faster of the two
+    assert set(rows) - set(chain) == {"adaptive tree", "our plain decoding",
+                                      "HF generate greedy", "HF prompt lookup"}
     assert rows["adaptive tree"][2] == "1.00x"
     plain = rows["our plain decoding"]
     assert plain[3] == "0.0" and plain[6] == "1.00"  # no tree: one token per round
