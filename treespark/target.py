@@ -34,6 +34,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., d:], x[..., :d]], dim=-1)
 
 
+def product_layers(model: PreTrainedModel) -> list[torch.nn.Linear]:
+    """Every linear of a Llama-family model's decoder layers, then its LM head: the
+    weights one forward multiplies by."""
+    linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    return linears + [model.get_output_embeddings()]
+
+
 @dataclass(frozen=True)
 class ForwardOutput:
     logits: torch.Tensor | None  # [B, K, V] float32 at the selected positions
@@ -66,8 +73,7 @@ class TargetRunner:
         self.dtype = next(model.parameters()).dtype
         # on CPU, a copy of every product weight in oneDNN's layout (treespark.linear)
         self._packed: dict[torch.nn.Module, PackedWeight] = {}
-        linears = [m for layer in base.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-        linears.append(model.get_output_embeddings())
+        linears = product_layers(model)
         if all(can_pack(m.weight) for m in linears):
             self._packed = {m: pack(m.weight, m.bias) for m in linears}
 

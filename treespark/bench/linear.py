@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from treespark.bench.common import markdown_table
 from treespark.linear import can_pack, linear, pack, packed_linear
 from treespark.models import ModelPair
+from treespark.target import product_layers
 
 LAYOUTS = {
     "F.linear": lambda x, w: F.linear(x, w),
@@ -33,15 +34,6 @@ LAYOUTS = {
     "W @ x^T (row-major)": lambda x, w: (w @ x.T).T.contiguous(),
     "treespark.linear": linear,
 }
-
-
-def _weights(pair: ModelPair) -> list[torch.Tensor]:
-    ws = []
-    for layer in pair.target.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        ws += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
-               m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
-    return ws + [pair.target.get_output_embeddings().weight]
 
 
 def _pass_ms(ws: list[torch.Tensor], n: int, fn, reps: int) -> float:
@@ -63,7 +55,7 @@ def _pass_ms(ws: list[torch.Tensor], n: int, fn, reps: int) -> float:
 @torch.no_grad()
 def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128), reps: int = 5,
                      log=print) -> str:
-    ws = _weights(pair)
+    ws = [m.weight for m in product_layers(pair.target)]
     layouts = dict(LAYOUTS)
     if all(can_pack(w) for w in ws):
         packs = {id(w): pack(w) for w in ws}
