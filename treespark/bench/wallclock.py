@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from treespark.bench.common import bench_prompts, markdown_table, run_engine
+from treespark.bench.common import RunResult, bench_prompts, markdown_table, run_engine
 from treespark.budget import Budget
 from treespark.models import ModelPair
 
@@ -24,38 +23,22 @@ def _hf(pair: ModelPair, prompts, max_tokens: int, **kwargs) -> tuple[int, float
     return tokens, time.perf_counter() - t0
 
 
-@dataclass(frozen=True)
-class _Batch1:
-    tokens: int
-    wall_s: float
-    drafted: int
-    rounds: int
-    accepted: int
-    draft_s: float    # summed over decode steps (prefill steps left out)
-    verify_s: float
-    decode_steps: int
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s
-
-    def breakdown(self) -> list[str]:
-        """Mean draft tree, draft ms and verify ms per decode step, tokens per round."""
-        n = max(self.decode_steps, 1)
-        return [f"{self.drafted / max(self.rounds, 1):.1f}", f"{1e3 * self.draft_s / n:.1f}",
-                f"{1e3 * self.verify_s / n:.1f}", f"{(self.accepted + self.rounds) / max(self.rounds, 1):.2f}"]
+def _breakdown(r: RunResult) -> list[str]:
+    """Mean draft tree, draft ms and verify ms per decode step, tokens per round."""
+    steps = [s for s in r.step_stats if s.prefill_tokens == 0]
+    n = max(len(steps), 1)
+    return [f"{r.drafted / max(r.rounds, 1):.1f}", f"{1e3 * sum(s.draft_s for s in steps) / n:.1f}",
+            f"{1e3 * sum(s.verify_s for s in steps) / n:.1f}", f"{r.tau:.2f}"]
 
 
-def _one_at_a_time(pair: ModelPair, prompts, budget: Budget, max_tokens: int) -> _Batch1:
+def _one_at_a_time(pair: ModelPair, prompts, budget: Budget, max_tokens: int) -> RunResult:
     """Serve ``prompts`` one request at a time (batch 1) and add up the runs, after an
     untimed warm-up request (so the first decoder timed pays no first-use costs)."""
     run_engine(pair, prompts[:1], budget, max_tokens=min(max_tokens, 16), batch_size=1)
     runs = [run_engine(pair, [p], budget, max_tokens=max_tokens, batch_size=1) for p in prompts]
-    steps = [s for r in runs for s in r.step_stats if s.prefill_tokens == 0]
-    return _Batch1(sum(r.tokens for r in runs), sum(r.wall_s for r in runs),
-                   sum(r.drafted for r in runs), sum(r.rounds for r in runs),
-                   sum(r.accepted for r in runs), sum(s.draft_s for s in steps),
-                   sum(s.verify_s for s in steps), len(steps))
+    return RunResult(sum(r.tokens for r in runs), sum(r.wall_s for r in runs), sum(r.steps for r in runs),
+                     sum(r.rounds for r in runs), sum(r.accepted for r in runs), sum(r.drafted for r in runs),
+                     tuple(s for r in runs for s in r.step_stats))
 
 
 def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int = 96,
@@ -65,13 +48,13 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
     decoding, and HF ``generate()`` greedy and prompt lookup, on the same prompts."""
     prompts = bench_prompts(pair, n_prompts)
 
-    def run(b: Budget) -> _Batch1:
+    def run(b: Budget) -> RunResult:
         return _one_at_a_time(pair, prompts, b, max_tokens)
 
     results: dict[str, float] = {}
     breakdown: dict[str, list[str]] = {}
     ours = run(budget or Budget.adaptive())
-    results["adaptive tree"], breakdown["adaptive tree"] = ours.tokens_per_s, ours.breakdown()
+    results["adaptive tree"], breakdown["adaptive tree"] = ours.tokens_per_s, _breakdown(ours)
     log(f"adaptive tree: {ours.tokens_per_s:.2f} tok/s")
     chain_runs = {}
     for k in chains:
@@ -79,9 +62,9 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
         log(f"chain k={k}: {chain_runs[k].tokens_per_s:.2f} tok/s")
     best = max(chain_runs, key=lambda k: chain_runs[k].tokens_per_s)
     name = f"tuned chain (k={best})"
-    results[name], breakdown[name] = chain_runs[best].tokens_per_s, chain_runs[best].breakdown()
+    results[name], breakdown[name] = chain_runs[best].tokens_per_s, _breakdown(chain_runs[best])
     plain = run(Budget.off())
-    results["our plain decoding"], breakdown["our plain decoding"] = plain.tokens_per_s, plain.breakdown()
+    results["our plain decoding"], breakdown["our plain decoding"] = plain.tokens_per_s, _breakdown(plain)
     log(f"our plain decoding: {plain.tokens_per_s:.2f} tok/s")
     for name, kwargs in {"HF generate greedy": {}, "HF prompt lookup": {"prompt_lookup_num_tokens": 10}}.items():
         _hf(pair, prompts[:1], min(max_tokens, 16), **kwargs)  # warm-up, untimed
