@@ -77,6 +77,24 @@ def test_free_verification_gives_theta_zero():
     assert p.theta == 0.0 and p.nodes == 32 and p.branch_cap == 4
 
 
+def test_a_step_in_the_forward_time_is_filled_or_avoided():
+    """On CPU, 3 tokens per row cost more than 2 and 3-6 cost the same (the product
+    kernel changes at 3 rows). The planner picks the best size on the measured grid:
+    one node below the step, or the whole flat stretch beyond it, never a tree that
+    pays the step and leaves its free tokens unused."""
+    ks = (1, 2, 3, 4, 6, 8, 16)
+    step = CostModel((1,), ks, ((0.040, 0.040, 0.046, 0.046, 0.046, 0.052, 0.070),))
+    rich = plan_budget(step, AcceptanceProfile.saturating(0.83, 3.2), active=1)
+    assert rich.nodes == 5                   # k = 6: the last token before the next rise
+    # a drafter whose later nodes add little: the tree is not worth the step
+    poor = AcceptanceProfile(tuple([0.0, 0.3] + [0.32] * 15))
+    assert plan_budget(step, poor, active=1).nodes == 1
+    # the same forward measured on powers of two only: T(1, 3) is interpolated between
+    # 2 and 4 tokens, and the step looks like a slope
+    coarse = CostModel((1,), (1, 2, 4, 8, 16), ((0.040, 0.040, 0.046, 0.052, 0.070),))
+    assert coarse.time(1, 3) < step.time(1, 3)
+
+
 def test_queue_raises_the_price():
     prof = AcceptanceProfile.saturating()
     calm = plan_budget(AFFINE, prof, active=4, queued=0)
@@ -295,3 +313,15 @@ def test_blend_rescales_the_prior_for_sizes_never_seen():
     assert b(1) < 0.15 and b(16) < 0.5 * prior(16)   # unseen sizes scaled down with the evidence
     high = AcceptanceStats.from_rounds([(1, 1)] * 1000, max_nodes=16)
     assert AcceptanceProfile.blend(prior, high, prior_weight=50.0)(16) > prior(16)
+
+
+def test_cost_model_command_measures_the_default_grid():
+    """`treespark cost-model` without options measures ``MeasureConfig``'s grid, which
+    holds 3 tokens per row (where the CPU product kernel changes)."""
+    from treespark.cli import build_parser
+
+    args = build_parser().parse_args(["cost-model"])
+    grid = MeasureConfig()
+    assert (tuple(args.batch_sizes), tuple(args.tokens), args.context, args.repeats, args.max_step_tokens) \
+        == (grid.batch_sizes, grid.tokens, grid.context, grid.repeats, grid.max_step_tokens)
+    assert {2, 3, 4}.issubset(grid.tokens)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from treespark.budget import Budget
+from treespark.costmodel import MeasureConfig
 
 
 def parse_budget(text: str) -> Budget:
@@ -130,7 +131,7 @@ def cmd_bench(args) -> None:
 def cmd_cost_model(args) -> None:
     import time
 
-    from treespark.costmodel import MeasureConfig, format_table, measure_cost_model
+    from treespark.costmodel import format_table, measure_cost_model
 
     if args.threads:
         import torch
@@ -216,12 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("cost-model", help="measure the verify-forward time T(bs, k); writes JSON for the policy")
     m.add_argument("--pair", default="default", choices=["default", "random"])
-    m.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24])
-    m.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
+    grid = MeasureConfig()
+    m.add_argument("--batch-sizes", type=int, nargs="+", default=list(grid.batch_sizes))
+    m.add_argument("--tokens", type=int, nargs="+", default=list(grid.tokens),
                    help="tokens per row (root + draft nodes); must start at 1")
-    m.add_argument("--context", type=int, default=256, help="committed KV tokens per row")
-    m.add_argument("--repeats", type=int, default=3, help="timed forwards per cell (the fastest counts)")
-    m.add_argument("--max-step-tokens", type=int, default=2048,
+    m.add_argument("--context", type=int, default=grid.context, help="committed KV tokens per row")
+    m.add_argument("--repeats", type=int, default=grid.repeats, help="timed forwards per cell (the fastest counts)")
+    m.add_argument("--max-step-tokens", type=int, default=grid.max_step_tokens,
                    help="skip (extrapolate) cells with batch x tokens above this")
     m.add_argument("--threads", type=int, help="torch threads (match the replicas' torch_threads)")
     m.add_argument("--out", default="configs/costmodel.json")

@@ -299,7 +299,9 @@ def plan_budget(cost: CostModel, profile: AcceptanceProfile, *, active: float, q
 # -- measuring T(bs, k) ------------------------------------------------------------------
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24)
-DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+# 3 and 6 as well: on CPU the product kernels change between 2 and 3 tokens per row
+# (docs/benchmarks.md), and a grid of powers of two would interpolate over that step
+DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
