@@ -103,3 +103,38 @@ def test_target_runner_packs_and_matches_the_model_at_every_row_count():
         mask = torch.ones(k, 24, dtype=torch.bool).tril(n0)[None, None]
         out = runner.forward(seq[:, n0:], pos, pos, store, slice(0, 1), mask)
         torch.testing.assert_close(out.logits[0], ref[n0:], rtol=1e-4, atol=1e-4)
+
+
+def _runner_logits(runner: TargetRunner, seq: torch.Tensor) -> torch.Tensor:
+    """The runner's logits over ``seq`` [1, n] in one causal forward (n >= PACKED_MIN_ROWS)."""
+    n = seq.shape[1]
+    store = KVStore(runner.store_shape, 1, n, torch.device("cpu"), torch.float32)
+    pos = torch.arange(n)[None]
+    return runner.forward(seq, pos, pos, store, slice(0, 1),
+                          torch.ones(n, n, dtype=torch.bool).tril()[None, None]).logits[0]
+
+
+@needs_onednn
+def test_runners_share_the_packed_weights_and_repack_after_a_change():
+    """Runners over one model share one packed copy (``generate`` builds an engine per
+    call); a runner built after an in-place change to a weight, or after a weight was
+    replaced, multiplies by the new weight."""
+    pair = random_pair(64, 3)
+    seq = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    first, second = TargetRunner(pair.target, (0,)), TargetRunner(pair.target, (0,))
+    assert first._packs is not None and first._packs is second._packs
+
+    mlp = pair.target.model.layers[0].mlp
+    with torch.no_grad():
+        mlp.down_proj.weight.mul_(3.0)
+    changed = TargetRunner(pair.target, (0,))
+    assert changed._packs is not first._packs
+    with torch.no_grad():
+        ref = pair.target(seq).logits[0]
+    torch.testing.assert_close(_runner_logits(changed, seq), ref, rtol=1e-4, atol=1e-4)
+
+    mlp.up_proj.weight = torch.nn.Parameter(torch.randn_like(mlp.up_proj.weight))
+    replaced = TargetRunner(pair.target, (0,))
+    with torch.no_grad():
+        ref = pair.target(seq).logits[0]
+    torch.testing.assert_close(_runner_logits(replaced, seq), ref, rtol=1e-4, atol=1e-4)

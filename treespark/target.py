@@ -10,8 +10,13 @@ embedding) through a small forward of our own instead of ``model(...)``: it writ
 into our preallocated per-request KV rows, computes logits only where needed, and
 multiplies on CPU in the layouts that run fastest there (``treespark.linear``: 2x
 faster than ``F.linear`` at 1-4 rows, oneDNN-packed weights from 3 rows on). The
-packed weights are copies taken at construction: they double the weight memory on
-CPU, and a later in-place change to the model's weights is not seen.
+packed weights are copies (``packed_weights``): they double the weight memory on CPU
+and are shared by every runner over the same model while it lives (``generate``
+builds an engine per call). A runner takes them at construction, packed again if a
+weight changed in place or was replaced since they were packed (each weight's tensor
+version and storage are compared; a change made through ``weight.data`` bypasses the
+version counter and is not seen). A change during a runner's life is seen by the
+next runner, not by that one.
 
 Supported: the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
 q/k norms).
@@ -19,6 +24,7 @@ q/k norms).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +45,39 @@ def product_layers(model: PreTrainedModel) -> list[torch.nn.Linear]:
     weights one forward multiplies by."""
     linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     return linears + [model.get_output_embeddings()]
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """oneDNN-packed copies of a model's product weights, and the state they copy."""
+
+    weights: dict[torch.nn.Module, PackedWeight]
+    state: tuple[tuple[int, int, int], ...]  # each weight's storage and version, its bias's storage
+
+
+_PACKED: weakref.WeakKeyDictionary[PreTrainedModel, PackedWeights] = weakref.WeakKeyDictionary()
+
+
+def _weight_state(linears: list[torch.nn.Linear]) -> tuple[tuple[int, int, int], ...]:
+    """What a packed copy is valid for. (A bias is not copied, so only its replacement
+    matters.)"""
+    return tuple((m.weight.data_ptr(), m.weight._version, 0 if m.bias is None else m.bias.data_ptr())
+                 for m in linears)
+
+
+def packed_weights(model: PreTrainedModel) -> PackedWeights | None:
+    """The packed copies of ``model``'s product weights (None where ``can_pack`` is
+    False for any of them): one set per model, packed again when a weight has changed
+    in place or been replaced since it was packed."""
+    linears = product_layers(model)
+    if not all(can_pack(m.weight) for m in linears):
+        return None
+    state = _weight_state(linears)
+    cached = _PACKED.get(model)
+    if cached is None or cached.state != state:
+        cached = PackedWeights({m: pack(m.weight, m.bias) for m in linears}, state)
+        _PACKED[model] = cached
+    return cached
 
 
 @dataclass(frozen=True)
@@ -72,14 +111,15 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         # on CPU, a copy of every product weight in oneDNN's layout (treespark.linear)
-        self._packed: dict[torch.nn.Module, PackedWeight] = {}
-        linears = product_layers(model)
-        if all(can_pack(m.weight) for m in linears):
-            self._packed = {m: pack(m.weight, m.bias) for m in linears}
+        self._packs = packed_weights(model)
 
     @property
     def store_shape(self) -> StoreShape:
         return StoreShape(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    @property
+    def _packed(self) -> dict[torch.nn.Module, PackedWeight]:
+        return {} if self._packs is None else self._packs.weights
 
     def _linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         """x: [N, in] -> [N, out] (row-major)."""
