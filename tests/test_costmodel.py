@@ -219,6 +219,21 @@ def test_measure_cost_model_on_a_random_pair():
     assert all(y >= x for x, y in zip(cm.seconds[0], cm.seconds[1], strict=True))
 
 
+def test_measure_cost_model_keeps_each_cells_median(monkeypatch):
+    """Each cell is the median of its passes, not the fastest: one quick pass must not
+    make a step look cheaper than it usually is."""
+    import treespark.costmodel as costmodel
+
+    passes = iter([0.010, 0.040, 0.030,    # pass 1: k = 1, 2, 3
+                   0.011, 0.020, 0.060,    # pass 2
+                   0.009, 0.025, 0.050])   # pass 3
+    monkeypatch.setattr(costmodel, "time_forward", lambda *a, **k: next(passes))
+    monkeypatch.setattr(costmodel, "_time_once", lambda *a, **k: next(passes))
+    cfg = MeasureConfig(batch_sizes=(1,), tokens=(1, 2, 3), context=8, repeats=3)
+    cm = measure_cost_model(random_pair(64, 0).target, cfg)
+    assert cm.seconds == ((0.010, 0.025, 0.050),)
+
+
 # -- the controller ----------------------------------------------------------------------
 
 

@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tokens", type=int, nargs="+", default=list(grid.tokens),
                    help="tokens per row (root + draft nodes); must start at 1")
     m.add_argument("--context", type=int, default=grid.context, help="committed KV tokens per row")
-    m.add_argument("--repeats", type=int, default=grid.repeats, help="timed forwards per cell (the fastest counts)")
+    m.add_argument("--repeats", type=int, default=grid.repeats, help="timed forwards per cell (its median counts)")
     m.add_argument("--max-step-tokens", type=int, default=grid.max_step_tokens,
                    help="skip (extrapolate) cells with batch x tokens above this")
     m.add_argument("--threads", type=int, help="torch threads (match the replicas' torch_threads)")
