@@ -113,8 +113,8 @@ class ControllerState:
         self._records_since_fit += len(report.calibration_records)
         self.rounds.extend(report.round_records)
         t = report.tree
-        if t.steps > 0 and t.draft_s > 0:
-            self.draft_points.append((t.batch_size, t.batch_size * t.mean_tree_size, t.draft_s))
+        if t.drafting_steps > 0:  # steps that ran the drafter only: plain ones cost ~0 s
+            self.draft_points.append((t.drafting_batch, t.drafting_nodes, t.drafting_s))
             self.draft_node_s = fit_draft_cost(self.draft_points)
         self._refit()
         self._reassign()

@@ -32,13 +32,23 @@ from treespark.policy import LoadSnapshot
 log = logging.getLogger("ray.serve")
 
 
+def ran_drafter(s: Any) -> bool:
+    """Whether a step ran the drafter: some row had a node cap (steps from engines
+    without caps: some row drew a tree)."""
+    caps = getattr(s, "node_caps", ())
+    return any(c > 0 for c in caps) if caps else sum(s.tree_sizes) > 0
+
+
 def summarize_steps(stats: list[Any]) -> TreeStats:
-    """Means of the engine's ``StepStats`` over one heartbeat window."""
+    """Means of the engine's ``StepStats`` over one heartbeat window, and of the steps
+    in it that ran the drafter."""
     if not stats:
         return TreeStats()
     n = len(stats)
     rows = [x for s in stats for x in range(s.batch_size)]
     nrows = max(len(rows), 1)
+    drafting = [s for s in stats if ran_drafter(s)]
+    nd = max(len(drafting), 1)
 
     def mean_rows(attr: str) -> float:
         return sum(sum(getattr(s, attr)) for s in stats) / nrows
@@ -54,6 +64,10 @@ def summarize_steps(stats: list[Any]) -> TreeStats:
         draft_s=sum(s.draft_s for s in stats) / n,
         verify_s=sum(s.verify_s for s in stats) / n,
         theta=stats[-1].theta,
+        drafting_steps=len(drafting),
+        drafting_batch=sum(s.batch_size for s in drafting) / nd,
+        drafting_nodes=sum(sum(s.tree_sizes) for s in drafting) / nd,
+        drafting_s=sum(s.draft_s for s in drafting) / nd,
     )
 
 

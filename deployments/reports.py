@@ -40,6 +40,12 @@ class TreeStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     theta: float = 0.0
+    # the steps that ran the drafter (some row had a node cap), alone: what the controller
+    # fits the drafting cost on (a window's means mix them with plain steps, ~0 s each)
+    drafting_steps: int = 0
+    drafting_batch: float = 0.0   # rows per drafting step
+    drafting_nodes: float = 0.0   # draft nodes per drafting step, all rows together
+    drafting_s: float = 0.0       # draft seconds per drafting step
 
 
 @dataclass(frozen=True)

@@ -314,11 +314,39 @@ def test_controller_learns_drafting_cost():
     assert fit_draft_cost([(1, 4, 0.01)] * 30) is None
     s = ControllerState(CostModelPolicy(AFFINE))
     for rows, nodes, d in pts:
-        s.report(ReplicaReport("a", int(rows), 0, 1.0, TreeStats(steps=3, batch_size=rows, mean_tree_size=nodes / rows,
-                                                                  draft_s=d), {"theta": 0.0, "node_cap": 0, "branch_cap": 1},
-                               "local", {}))
+        s.report(ReplicaReport("a", int(rows), 0, 1.0,
+                               TreeStats(steps=3, batch_size=rows, mean_tree_size=nodes / rows, draft_s=d,
+                                         drafting_steps=3, drafting_batch=rows, drafting_nodes=nodes, drafting_s=d),
+                               {"theta": 0.0, "node_cap": 0, "branch_cap": 1}, "local", {}))
     assert s.load().draft_node_s == pytest.approx(0.0005, rel=0.05)
     assert s.status()["draft_node_s"] == pytest.approx(0.0005, rel=0.05)
+
+
+def test_drafting_cost_is_learned_from_the_steps_that_drafted():
+    """Heartbeat windows that mix drafting steps with plain ones (the drafter skipped,
+    ~0 s) must not inflate the per-node cost. Fitted on window means, the drafter's fixed
+    cost per step went into the per-node cost, which grew from 0.45 to 4.8 ms over a
+    served ramp and kept trees from coming back when load fell."""
+    from deployments.heartbeat import summarize_steps
+    from treespark.params import StepStats
+
+    def step(rows: int, nodes_per_row: int) -> StepStats:
+        drafts = nodes_per_row > 0
+        d = 0.004 + 0.001 * rows + 0.0005 * rows * nodes_per_row if drafts else 1e-4
+        return StepStats(batch_size=rows, tokens_verified=rows * (1 + nodes_per_row),
+                         tree_sizes=(nodes_per_row,) * rows, depths=(min(nodes_per_row, 1),) * rows,
+                         widths=(min(nodes_per_row, 1),) * rows, accepted=(0,) * rows, theta=0.1,
+                         draft_s=d, verify_s=0.03, step_s=0.03 + d, node_caps=(nodes_per_row,) * rows)
+
+    rng = random.Random(1)
+    s = ControllerState(CostModelPolicy(AFFINE))
+    for _ in range(80):
+        rows, nodes = rng.randint(1, 8), rng.randint(1, 6)
+        window = [step(rows, nodes) for _ in range(rng.randint(1, 3))] + \
+                 [step(rows, 0) for _ in range(rng.randint(0, 6))]
+        s.report(ReplicaReport("a", rows, 0, 1.0, summarize_steps(window),
+                               {"theta": 0.1, "node_cap": nodes, "branch_cap": 1}, "local", {}))
+    assert s.load().draft_node_s == pytest.approx(0.0005, rel=0.05)
 
 
 def test_blend_rescales_the_prior_for_sizes_never_seen():
