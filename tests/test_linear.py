@@ -122,13 +122,13 @@ def test_runners_share_the_packed_weights_and_repack_after_a_change():
     pair = random_pair(64, 3)
     seq = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
     first, second = TargetRunner(pair.target, (0,)), TargetRunner(pair.target, (0,))
-    assert first._packs is not None and first._packs is second._packs
+    assert first._packed and first._packed is second._packed
 
     mlp = pair.target.model.layers[0].mlp
     with torch.no_grad():
         mlp.down_proj.weight.mul_(3.0)
     changed = TargetRunner(pair.target, (0,))
-    assert changed._packs is not first._packs
+    assert changed._packed is not first._packed
     with torch.no_grad():
         ref = pair.target(seq).logits[0]
     torch.testing.assert_close(_runner_logits(changed, seq), ref, rtol=1e-4, atol=1e-4)

@@ -111,15 +111,12 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         # on CPU, a copy of every product weight in oneDNN's layout (treespark.linear)
-        self._packs = packed_weights(model)
+        packs = packed_weights(model)
+        self._packed: dict[torch.nn.Module, PackedWeight] = {} if packs is None else packs.weights
 
     @property
     def store_shape(self) -> StoreShape:
         return StoreShape(self.num_layers, self.num_kv_heads, self.head_dim)
-
-    @property
-    def _packed(self) -> dict[torch.nn.Module, PackedWeight]:
-        return {} if self._packs is None else self._packs.weights
 
     def _linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         """x: [N, in] -> [N, out] (row-major)."""
