@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from treespark.bench.common import markdown_table
-from treespark.linear import can_pack, linear, pack, packed_linear
+from treespark.linear import linear, packed_linear
 from treespark.models import ModelPair
-from treespark.target import product_layers
+from treespark.target import packed_weights, product_layers
 
 LAYOUTS = {
     "F.linear": lambda x, w: F.linear(x, w),
@@ -55,11 +55,13 @@ def _pass_ms(ws: list[torch.Tensor], n: int, fn, reps: int) -> float:
 @torch.no_grad()
 def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128), reps: int = 5,
                      log=print) -> str:
-    ws = [m.weight for m in product_layers(pair.target)]
+    layers = product_layers(pair.target)
+    ws = [m.weight for m in layers]
     layouts = dict(LAYOUTS)
-    if all(can_pack(w) for w in ws):
-        packs = {id(w): pack(w) for w in ws}
-        layouts["oneDNN packed"] = lambda x, w: packed_linear(x, packs[id(w)])
+    packs = packed_weights(pair.target)  # the copy TargetRunner multiplies by
+    if packs is not None:
+        by_weight = {id(m.weight): packs.weights[m] for m in layers}
+        layouts["oneDNN packed"] = lambda x, w: packed_linear(x, by_weight[id(w)])
     out = []
     for n in rows:
         ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in layouts.items()}
