@@ -174,8 +174,6 @@ class _Proposal:
     def logits(self, parent_token, depth):
         return self.table[parent_token, depth - 1]
 
-    def marginal_logits(self, depth):
-        return self.table[:, depth - 1].mean(0)
 
 
 def test_policy_learns_from_observed_acceptance():

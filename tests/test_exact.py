@@ -61,7 +61,11 @@ class TableProposal:
     def logits(self, parent_token, depth):
         return logits_for((parent_token, depth), salt=1)
 
-    def marginal_logits(self, depth):
+
+class MarginalProposal(TableProposal):
+    """Earlier trees' signal: the same candidates under every parent."""
+
+    def logits(self, parent_token, depth):
         return logits_for((depth,), salt=2)
 
 
@@ -72,7 +76,7 @@ def target_dist(path: tuple[int, ...], temperature: float) -> torch.Tensor:
 CAL = Calibration(1.2, -0.3)
 
 
-def enumerate_round(budget, temperature, verifier=verify_sampled, rank="calibrated", cal=CAL):
+def enumerate_round(budget, temperature, verifier=verify_sampled, proposal=TableProposal, cal=CAL):
     """{emitted tokens continued to length D: probability}."""
     root = 0
     dist: dict[tuple[int, ...], float] = {}
@@ -81,7 +85,7 @@ def enumerate_round(budget, temperature, verifier=verify_sampled, rank="calibrat
         script = stack.pop()
         s = ReplaySampler(script)
         try:
-            tree = expand(TableProposal(), root, budget, cal, temperature, s, rank=rank)
+            tree = expand(proposal(), root, budget, cal, temperature, s)
             paths = []
             for i in range(tree.num_nodes):
                 node, path = i, []
@@ -138,7 +142,7 @@ def test_sibling_rank_offsets_stay_lossless(temperature):
 
 def test_trees_in_the_enumeration_are_wide_and_deep():
     seen_width, seen_depth = 0, 0
-    for script in itertools.product([0, 1, 2], repeat=4):
+    for script in itertools.product([0, 1, 2], repeat=6):
         try:
             t = expand(TableProposal(), 0, BUDGETS[0], Calibration(1.2, -0.3), 1.0, ReplaySampler(list(script)))
         except (Branch, KeyError):
@@ -148,7 +152,7 @@ def test_trees_in_the_enumeration_are_wide_and_deep():
 
 
 def test_marginal_ranking_is_lossless_too():
-    dist = enumerate_round(BUDGETS[0], 1.0, rank="marginal")
+    dist = enumerate_round(BUDGETS[0], 1.0, proposal=MarginalProposal)
     assert tv(dist, target_joint(1.0)) < 1e-6
 
 

@@ -98,6 +98,13 @@ def _default_dir() -> str:
 def cmd_bench(args) -> None:
     from treespark.bench.common import pair_by_name
 
+    if args.what == "rounds":  # builds its own random pair at the given vocabulary
+        from treespark.bench.rounds import rounds_benchmark
+
+        _write(rounds_benchmark(vocab_size=args.vocab_size, draft_vocab=args.draft_vocab,
+                                markov_rank=args.markov_rank, family=args.family,
+                                temperatures=tuple(args.temperatures)), args.out)
+        return
     pair = pair_by_name(args.pair)
     if args.what == "engine":
         from treespark.bench.engine_bench import engine_benchmark
@@ -202,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the fit with sibling-rank offsets (both are fitted and stored)")
     c.set_defaults(func=cmd_calibrate)
 
-    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear")
-    b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear"])
+    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear | rounds")
+    b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear", "rounds"])
     b.add_argument("--pair", default="default", choices=["default", "random"])
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     b.add_argument("--max-tokens", type=int, default=64)
@@ -212,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="acceptance: the temperatures")
     b.add_argument("--seed", type=int, default=0,
                    help="acceptance: the first request's sampling seed (request i uses seed + i)")
+    b.add_argument("--vocab-size", type=int, default=151_936, help="rounds: the random pair's vocabulary")
+    b.add_argument("--draft-vocab", type=int, default=0, help="rounds: a reduced draft vocabulary (0: the full one)")
+    b.add_argument("--markov-rank", type=int, default=256, help="rounds: the drafter's Markov rank")
+    b.add_argument("--family", default="qwen3", choices=["qwen3", "llama"], help="rounds: the target's architecture")
     b.add_argument("--out", help="also write the markdown table here")
     b.set_defaults(func=cmd_bench)
 

@@ -327,34 +327,6 @@ class DSparkDrafter(nn.Module):
         return u + self.markov_head.bias(parents)
 
 
-class BlockProposal:
-    """One row's drafter output for one round: the expander's ``Proposal``.
-
-    Expansion runs on the CPU (many tiny ops); ``markov`` holds CPU float32 copies of
-    (W1, W2) and ``draft_to_target`` a CPU index map, made once per engine.
-    """
-
-    def __init__(self, base_logits: torch.Tensor, markov: tuple[torch.Tensor, torch.Tensor],
-                 draft_to_target: torch.Tensor | None) -> None:
-        self.base = base_logits              # [block, Vd] float32, CPU
-        self.max_depth = base_logits.shape[0]
-        self.draft_to_target = draft_to_target
-        self._w1, self._w2 = markov
-
-    @classmethod
-    def host_weights(cls, drafter: DSparkDrafter) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-        w1 = drafter.markov_head.markov_w1.weight.detach().float().cpu()
-        w2 = drafter.markov_head.markov_w2.weight.detach().float().cpu()
-        d2t = drafter.draft_to_target
-        return (w1, w2), (d2t.detach().cpu() if d2t is not None else None)
-
-    def logits(self, parent_token: int, depth: int) -> torch.Tensor:
-        return self.base[depth - 1] + self._w2 @ self._w1[parent_token]
-
-    def marginal_logits(self, depth: int) -> torch.Tensor:
-        return self.base[depth - 1]
-
-
 # -- checkpoint I/O ----------------------------------------------------------------------
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

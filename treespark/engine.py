@@ -5,15 +5,22 @@ Each ``step()``:
 1. prefill: at most one chunk of one waiting request's prompt (in the KV cache's
    staging row), so new arrivals never starve running requests; its last chunk
    samples the first token at the request's own temperature;
-2. draft: ONE drafter backbone pass for every running request, then a best-first
-   tree per request under its budget (``treespark.expand``);
+2. draft: ONE drafter backbone pass for every running request, then every tree grown
+   in depth waves, one batched device call per wave (``treespark.drafting``, the rule
+   in ``treespark.select``);
 3. verify: ONE target forward over all trees (padded; each row sees its committed
-   context and its tree ancestors), then the greedy walk or recursive rejection
-   sampling per request (``treespark.verify``);
+   context and its tree ancestors), then on the device the argmax at every node
+   (T = 0) or the recursive rejection walk (T > 0, ``treespark.walk``); one copy
+   brings the accepted paths to the host (``treespark.verify`` builds the results);
 4. commit: move the accepted nodes' KV entries next to the committed context, feed
    their tapped hidden states to the drafter's context cache, and retire finished
    requests (their rows are freed at once; the last running row moves into the gap
    so the batch stays a contiguous view).
+
+Host syncs per decode step: one per drafting wave (at most the drafter's block size),
+one for verification, one for the first token of a request whose prefill ends in the
+step, and on CUDA two waits that make the stage times device times; no copy to the
+host grows with the vocabulary (``StepStats.host_syncs`` / ``host_elements``).
 
 The engine is synchronous and not thread-safe: one thread owns it.
 """
@@ -29,15 +36,16 @@ import torch
 
 from treespark.budget import Budget
 from treespark.calibration import Calibration
-from treespark.drafter import BlockProposal
-from treespark.expand import Rank, expand
+from treespark.drafting import RoundDraft, RowDraft, WaveDrafter
 from treespark.kv import KVCache, StoreShape
 from treespark.models import ModelPair
 from treespark.params import RequestOutput, RequestStats, RoundStats, SamplingParams, StepStats
-from treespark.sampling import TorchSampler, target_probs
+from treespark.sampling import TorchSampler, sample_rows, target_probs_rows
 from treespark.target import TargetRunner
+from treespark.transfer import HostTransfers
 from treespark.tree import DraftTree
-from treespark.verify import verify_greedy, verify_sampled
+from treespark.verify import VerifyResult, verify_greedy, walked
+from treespark.walk import SampledTrees, walk_sampled
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,6 @@ class Engine:
         *,
         budget: Budget | None = None,
         calibration: Calibration | None = None,
-        rank: Rank = "calibrated",
     ) -> None:
         self.pair = pair
         self.config = config or EngineConfig()
@@ -107,8 +114,11 @@ class Engine:
         )
         self.budget = budget or Budget.adaptive()
         self.calibration = calibration or pair.calibration
-        self.rank: Rank = rank
-        self._markov, self._d2t = BlockProposal.host_weights(self.drafter)
+        self.transfers = HostTransfers()
+        markov = self.drafter.markov_head
+        self._d2t = self.drafter.draft_to_target
+        self.waves = WaveDrafter(markov.markov_w1.weight.detach(), markov.markov_w2.weight.detach(),
+                                 self._d2t, self.transfers)
         self.on_step: Callable[[StepStats], None] | None = None
         self.vocab_size = self.runner.vocab_size
         self._waiting: deque[_Request] = deque()
@@ -174,6 +184,7 @@ class Engine:
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.transfers.reset()
         outputs, self._aborted = self._aborted, []
         prefill_tokens = self._prefill_step(outputs)
         if self._running:
@@ -194,17 +205,16 @@ class Engine:
         tokens = torch.tensor([req.prompt[start:end]], device=dev)
         pos = torch.arange(start, end, device=dev)[None]
         mask = (torch.arange(end, device=dev)[None, :] <= pos[0][:, None])[None, None]
-        logits_at = torch.zeros_like(tokens, dtype=torch.bool)
-        logits_at[0, -1] = last
         rows = slice(req.slot, req.slot + 1)
-        out = self.runner.forward(tokens, pos, pos, self.kv.target, rows, mask, logits_at)
+        out = self.runner.forward(tokens, pos, pos, self.kv.target, rows, mask,
+                                  logits_for="last" if last else "none")
         self._write_context(req.slot, out.taps[0], pos[0])
         req.prefilled = end
         self.kv.lengths[req.slot] = end
         if last:
             self._staging = None
             assert out.logits is not None
-            first = self._sample_first(req, out.logits[0, -1])
+            first = self._sample_first(req, out.logits[:, -1])
             done = self._emit(req, [first], outputs, is_prefill=True)
             if done:
                 self.kv.free(req.slot)
@@ -216,11 +226,17 @@ class Engine:
         return end - start
 
     def _sample_first(self, req: _Request, logits: torch.Tensor) -> int:
-        """The first token after prefill, at the request's temperature (never argmax at T > 0)."""
-        if req.params.temperature == 0:
-            return int(logits.argmax())
-        p = target_probs(logits, req.params.temperature, req.params.top_p)
-        return req.sampler.categorical(p)
+        """The first token after prefill (logits [1, V]), at the request's temperature
+        (never argmax at T > 0)."""
+        t = req.params.temperature
+        if t == 0:
+            token = logits.argmax(-1)
+        else:
+            dev = logits.device
+            top_p = None if req.params.top_p >= 1 else torch.tensor([req.params.top_p], device=dev)
+            p = target_probs_rows(logits, torch.tensor([t], dtype=torch.float64, device=dev), top_p)
+            token = sample_rows(p, torch.tensor(req.sampler.uniform(1), device=dev))
+        return int(self.transfers.fetch(token)[0])
 
     def _write_context(self, slot: int, taps: torch.Tensor, pos: torch.Tensor) -> None:
         """Feed committed positions' tapped hidden states to the drafter's context cache."""
@@ -234,35 +250,71 @@ class Engine:
 
     def _decode_step(self, t0: float, prefill_tokens: int) -> list[RequestOutput]:
         batch = list(self._running)
-        n = len(batch)
-        dev = self.device
-        lengths = torch.tensor([self.kv.lengths[r.slot] for r in batch], device=dev)
-        rows = slice(0, n)
         assert all(r.slot == i for i, r in enumerate(batch)), "running rows must be compact"
-
-        # draft: one backbone pass for the batch, then one tree per request
+        lengths = [self.kv.lengths[r.slot] for r in batch]
         t_draft = time.perf_counter()
-        c = int(lengths.max())
         budgets = [self._row_budget(r) for r in batch]
-        depths = [r.params.max_tokens - len(r.output) - 1 for r in batch]
-        trees: list[DraftTree] = []
-        if all(b.is_off or d <= 0 for b, d in zip(budgets, depths, strict=True)):
-            # nobody speculates this step: skip the drafter, verify the roots alone
-            trees = [DraftTree.root_only(r.root) for r in batch]
-        else:
-            anchors = torch.tensor([r.root for r in batch], device=dev)
-            ctx_k = self.kv.drafter.k[:, rows, :, :c]
-            ctx_v = self.kv.drafter.v[:, rows, :, :c]
-            base = self.drafter.block_logits(anchors, ctx_k, ctx_v, lengths).cpu()
-            for i, req in enumerate(batch):
-                trees.append(expand(
-                    BlockProposal(base[i], self._markov, self._d2t), req.root, budgets[i],
-                    self.calibration, req.params.temperature, req.sampler,
-                    max_depth=depths[i], rank=self.rank))
-        draft_s = time.perf_counter() - t_draft
-
-        # verify: one target forward over every tree
+        drafted = self._draft(batch, budgets, lengths)
+        self.sync()
         t_verify = time.perf_counter()
+        logits, taps = self._verify_forward(batch, drafted.trees, lengths)
+        results = self._accept(batch, drafted, logits)
+        outputs = self._commit(batch, drafted.trees, results, taps, lengths)
+        self.sync()
+        t_end = time.perf_counter()
+        if self.on_step is not None:
+            trees = drafted.trees
+            syncs, elements = self.transfers.reset()
+            self.on_step(StepStats(
+                batch_size=len(batch),
+                tokens_verified=sum(t.num_nodes for t in trees),
+                tree_sizes=tuple(t.size for t in trees),
+                depths=tuple(t.depth for t in trees),
+                widths=tuple(t.width for t in trees),
+                accepted=tuple(r.accepted for r in results),
+                theta=self.budget.theta,
+                draft_s=t_verify - t_draft,
+                verify_s=t_end - t_verify,
+                step_s=t_end - t0,
+                prefill_tokens=prefill_tokens,
+                calibration_records=tuple(x for req, r in zip(batch, results, strict=True)
+                                          if req.params.temperature == 0 for x in r.records),
+                sampled_records=tuple(x for req, r in zip(batch, results, strict=True)
+                                      if req.params.temperature > 0 for x in r.records),
+                node_caps=tuple(b.node_cap for b in budgets),
+                draft_waves=drafted.waves,
+                host_syncs=syncs,
+                host_elements=elements,
+            ))
+        return outputs
+
+    def sync(self) -> None:
+        """Wait for the device (CUDA): stage times then measure device work, not the
+        launches. One host sync; a no-op on CPU."""
+        if self.device.type == "cuda":
+            self.transfers.syncs += 1
+            torch.cuda.synchronize(self.device)
+
+    def _draft(self, batch: list[_Request], budgets: list[Budget], lengths: list[int]) -> RoundDraft:
+        """One drafter backbone pass for the batch, then the trees in depth waves."""
+        block = self.drafter.config.block_size
+        rows = [RowDraft(root=r.root, budget=b, depth_limit=min(block, r.params.max_tokens - len(r.output) - 1),
+                         temperature=r.params.temperature,
+                         calibration=self.calibration.at(r.params.temperature), sampler=r.sampler)
+                for r, b in zip(batch, budgets, strict=True)]
+        base = None
+        if any(not b.is_off and row.depth_limit > 0 for b, row in zip(budgets, rows, strict=True)):
+            n, c, dev = len(batch), max(lengths), self.device
+            anchors = torch.tensor([r.root for r in batch], device=dev)
+            base = self.drafter.block_logits(anchors, self.kv.drafter.k[:, :n, :, :c],
+                                             self.kv.drafter.v[:, :n, :, :c],
+                                             torch.tensor(lengths, device=dev))
+        return self.waves.draft(base, rows)
+
+    def _verify_forward(self, batch: list[_Request], trees: list[DraftTree],
+                        lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over every tree: logits [B, K, V] and taps, on the device."""
+        n, dev = len(batch), self.device
         kmax = max(t.num_nodes for t in trees)
         tokens = torch.zeros(n, kmax, dtype=torch.long)
         offsets = torch.zeros(n, kmax, dtype=torch.long)
@@ -274,44 +326,95 @@ class Engine:
             tree_mask[i, :k, :k] = t.ancestor_mask()
             tree_mask[i, k:, 0] = True  # padding rows see the root only (no all-masked rows)
         tokens, offsets, tree_mask = tokens.to(dev), offsets.to(dev), tree_mask.to(dev)
-        lens = lengths[:, None]
+        lens = torch.tensor(lengths, device=dev)[:, None]
         positions = lens + offsets
         write_pos = lens + torch.arange(kmax, device=dev)[None]
-        total = c + kmax
+        total = max(lengths) + kmax
         cols = torch.arange(total, device=dev)[None, None, :]                 # [1, 1, T]
         in_ctx = cols < lens[:, :, None]                                      # [B, 1, T]
         rel = cols - lens[:, :, None]                                         # tree slot of a column
         in_tree = (rel >= 0) & (rel < kmax)
         tree_cols = torch.gather(tree_mask, 2, rel.clamp(0, kmax - 1).expand(n, kmax, total))
         mask = (in_ctx.expand(n, kmax, total) | (in_tree & tree_cols))[:, None]
-        out = self.runner.forward(tokens, positions, write_pos, self.kv.target, rows, mask)
+        out = self.runner.forward(tokens, positions, write_pos, self.kv.target, slice(0, n), mask)
         assert out.logits is not None
-        logits = out.logits.cpu()
+        return out.logits, out.taps
 
+    def _accept(self, batch: list[_Request], drafted: RoundDraft, logits: torch.Tensor) -> list[VerifyResult]:
+        """Verify every tree on the device; one copy brings back the small results:
+        the target's argmax at every node of greedy rows, the walk of sampled rows."""
+        trees = drafted.trees
+        greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0]
+        sampled = [i for i, r in enumerate(batch) if r.params.temperature > 0]
+        parts = []
+        if greedy:
+            parts.append(logits[greedy].argmax(-1).flatten())
+        if sampled:
+            parts.append(self._walk(batch, drafted, logits, sampled).flatten())
+        host = self.transfers.fetch(torch.cat(parts)).tolist()
+        results: list[VerifyResult | None] = [None] * len(batch)
+        kmax = logits.shape[1]
+        for j, i in enumerate(greedy):
+            results[i] = verify_greedy(trees[i], host[j * kmax: j * kmax + trees[i].num_nodes])
+        at = len(greedy) * kmax
+        width = (len(host) - at) // max(len(sampled), 1)
+        for j, i in enumerate(sampled):
+            row = host[at + j * width: at + (j + 1) * width]
+            results[i] = walked(trees[i], [x for x in row[:-1] if x >= 0], row[-1])
+        return results  # type: ignore[return-value]
+
+    def _walk(self, batch: list[_Request], drafted: RoundDraft, logits: torch.Tensor,
+              sampled: list[int]) -> torch.Tensor:
+        """The T > 0 rows' recursive rejection walk (``treespark.walk``)."""
+        dev = self.device
+        kmax = logits.shape[1]
+        c = max([len(ch) for i in sampled for ch in drafted.trees[i].children] + [1])
+        depth = max(drafted.trees[i].depth for i in sampled)
+        r = len(sampled)
+        tokens = torch.zeros(r, kmax, dtype=torch.long)
+        draft_ids = torch.zeros(r, kmax, dtype=torch.long)
+        children = torch.full((r, kmax, c), -1, dtype=torch.long)
+        q_row = torch.full((r, kmax), -1, dtype=torch.long)
+        for j, i in enumerate(sampled):
+            t = drafted.trees[i]
+            tokens[j, :t.num_nodes] = torch.tensor(t.tokens)
+            draft_ids[j, :t.num_nodes] = torch.tensor(drafted.draft_ids[i]).clamp(min=0)
+            q_row[j, :t.num_nodes] = torch.tensor(drafted.q_row_of[i])
+            for n, ch in enumerate(t.children):
+                children[j, n, :len(ch)] = torch.tensor(ch, dtype=torch.long)
+        # each request draws uniforms for its own tree's shape only (batch-independent)
+        u = torch.full((r, (depth + 1) * c + 1), 0.5, dtype=torch.float64)
+        for j, i in enumerate(sampled):
+            t = drafted.trees[i]
+            ci = max([len(ch) for ch in t.children] + [1])
+            own = torch.tensor(batch[i].sampler.uniform((t.depth + 1) * ci + 1), dtype=torch.float64)
+            u[j, :-1].view(depth + 1, c)[: t.depth + 1, :ci] = own[:-1].view(t.depth + 1, ci)
+            u[j, -1] = own[-1]
+        params = [batch[i].params for i in sampled]
+        top_p = None
+        if any(p.top_p < 1 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=dev)
+        trees = SampledTrees(tokens.to(dev), draft_ids.to(dev), children.to(dev), q_row.to(dev), depth)
+        u = u.to(dev)
+        return walk_sampled(logits[sampled], torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev),
+                            top_p, trees, drafted.q_rows, self._d2t, u[:, :-1].view(r, depth + 1, c), u[:, -1])
+
+    def _commit(self, batch: list[_Request], trees: list[DraftTree], results: list[VerifyResult],
+                taps: torch.Tensor, lengths: list[int]) -> list[RequestOutput]:
+        """Emit the rounds' tokens, keep the accepted nodes' KV entries next to the
+        committed context, feed their taps to the drafter, retire finished requests."""
+        dev = self.device
         outputs: list[RequestOutput] = []
-        records: list[tuple[float, bool, int]] = []
-        sampled_records: list[tuple[float, bool, int]] = []
-        accepted: list[int] = []
         commit_taps, commit_pos, commit_slot = [], [], []
-        for i, (req, tree) in enumerate(zip(batch, trees, strict=True)):
-            row_logits = logits[i, : tree.num_nodes]
-            if req.params.temperature == 0:
-                result = verify_greedy(tree, row_logits.argmax(-1).tolist())
-                records += result.records
-            else:
-                probs = target_probs(row_logits, req.params.temperature, req.params.top_p)
-                result = verify_sampled(tree, probs, req.sampler)
-                sampled_records += result.records
-            accepted.append(result.accepted)
+        for i, (req, tree, result) in enumerate(zip(batch, trees, results, strict=True)):
             req.rounds.append(RoundStats(tree.size, tree.depth, tree.width, result.accepted,
                                          (req.budget or self.budget).theta))
-            length = self.kv.lengths[req.slot]
-            done = self._emit(req, list(result.tokens), outputs)
-            if done:
+            length = lengths[i]
+            if self._emit(req, list(result.tokens), outputs):
                 continue
             keep = [0, *result.path]
             self.kv.move_entries(req.slot, [length + s for s in keep], [length + j for j in range(len(keep))])
-            commit_taps.append(out.taps[i, keep])
+            commit_taps.append(taps[i, keep])
             commit_pos.append(torch.arange(length, length + len(keep), device=dev))
             commit_slot.append(req.slot)
             self.kv.lengths[req.slot] = length + len(keep)
@@ -327,25 +430,6 @@ class Engine:
                 at += m
         for req in [r for r in batch if r.id not in self._ids]:
             self._release(req)
-        verify_s = time.perf_counter() - t_verify
-
-        if self.on_step is not None:
-            self.on_step(StepStats(
-                batch_size=n,
-                tokens_verified=sum(t.num_nodes for t in trees),
-                tree_sizes=tuple(t.size for t in trees),
-                depths=tuple(t.depth for t in trees),
-                widths=tuple(t.width for t in trees),
-                accepted=tuple(accepted),
-                theta=self.budget.theta,
-                draft_s=draft_s,
-                verify_s=verify_s,
-                step_s=time.perf_counter() - t0,
-                prefill_tokens=prefill_tokens,
-                calibration_records=tuple(records),
-                sampled_records=tuple(sampled_records),
-                node_caps=tuple(b.node_cap for b in budgets),
-            ))
         return outputs
 
     def _emit(self, req: _Request, tokens: list[int], outputs: list[RequestOutput],

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from treespark.calibration import Calibration
 from treespark.drafter import DSparkConfig, DSparkDrafter
@@ -52,28 +58,40 @@ def _init_(module: torch.nn.Module, generator: torch.Generator, scale: float) ->
                 p.copy_(torch.randn(p.shape, generator=generator) * scale / math.sqrt(fan_in))
 
 
-def random_pair(vocab_size: int, seed: int, block_size: int = 4, *, device: str | None = None) -> ModelPair:
-    """A tiny random-weight Llama target and a random DSpark drafter, in memory.
+def random_pair(vocab_size: int, seed: int, block_size: int = 4, *, markov_rank: int = 8,
+                family: str = "llama", draft_vocab: int = 0, device: str | None = None) -> ModelPair:
+    """A tiny random-weight target and a random DSpark drafter, in memory.
 
-    Weights are scaled so both models' next-token distributions are peaked (argmax
-    ties, which would make greedy comparisons ill-posed, do not occur in practice).
+    ``family``: "llama" (untied embeddings) or "qwen3" (q/k norms, grouped-query
+    attention, tied embeddings: the GPU pair's architecture in miniature).
+    ``markov_rank`` and ``block_size`` shape the drafter (the public Qwen3-4B drafter:
+    256 and 7); ``draft_vocab`` > 0 gives it a reduced draft vocabulary (the first
+    ``draft_vocab`` token ids). Weights are scaled so both models' next-token
+    distributions are peaked (argmax ties, which would make greedy comparisons
+    ill-posed, do not occur in practice).
     """
     if vocab_size < 2:
         raise ValueError("vocab_size must be >= 2")
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
+    if not 0 <= draft_vocab <= vocab_size:
+        raise ValueError(f"draft_vocab must be in 0..{vocab_size}, got {draft_vocab}")
     g = torch.Generator().manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        tie_word_embeddings=False, rms_norm_eps=1e-6,
-    )
-    target = LlamaForCausalLM(cfg)
+    shape = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                 rms_norm_eps=1e-6)
+    if family == "llama":
+        target = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    elif family == "qwen3":
+        target = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16, tie_word_embeddings=True))
+    else:
+        raise ValueError(f"family must be 'llama' or 'qwen3', got {family!r}")
     _init_(target, g, scale=2.0)
     dcfg = DSparkConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=block_size,
-        target_layer_ids=(0, 2), mask_token_id=0, markov_rank=8, rope_theta=10000.0,
+        target_layer_ids=(0, 2), mask_token_id=0, markov_rank=markov_rank, rope_theta=10000.0,
+        draft_vocab_size=draft_vocab,
     )
     drafter = DSparkDrafter(dcfg)
     _init_(drafter, g, scale=2.0)

@@ -79,3 +79,6 @@ class StepStats:
     calibration_records: tuple[tuple[float, bool, int], ...] = ()  # (q, accepted, sibling rank), T = 0 rows
     sampled_records: tuple[tuple[float, bool, int], ...] = ()      # the same, T > 0 rows
     node_caps: tuple[int, ...] = ()  # each row's budget node cap (after max_tree_nodes)
+    draft_waves: int = 0             # batched drafter calls that grew the trees (one per depth level)
+    host_syncs: int = 0              # device-to-host copies (and CUDA waits) in the step
+    host_elements: int = 0           # numbers those copies brought back

@@ -1,9 +1,12 @@
 """Randomness and target distributions.
 
 Every random draw in TreeSpark goes through a ``Sampler``, one per request, built on
-an explicit ``torch.Generator`` (never the global RNG). The interface is two calls,
-``categorical`` and ``bernoulli``, so exact tests can replace it by a sampler that
-enumerates every outcome with its probability.
+an explicit CPU ``torch.Generator`` (never the global RNG). The host reference path
+(``treespark.expand``, ``treespark.verify``) calls ``categorical`` and ``bernoulli``, so
+exact tests can replace it by a sampler that enumerates every outcome with its
+probability; the engine's device path takes plain uniforms (``uniform``) and turns them
+into draws on the device by inverse CDF, so a seeded request draws the same tokens on
+CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ class Sampler(Protocol):
 
     def bernoulli(self, p: float) -> bool:
         """True with probability ``p``."""
+        ...
+
+    def uniform(self, n: int) -> list[float]:
+        """``n`` independent uniforms in [0, 1)."""
         ...
 
 
@@ -44,6 +51,9 @@ class TorchSampler:
             torch.rand((), generator=self.generator, dtype=torch.float64)
             return True
         return bool(torch.rand((), generator=self.generator, dtype=torch.float64).item() < p)
+
+    def uniform(self, n: int) -> list[float]:
+        return torch.rand(n, generator=self.generator, dtype=torch.float64).tolist()
 
 
 def validate_temperature(temperature: float) -> float:
@@ -79,6 +89,31 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def target_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+    """``target_probs`` with one temperature (and top-p) per row, on the logits' device.
+
+    logits: [R, V]; temperature, top_p: [R] (every T > 0, float64 so that the smallest
+    survive; top_p None: 1 everywhere)
+    -> [R, V] float64."""
+    x = logits.to(torch.float64)
+    probs = torch.softmax((x - x.amax(-1, keepdim=True)) / temperature.to(x)[:, None], dim=-1)
+    if top_p is not None:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p.to(x)[:, None]
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row by inverse CDF: probs [R, V] (non-negative, summing to 1),
+    u [R] uniforms in [0, 1) -> [R] long. Zero-probability tokens are never drawn."""
+    c = probs.cumsum(-1)
+    x = torch.searchsorted(c, (u.to(c) * c[:, -1])[:, None], right=True)[:, 0]
+    return x.clamp(max=probs.shape[-1] - 1)
 
 
 def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

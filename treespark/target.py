@@ -82,7 +82,7 @@ def packed_weights(model: PreTrainedModel) -> PackedWeights | None:
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    logits: torch.Tensor | None  # [B, K, V] float32 at the selected positions
+    logits: torch.Tensor | None  # [B, K, V] float32 ([B, 1, V] for "last"; None for "none")
     taps: torch.Tensor           # [B, K, n_taps * hidden] the tapped layers' outputs
 
 
@@ -156,7 +156,7 @@ class TargetRunner:
         store: KVStore,
         rows: slice,               # the KV rows of this batch
         mask: torch.Tensor,        # [B, 1, K, T] bool: True = may attend (T >= every position + 1)
-        logits_at: torch.Tensor | None = None,  # [B, K] bool: where logits are needed (None = all)
+        logits_for: str = "all",   # "all" nodes, the "last" one of each row, or "none"
     ) -> ForwardOutput:
         b, k = tokens.shape
         h = self.base.embed_tokens(tokens).to(self.dtype)                  # [B, K, h]
@@ -172,15 +172,13 @@ class TargetRunner:
             if idx in self.tap_layers:
                 taps[idx] = x
         tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
-        if logits_at is not None and not bool(logits_at.any()):
+        if logits_for == "none":
             return ForwardOutput(logits=None, taps=tapped)
-        x = self.base.norm(x)
-        head = self.model.get_output_embeddings()
-        if logits_at is None:
-            logits = self._linear(x, head).view(b, k, -1).float()
+        if logits_for == "last":
+            x = x.view(b, k, -1)[:, -1]
+            k = 1
         else:
-            sel = logits_at.reshape(-1)
-            logits = torch.zeros(b * k, self.vocab_size, dtype=torch.float32, device=x.device)
-            logits[sel] = self._linear(x[sel], head).float()
-            logits = logits.view(b, k, -1)
+            assert logits_for == "all", f"logits_for must be all, last or none, not {logits_for!r}"
+        x = self.base.norm(x)
+        logits = self._linear(x, self.model.get_output_embeddings()).view(b, k, -1).float()
         return ForwardOutput(logits=logits, taps=tapped)

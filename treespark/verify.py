@@ -49,6 +49,19 @@ def _records(tree: DraftTree, node: int, accepted_child: int | None) -> list[tup
     return [(tree.q[c], c == accepted_child, r) for r, c in enumerate(tree.children[node])]
 
 
+def walked(tree: DraftTree, path: Sequence[int], final: int) -> VerifyResult:
+    """The result of a walk done elsewhere (the device): the accepted nodes, root to
+    leaf, and the token drawn at the last one; the records follow from the tree."""
+    records, node = [], 0
+    for child in [*path, None]:
+        records += _records(tree, node, child)
+        if child is not None:
+            assert tree.parents[child] == node, "a walk goes from parent to child"
+            node = child
+    tokens = tuple(tree.tokens[i] for i in path) + (int(final),)
+    return VerifyResult(path=tuple(path), tokens=tokens, records=tuple(records))
+
+
 def verify_greedy(tree: DraftTree, target_argmax: Sequence[int]) -> VerifyResult:
     """target_argmax: [N] the target's argmax token after each node."""
     assert len(target_argmax) == tree.num_nodes

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
+
+import torch
 
 from treespark.bench.common import bench_prompts, markdown_table, run_engine
 from treespark.budget import Budget
 from treespark.calibration import Calibration
 from treespark.models import ModelPair
+
+
+def ranked_by_logq(pair: ModelPair) -> ModelPair:
+    """The pair ranking nodes by raw path probability (EAGLE-2): the identity map p_hat = q."""
+    return replace(pair, calibration=Calibration(1.0, 0.0))
+
+
+def ranked_by_marginals(pair: ModelPair) -> ModelPair:
+    """The pair drafting from per-depth marginals that ignore the parent (the signal of
+    earlier trees): its drafter's Markov head is zeroed, so every node at one depth gets
+    the same candidates, from the base logits U alone."""
+    drafter = copy.deepcopy(pair.drafter)
+    with torch.no_grad():
+        drafter.markov_head.markov_w1.weight.zero_()
+    return replace(pair, drafter=drafter)
 
 
 def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: int = 96,
@@ -21,11 +39,11 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
     block = pair.drafter.config.block_size
     rows = []
     for t in temperatures:
-        def tau(budget: Budget, rank: str = "calibrated", t: float = t, on: ModelPair = pair) -> tuple[float, float]:
+        def tau(budget: Budget, t: float = t, on: ModelPair = pair) -> tuple[float, float]:
             r = run_engine(on, prompts, budget, max_tokens=max_tokens, batch_size=8,
-                           temperature=t, rank=rank, seed=seed)
+                           temperature=t, seed=seed)
             mean_size = r.drafted / max(r.rounds, 1)
-            log(f"T={t} {budget} rank={rank}: tau {r.tau:.3f} (mean tree {mean_size:.1f})")
+            log(f"T={t} {budget} {on.name}: tau {r.tau:.3f} (mean tree {mean_size:.1f})")
             return r.tau, mean_size
 
         results: dict[str, tuple[float, float]] = {"plain": tau(Budget.off())}
@@ -34,8 +52,10 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
         results[f"tuned chain (k={best_k})"] = chains[best_k]
         for cap in (16, 32, 64):
             results[f"fixed tree {cap}"] = tau(Budget(0.0, cap, 4))
-        for rank in ("logq", "marginal", "calibrated"):
-            results[f"{rank} @ {equal_budget} nodes"] = tau(Budget(0.0, equal_budget, 4), rank)
+        at_equal = Budget(0.0, equal_budget, 4)
+        results[f"logq @ {equal_budget} nodes"] = tau(at_equal, on=ranked_by_logq(pair))
+        results[f"marginal @ {equal_budget} nodes"] = tau(at_equal, on=ranked_by_marginals(pair))
+        results[f"calibrated @ {equal_budget} nodes"] = tau(at_equal)
         default = Budget.adaptive()
         if variant is not None:
             other = replace(pair, calibration=variant)

@@ -55,13 +55,12 @@ class RunResult:
 
 
 def run_engine(pair: ModelPair, prompts: list[list[int]], budget: Budget, *, max_tokens: int,
-               batch_size: int, temperature: float = 0.0, rank: str = "calibrated",
-               seed: int = 0) -> RunResult:
+               batch_size: int, temperature: float = 0.0, seed: int = 0) -> RunResult:
     """Serve every prompt through one engine (batch_size rows) and time it."""
     eos = pair.tokenizer.eos_token_id if pair.tokenizer is not None else None
     longest = max(len(p) for p in prompts)
     engine = Engine(pair, EngineConfig(max_batch_size=batch_size, max_context=longest + max_tokens),
-                    budget=budget, rank=rank)
+                    budget=budget)
     stats: list[StepStats] = []
     engine.on_step = stats.append
     for i, p in enumerate(prompts):

@@ -1,0 +1,181 @@
+"""Drafting on the model's device: one batched call per depth wave, small numbers out.
+
+A round's trees are grown in waves (``treespark.select``). Each wave gathers every
+node that some running request opens, and ``score_parents`` scores all of them in one
+call on the drafter's device:
+
+    logits = U[row, depth] + W2 . W1[parent]      (the Markov head, over the draft vocabulary)
+    q      = softmax(logits / T)                  (T = 1 to rank at T = 0)
+
+and returns, per parent, the ``TOP_M`` largest q with their indices and, at T > 0,
+``k`` draws without replacement (sequential inverse-CDF draws on the cumulative q in
+float64, one uniform each from the request's own generator, so a seeded request draws
+the same tokens on any device). Only ``[parents, 2 * TOP_M + 2k]`` numbers reach the
+host, in one copy; the T > 0 parents' q rows stay on the device for verification
+(``treespark.walk``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from treespark.budget import Budget
+from treespark.calibration import Calibration
+from treespark.sampling import Sampler
+from treespark.select import TOP_M, TreeBuilder, slot_values
+from treespark.transfer import HostTransfers
+from treespark.tree import DraftTree
+
+
+def normalized(probs: torch.Tensor) -> torch.Tensor:
+    """[..., Vd] float32 probabilities -> float64, summing to 1: the q tokens are drawn from
+    and verified against (one function, so both sides see the same numbers)."""
+    q = probs.to(torch.float64)
+    return q / q.sum(-1, keepdim=True)
+
+
+def draw_without_replacement(q: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequential draws without replacement by inverse CDF.
+
+    q: [S, Vd] float64 rows summing to 1; u: [S, k] uniforms in [0, 1).
+    Draw j finds u_j * (mass left) in the cumulative q with the drawn tokens' intervals
+    skipped. Returns ids [S, k] and their q [S, k] (0 where a row ran out of support)."""
+    s, vd = q.shape
+    c = q.cumsum(-1)
+    ids: list[torch.Tensor] = []
+    qs: list[torch.Tensor] = []
+    mass = torch.zeros(s, dtype=q.dtype, device=q.device)
+    for j in range(u.shape[1]):
+        t = u[:, j] * (1.0 - mass)
+        if ids:
+            prev, qprev = torch.stack(ids, 1), torch.stack(qs, 1)       # [S, j]
+            order = prev.argsort(1)
+            prev, qprev = prev.gather(1, order), qprev.gather(1, order)
+            start = c.gather(1, prev) - qprev                            # each drawn token's interval start
+            for i in range(j):                                           # ascending: skip what lies before t
+                t = torch.where(start[:, i] <= t, t + qprev[:, i], t)
+        x = torch.searchsorted(c, t[:, None], right=True)[:, 0].clamp(max=vd - 1)
+        qx = q.gather(1, x[:, None])[:, 0]
+        ids.append(x)
+        qs.append(qx)
+        mass = mass + qx
+    return torch.stack(ids, 1), torch.stack(qs, 1)
+
+
+@torch.no_grad()
+def score_parents(
+    base: torch.Tensor,       # [B, block, Vd] the drafter's base logits U
+    w1: torch.Tensor,         # [V, r] Markov W1 (rows by parent token id)
+    w2: torch.Tensor,         # [Vd, r] Markov W2
+    rows: torch.Tensor,       # [P] batch row of each parent
+    depths: torch.Tensor,     # [P] depth of the children (1-based)
+    parents: torch.Tensor,    # [P] parent token ids
+    temperature: torch.Tensor,  # [P] T (1 for T = 0, which ranks at T = 1)
+    sampled: torch.Tensor,    # [S] indices (into P) of the parents drawn at T > 0
+    uniforms: torch.Tensor,   # [S, k] float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score one wave's parents. Returns (packed [P, 2M + 2k] float64, q rows [S, Vd]
+    float32 of the sampled parents): packed holds the top-M q, their indices, then
+    the k drawn indices and their q (zeros for T = 0 parents)."""
+    k = uniforms.shape[1]
+    logits = base[rows, depths - 1].float() + F.linear(w1[parents], w2).float()
+    # shift first: a tiny temperature then gives -inf (not NaN) off the argmax
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature[:, None], dim=-1)
+    m = min(TOP_M, probs.shape[-1])
+    top = probs.topk(m, dim=-1)
+    drawn = torch.zeros(probs.shape[0], 2 * k, dtype=torch.float64, device=probs.device)
+    rows_s = probs[sampled]
+    if sampled.numel():
+        ids, qx = draw_without_replacement(normalized(rows_s), uniforms)
+        drawn[sampled] = torch.cat([ids.to(torch.float64), qx], dim=1)
+    packed = torch.cat([top.values.to(torch.float64), top.indices.to(torch.float64), drawn], dim=1)
+    return packed, rows_s
+
+
+@dataclass
+class RoundDraft:
+    """A round's trees, and what verification needs of the drafting on the device."""
+
+    trees: list[DraftTree]
+    q_rows: torch.Tensor | None = None   # [R, Vd] float32: the drawing distributions of T > 0 parents
+    # per tree, per node: the row of q_rows its children were drawn from (-1: none)
+    q_row_of: list[list[int]] = field(default_factory=list)
+    draft_ids: list[list[int]] = field(default_factory=list)  # per tree, per node: its draft index
+    waves: int = 0
+
+
+@dataclass(frozen=True)
+class RowDraft:
+    """What one running request brings to a round."""
+
+    root: int
+    budget: Budget
+    depth_limit: int
+    temperature: float
+    calibration: Calibration       # the map in force at ``temperature``
+    sampler: Sampler
+
+
+class WaveDrafter:
+    """Grows a batch's trees on the drafter's device (see the module docstring)."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, draft_to_target: torch.Tensor | None,
+                 transfers: HostTransfers) -> None:
+        self.w1, self.w2 = w1, w2
+        self.d2t = None if draft_to_target is None else draft_to_target.tolist()
+        self.vocab = w2.shape[0]
+        self.transfers = transfers
+
+    def draft(self, base: torch.Tensor | None, rows: list[RowDraft]) -> RoundDraft:
+        builders = [TreeBuilder(r.root, r.budget, r.depth_limit, self.d2t) for r in rows]
+        out = RoundDraft(trees=[])
+        q_row: dict[tuple[int, int], int] = {}
+        chunks: list[torch.Tensor] = []
+        n_rows = 0
+        dev = self.w2.device
+        while base is not None:
+            opens = [(b, n) for b, bl in enumerate(builders) for n in bl.to_open()]
+            if not opens:
+                break
+            out.waves += 1
+            k = max(rows[b].budget.branch_cap for b, _ in opens)
+            sampled = [i for i, (b, _) in enumerate(opens) if rows[b].temperature > 0]
+            # each parent draws its own branch_cap uniforms (padding unused), so what a
+            # request draws never depends on who shares its batch
+            u = [rows[opens[i][0]].sampler.uniform(rows[opens[i][0]].budget.branch_cap) for i in sampled]
+            u = [x + [0.5] * (k - len(x)) for x in u]
+            host = torch.tensor([[b, builders[b].nodes[n].depth + 1, builders[b].token(n),
+                                  rows[b].temperature if rows[b].temperature > 0 else 1.0]
+                                 for b, n in opens], dtype=torch.float64)
+            dev_host = host.to(dev)
+            packed, q_rows = score_parents(
+                base, self.w1, self.w2, dev_host[:, 0].long(), dev_host[:, 1].long(),
+                dev_host[:, 2].long(), dev_host[:, 3].float().clamp(min=1e-30),  # fp32 keeps it > 0
+                torch.tensor(sampled, dtype=torch.long, device=dev),
+                torch.tensor(u, dtype=torch.float64, device=dev).view(len(sampled), k))
+            if sampled:
+                chunks.append(q_rows)
+                for j, i in enumerate(sampled):
+                    q_row[opens[i]] = n_rows + j
+                n_rows += len(sampled)
+            values = self.transfers.fetch(packed).tolist()
+            m = (len(values[0]) - 2 * k) // 2
+            for (b, n), v in zip(opens, values, strict=True):
+                r = rows[b]
+                drawn = None
+                if r.temperature > 0:
+                    drawn = list(zip((int(x) for x in v[2 * m:2 * m + k]), v[2 * m + k:], strict=True))
+                slots = slot_values(v[:m], [int(x) for x in v[m:2 * m]], drawn, r.calibration,
+                                    r.budget.branch_cap, self.vocab)
+                builders[b].open(n, slots)
+        for b, bl in enumerate(builders):
+            tree, keep = bl.finish()
+            out.trees.append(tree)
+            out.q_row_of.append([q_row.get((b, c), -1) for c in keep])
+            out.draft_ids.append([bl.nodes[c].draft_id for c in keep])
+        if chunks:
+            out.q_rows = torch.cat(chunks)
+        return out
