@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from treespark import Budget, generate, load_pair
+from treespark.chat import chat_ids
 from treespark.models import default_drafter_dir
-from treespark.recipe import chat_ids
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
