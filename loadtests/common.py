@@ -10,6 +10,7 @@ wait for the service (``wait_healthy``, ``wait_idle``), poll it in a thread
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -206,6 +207,13 @@ def locust_command(url: str, shape: str, prefix: Path, load: LoadArgs, *,
     if load.chat:
         cmd.append("--chat")
     return cmd
+
+
+def read_records(path: Path) -> list[dict]:
+    """The per-request JSON lines Locust's users wrote (``--records``); none if absent."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_locust(cmd: list[str], log_path: Path, timeout_s: float) -> tuple[int, float]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import json
 import math
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from loadtests.common import (
     locust_command,
     log,
     percentile,
+    read_records,
     run_locust,
     serve_process,
     wait_healthy,
@@ -96,12 +96,6 @@ def speculation_row(status: dict) -> dict:
 def timeline_rows(status: dict, t: float) -> list[dict]:
     """The ``StatusPoller`` row of one ``/v1/speculation`` answer."""
     return [{"t": round(t, 2), "wall": time.time(), **speculation_row(status)}]
-
-
-def read_records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def read_user_history(prefix: Path) -> list[tuple[float, int]]:

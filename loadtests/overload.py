@@ -37,6 +37,7 @@ from loadtests.common import (
     locust_command,
     log,
     percentile,
+    read_records,
     run_locust,
     serve_process,
     wait_idle,
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         t.join()
         after_status = wait_idle(url, 60)
         after = after_status["counters"]
-    records = [json.loads(x) for x in Path(f"{prefix}-records.jsonl").read_text().splitlines() if x.strip()]
+    records = read_records(Path(f"{prefix}-records.jsonl"))
     ok = sum(1 for r in records if r["ok"])
     refused = sum(1 for r in records if r["status"] in (429, 503))
     other = [r for r in records if not r["ok"] and r["status"] not in (429, 503)]

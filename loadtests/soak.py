@@ -27,7 +27,7 @@ from pathlib import Path
 
 import requests
 
-from loadtests.common import StatusPoller, log, serve_process, wait_idle
+from loadtests.common import StatusPoller, log, read_records, serve_process, wait_idle
 from loadtests.overload import overload_locust, prepare_run, run_parser, service_config
 
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         rc, wall = overload_locust(url, a.users, a.duration, prefix, a.max_tokens, 120, model)
         poller.stop()
         end = wait_idle(url, 120)
-    records = [json.loads(x) for x in Path(f"{prefix}-records.jsonl").read_text().splitlines() if x.strip()]
+    records = read_records(Path(f"{prefix}-records.jsonl"))
     ok = sum(1 for r in records if r["ok"])
     growth = rss_growth(poller.rows, a.warmup, a.window, min(a.duration, max(r["t"] for r in poller.rows)))
     tokens = sum(r.get("tokens", 0) for r in records)
