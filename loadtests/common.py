@@ -4,7 +4,7 @@ service's status, waiting on it, polling it, the Locust command line, and percen
 ``experiment`` (ramp, compare), ``overload`` and ``soak`` all start ``serve run``
 (``serve_process``) and Locust as child processes (``env``), read ``GET /v1/speculation`` (``get_status``),
 wait for the service (``wait_healthy``, ``wait_idle``), poll it in a thread
-(``StatusPoller``) and run Locust on a shape (``locust_command``, ``run_locust``).
+(``StatusPoller``) and run Locust on a shape (``locust_command``, ``run_locust``, ``constant_load``).
 """
 
 from __future__ import annotations
@@ -223,3 +223,13 @@ def run_locust(cmd: list[str], log_path: Path, timeout_s: float) -> tuple[int, f
         rc = subprocess.run(cmd, cwd=ROOT, env=env(), stdout=lf, stderr=subprocess.STDOUT,
                             timeout=timeout_s).returncode
     return rc, time.time() - t0
+
+
+def constant_load(url: str, users: int, duration_s: int, prefix: Path, max_tokens: int, stop_timeout_s: int,
+                  model: str = "") -> tuple[int, float]:
+    """Constant ``users`` for ``duration_s``, every in-flight request let finish -> (rc, wall s)."""
+    cmd = locust_command(url, f"const:{users}:{duration_s}", prefix, LoadArgs(max_tokens=max_tokens, model=model),
+                         stop_timeout_s=stop_timeout_s)
+    Path(f"{prefix}-records.jsonl").unlink(missing_ok=True)
+    log(" ".join(cmd[2:]))
+    return run_locust(cmd, Path(f"{prefix}-locust.log"), duration_s + stop_timeout_s + 120)

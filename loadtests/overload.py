@@ -31,17 +31,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from loadtests.common import (
-    ROOT,
-    LoadArgs,
-    locust_command,
-    log,
-    percentile,
-    read_records,
-    run_locust,
-    serve_process,
-    wait_idle,
-)
+from loadtests.common import ROOT, constant_load, percentile, read_records, serve_process, wait_idle
 
 
 def service_config(model: str, replicas: int, max_batch: int, max_ongoing: int, max_queued: int,
@@ -55,16 +45,6 @@ def service_config(model: str, replicas: int, max_batch: int, max_ongoing: int, 
     rep.update(num_replicas=replicas, max_ongoing_requests=max_ongoing, max_queued_requests=max_queued,
                retry_after_s=retry_after_s, num_cpus=0.5, torch_threads=1)
     return cfg
-
-
-def overload_locust(url: str, users: int, duration_s: int, prefix: Path, max_tokens: int, stop_timeout_s: int,
-                    model: str = "") -> tuple[int, float]:
-    """Constant ``users`` for ``duration_s``, every in-flight request let finish -> (rc, wall s)."""
-    cmd = locust_command(url, f"const:{users}:{duration_s}", prefix, LoadArgs(max_tokens=max_tokens, model=model),
-                         stop_timeout_s=stop_timeout_s)
-    Path(f"{prefix}-records.jsonl").unlink(missing_ok=True)
-    log(" ".join(cmd[2:]))
-    return run_locust(cmd, Path(f"{prefix}-locust.log"), duration_s + stop_timeout_s + 120)
 
 
 def summarize(records: list[dict]) -> dict:
@@ -133,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         probe: dict = {}
         t = threading.Thread(target=lambda: (time.sleep(min(20, a.duration / 3)), probe.update(probe_refusal(url, model))))
         t.start()
-        rc, wall = overload_locust(url, a.users, a.duration, prefix, a.max_tokens, a.stop_timeout, model)
+        rc, wall = constant_load(url, a.users, a.duration, prefix, a.max_tokens, a.stop_timeout, model)
         t.join()
         after_status = wait_idle(url, 60)
         after = after_status["counters"]

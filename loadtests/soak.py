@@ -27,8 +27,15 @@ from pathlib import Path
 
 import requests
 
-from loadtests.common import StatusPoller, log, read_records, serve_process, wait_idle
-from loadtests.overload import overload_locust, prepare_run, run_parser, service_config
+from loadtests.common import (
+    StatusPoller,
+    constant_load,
+    log,
+    read_records,
+    serve_process,
+    wait_idle,
+)
+from loadtests.overload import prepare_run, run_parser, service_config
 
 
 def rss_rows(status: dict, t: float) -> list[dict]:
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         before = wait_idle(url)["counters"]
         poller = StatusPoller(url, a.period, rss_rows).start()
-        rc, wall = overload_locust(url, a.users, a.duration, prefix, a.max_tokens, 120, model)
+        rc, wall = constant_load(url, a.users, a.duration, prefix, a.max_tokens, 120, model)
         poller.stop()
         end = wait_idle(url, 120)
     records = read_records(Path(f"{prefix}-records.jsonl"))
