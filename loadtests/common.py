@@ -2,9 +2,10 @@
 service's status, waiting on it, polling it, the Locust command line, and percentiles.
 
 ``experiment`` (ramp, compare), ``overload`` and ``soak`` all start ``serve run``
-(``serve_process``) and Locust as child processes (``env``), read ``GET /v1/speculation`` (``get_status``),
-wait for the service (``wait_healthy``, ``wait_idle``), poll it in a thread
-(``StatusPoller``) and run Locust on a shape (``locust_command``, ``run_locust``, ``constant_load``).
+(``serve_process``) and Locust as child processes (``env``), read
+``GET /v1/speculation`` (``get_status``), wait for the service (``wait_healthy``,
+``wait_idle``), poll it in a thread (``StatusPoller``) and run Locust on a shape
+(``locust_command``, ``run_locust``, ``constant_load``).
 """
 
 from __future__ import annotations
