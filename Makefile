@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup fetch-model serve test lint bench clean
 
 $(BIN)/treespark: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -13,10 +13,15 @@ $(BIN)/treespark: pyproject.toml
 
 setup: $(BIN)/treespark
 
+# The default target in the model cache (~/.cache/treespark): downloaded and converted
+# once (the network is needed only then), a no-op when the cache is complete.
+fetch-model: setup
+	$(BIN)/treespark fetch-model
+
 serve: setup
 	RAY_AUTH_MODE=disabled $(BIN)/serve run configs/cluster.yaml
 
-test: setup
+test: setup fetch-model
 	RAY_AUTH_MODE=disabled $(BIN)/pytest -q
 
 lint: setup

@@ -56,32 +56,14 @@ from deployments.errors import (
 from deployments.metrics import render
 from deployments.responses import cancel_call, completion_body, engine_error_response, sse_stream
 from deployments.schemas import (
-    ChatMessage,
     ChatRequest,
     CompletionRequest,
     OverrideRequest,
     SamplingRequest,
-    StreamOptions,
-    TextPart,
 )
 from deployments.validation import check_override, engine_request, json_body, parse
 
-__all__ = [
-    "Api",
-    "ChatMessage",
-    "ChatRequest",
-    "CompletionRequest",
-    "OverrideRequest",
-    "StreamOptions",
-    "TextPart",
-    "app",
-    "error_response",
-    "internal_error",
-    "retry_after",
-    "validation_error_response",
-]
-
-log = logging.getLogger("ray.serve")
+log = logging.getLogger(__name__)
 
 app = FastAPI(title="TreeSpark Serve", docs_url=None, redoc_url=None)
 

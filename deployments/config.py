@@ -15,8 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from treespark.budget import Budget
-from treespark.costmodel import AcceptanceProfile, CostModel
-from treespark.policy import BudgetPolicy, CostModelPolicy, FixedPolicy, LadderPolicy
+from treespark.pricing.costmodel import AcceptanceProfile, CostModel
+from treespark.pricing.policy import BudgetPolicy, CostModelPolicy, FixedPolicy, LadderPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,7 +172,7 @@ class AppArgs(_Strict):
     max_tree_nodes: int = Field(64, ge=0)
     default_max_tokens: int = Field(256, ge=1)  # chat requests without max_tokens
     device: str | None = None
-    engine_factory: str = "deployments.replica:build_engine"  # "module:callable(AppArgs) -> EngineBundle", run on the engine thread
+    engine_factory: str = "deployments.engine_factory:build_engine"  # "module:callable(AppArgs) -> EngineBundle", run on the engine thread
     policy: PolicyArgs = Field(default_factory=PolicyArgs)
     replica: ReplicaArgs = Field(default_factory=ReplicaArgs)
     controller: ControllerArgs = Field(default_factory=ControllerArgs)

@@ -5,42 +5,17 @@ statistics; the reply carries the budget the replica must run (so a budget chang
 reaches every replica within one heartbeat, well under a second). The rules and the
 math live in ``ControllerState`` (``deployments.controller_state``), the heartbeat
 wire format in ``deployments.reports`` and the online fits in
-``deployments.estimators``, all testable without Ray; ``Controller`` is the thin
-actor around the state, and this module re-exports those names.
+``treespark.pricing.estimators``, all testable without Ray; ``Controller`` is the thin
+actor around the state. Importing this module loads no torch.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from deployments.controller_state import ControllerState, aggregate_load, assign_budgets, expired
-from deployments.estimators import (
-    RoundWindow,
-    calibration_ece,
-    fit_calibration,
-    fit_draft_cost,
-    shrink_calibration,
-)
-from deployments.reports import COUNTERS, ReplicaReport, TreeStats, budget_from_wire, budget_to_wire
-
-__all__ = [
-    "COUNTERS",
-    "Controller",
-    "ControllerState",
-    "ReplicaReport",
-    "RoundWindow",
-    "TreeStats",
-    "aggregate_load",
-    "assign_budgets",
-    "budget_from_wire",
-    "budget_to_wire",
-    "calibration_ece",
-    "expired",
-    "fit_calibration",
-    "fit_draft_cost",
-    "get_or_create_controller",
-    "shrink_calibration",
-]
+from deployments.controller_state import ControllerState
+from deployments.reports import ReplicaReport, budget_from_wire
+from treespark.pricing.estimators import RoundWindow
 
 
 class Controller:
@@ -70,7 +45,7 @@ class Controller:
         s.calibration_prior_records = a.controller.calibration_prior_records
         if s.rounds.max_nodes != a.max_tree_nodes:  # records are keyed by node caps up to it
             s.rounds = RoundWindow(max_nodes=a.max_tree_nodes)
-        s._reassign()
+        s.reassign()
 
     def report(self, report: dict[str, Any]) -> dict[str, Any]:
         return self.state.report(ReplicaReport.from_wire(report))
@@ -80,9 +55,6 @@ class Controller:
 
     def status(self) -> dict[str, Any]:
         return self.state.status()
-
-    def ping(self) -> str:
-        return "ok"
 
 
 def get_or_create_controller(args: dict[str, Any]):

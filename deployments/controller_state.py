@@ -9,8 +9,8 @@ Replicas report every heartbeat; the state
   ``BudgetPolicy`` for each replica's budget (``assign_budgets``; an operator
   ``override`` pins one budget for all);
 * keeps cluster counters (monotone across dropped replicas), calibration records and
-  per-round (node cap, accepted) records, and refits what ``deployments.estimators``
-  learns from them;
+  per-round (node cap, accepted) records, and refits what
+  ``treespark.pricing.estimators`` learns from them;
 * answers ``status()``, what ``GET /v1/speculation`` and ``/metrics`` show.
 
 ``clock`` is injectable, so tests drive time by hand.
@@ -24,32 +24,28 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from deployments.estimators import (
+from deployments.reports import COUNTERS, ReplicaReport, budget_from_wire, budget_to_wire
+from treespark.budget import Budget
+from treespark.pricing.costmodel import AcceptanceStats
+from treespark.pricing.estimators import (
     RoundWindow,
-    calibration_ece,
-    fit_calibration,
+    ece_on_records,
+    fit_ab,
     fit_draft_cost,
     shrink_calibration,
 )
-from deployments.reports import COUNTERS, ReplicaReport, budget_from_wire, budget_to_wire
-from treespark.budget import Budget
-from treespark.costmodel import AcceptanceStats
-from treespark.policy import BudgetPolicy, LoadSnapshot
+from treespark.pricing.policy import BudgetPolicy, LoadSnapshot
 
 
 def aggregate_load(reports: Iterable[ReplicaReport], acceptance: AcceptanceStats | None = None,
                    draft_node_s: float | None = None) -> LoadSnapshot:
-    """Cluster load: sums of active/queued/tokens per second, mean step time of the
-    replicas that stepped; ``acceptance`` (the controller's recent per-round records)
-    passes through to the policy."""
+    """Cluster load: replicas, sums of active and queued requests; ``acceptance`` (the
+    controller's recent per-round records) and ``draft_node_s`` pass through to the policy."""
     reports = list(reports)
-    steps = [r.tree.step_s for r in reports if r.tree.steps > 0]
     return LoadSnapshot(
         replicas=len(reports),
         active=sum(r.active for r in reports),
         queued=sum(r.queued for r in reports),
-        step_s=sum(steps) / len(steps) if steps else 0.0,
-        tokens_per_s=sum(r.tokens_per_s for r in reports),
         acceptance=acceptance,
         draft_node_s=draft_node_s,
     )
@@ -117,7 +113,7 @@ class ControllerState:
             self.draft_points.append((t.drafting_batch, t.drafting_nodes, t.drafting_s))
             self.draft_node_s = fit_draft_cost(self.draft_points)
         self._refit()
-        self._reassign()
+        self.reassign()
         return {
             "budget": budget_to_wire(self.replicas[report.replica_id].budget),
             "registered": registered,
@@ -133,7 +129,7 @@ class ControllerState:
             del self.replicas[rid]
         self.dropped += len(gone)
         if gone:
-            self._reassign()
+            self.reassign()
         return gone
 
     def load(self) -> LoadSnapshot:
@@ -141,9 +137,10 @@ class ControllerState:
 
     def set_override(self, budget: Budget | None) -> None:
         self.override = budget
-        self._reassign()
+        self.reassign()
 
-    def _reassign(self) -> None:
+    def reassign(self) -> None:
+        """Ask the policy again for every replica's budget (after a load, policy or override change)."""
         budgets = assign_budgets(self.policy, self.load(), self.replicas, self.override)
         for rid, b in budgets.items():
             e = self.replicas[rid]
@@ -161,13 +158,13 @@ class ControllerState:
         if self.online_calibration and len(self.records) >= self.min_calibration_records and self._records_since_fit >= self.min_calibration_records // 4:
             recent = list(self.records)[-5000:]  # keeps a refit well under a heartbeat
             base = self.base_calibration()
-            fit = fit_calibration(recent)
+            fit = fit_ab(recent)
             self.calibration = shrink_calibration(fit, base, len(self.records), self.calibration_prior_records)
             self.calibration_report = {
                 "records": len(recent),
-                "ece_stored": calibration_ece(recent, *base),
-                "ece_pushed": calibration_ece(recent, *self.calibration),
-                "ece_fit": calibration_ece(recent, *fit),
+                "ece_stored": ece_on_records(recent, *base),
+                "ece_pushed": ece_on_records(recent, *self.calibration),
+                "ece_fit": ece_on_records(recent, *fit),
                 "a": self.calibration[0],
                 "b": self.calibration[1],
             }

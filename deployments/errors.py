@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-log = logging.getLogger("ray.serve")
+log = logging.getLogger(__name__)
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -8,38 +8,38 @@ prices its own speculation with the local policy from its own load, and keeps tr
 (re-creating the controller if it is gone for good); the controller registers it again
 on the first report that gets through.
 
-``HeartbeatMixin`` holds this half of ``ReplicaCore``; it reads the host's ``args``,
-``replica_id``, ``policy``, ``loop`` (the ``EngineLoop``), ``bundle``, and the
-``counters`` / ``_tokens_emitted`` it shares with request handling under ``_lock``.
+``HeartbeatMixin`` holds this half of ``ReplicaCore``; the attributes it needs from
+its host are declared on the class (the host sets them before ``_init_heartbeat``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from deployments.config import AppArgs
+from deployments.engine_factory import EngineBundle
+from deployments.engine_loop import EngineLoop
 from deployments.reports import TreeStats, budget_from_wire, budget_to_wire
 from treespark.budget import Budget
+from treespark.calibration import Calibration, logit
 from treespark.params import StepStats
-from treespark.policy import LoadSnapshot
+from treespark.pricing.policy import BudgetPolicy, LoadSnapshot
 
-log = logging.getLogger("ray.serve")
-
-
-def ran_drafter(s: Any) -> bool:
-    """Whether a step ran the drafter: some row had a node cap (steps from engines
-    without caps: some row drew a tree)."""
-    caps = getattr(s, "node_caps", ())
-    return any(c > 0 for c in caps) if caps else sum(s.tree_sizes) > 0
+log = logging.getLogger(__name__)
 
 
-def summarize_steps(stats: list[Any]) -> TreeStats:
+def ran_drafter(s: StepStats) -> bool:
+    """Whether a step ran the drafter: some row had a node cap."""
+    return any(c > 0 for c in s.node_caps)
+
+
+def summarize_steps(stats: list[StepStats]) -> TreeStats:
     """Means of the engine's ``StepStats`` over one heartbeat window, and of the steps
     in it that ran the drafter."""
     if not stats:
@@ -75,18 +75,16 @@ def round_records(s: StepStats) -> list[tuple[int, int]]:
     """(node cap, accepted) per row of one step: what the controller learns acceptance
     per tree size from. Keyed by the row's budget cap, the ``n`` a plan chooses, not by
     the tree drawn under it (a theta-priced tree is often smaller; an empty one accepts
-    nothing whatever its neighbours drew). Steps from engines without caps (a custom
-    ``engine_factory``'s stats may lack the field) fall back to the step's widest tree."""
-    caps = getattr(s, "node_caps", ()) or (max(s.tree_sizes, default=0),) * len(s.accepted)
-    return [(int(n), int(a)) for n, a in zip(caps, s.accepted, strict=True)]
+    nothing whatever its neighbours drew)."""
+    return [(int(n), int(a)) for n, a in zip(s.node_caps, s.accepted, strict=True)]
 
 
-def _logit(q: float) -> float:
-    """Calibration records travel as (logit q, accepted, offset): the controller fits
-    sigmoid(a * logit q + b + offset), the map the engine's ``Calibration`` applies
-    (the offset is the stored calibration's term for the edge's sibling rank)."""
-    q = min(max(q, 1e-6), 1 - 1e-6)
-    return math.log(q) - math.log1p(-q)
+def calibration_records(records: list[tuple[float, bool, int]], cal: Calibration) -> list[tuple[float, bool, float]]:
+    """(q, accepted, sibling rank) engine records as they travel: (logit q, accepted,
+    offset). The controller fits sigmoid(a * logit q + b + offset), the map ``cal``
+    applies, the offset being ``cal``'s fixed term for the edge's sibling rank."""
+    xs = logit([q for q, _, _ in records]) if records else ()
+    return [(float(x), bool(y), cal.offset(int(r))) for x, (_, y, r) in zip(xs, records, strict=True)]
 
 
 def rss_bytes() -> int | None:
@@ -99,7 +97,17 @@ def rss_bytes() -> int | None:
 
 
 class HeartbeatMixin:
-    """The controller link of ``ReplicaCore`` (see the module docstring for what it reads)."""
+    """The controller link of ``ReplicaCore``."""
+
+    # set by the host before ``_init_heartbeat``
+    args: AppArgs
+    replica_id: str
+    policy: BudgetPolicy                # the local policy (controller unreachable)
+    loop: EngineLoop
+    bundle: EngineBundle                # its engine holds the stored ``Calibration``
+    counters: dict[str, float]          # shared with request handling, under ``_lock``
+    _tokens_emitted: int                # since the last report, under ``_lock``
+    _lock: threading.Lock
 
     def _init_heartbeat(self, connect: Callable[[], Any] | None) -> None:
         """The starting budget (the local policy at idle) and, with ``connect``, the thread."""
@@ -107,15 +115,12 @@ class HeartbeatMixin:
         self.budget_source = "local"
         self.loop.set_budget(self.budget)
         self.calibration: tuple[float, float] | None = None
-        cal = getattr(self.bundle.engine, "calibration", None)
-        # the stored sibling offsets: fixed, so the controller refits (a, b) around them
-        self._sibling_offset: Callable[[int], float] = getattr(cal, "offset", lambda rank: 0.0)
+        # the stored map: its sibling offsets stay fixed, the controller refits (a, b) around them
+        self.stored_calibration: Calibration = self.bundle.engine.calibration
         # the refit is of the T = 0 map; sampled rows' records describe it only when
         # the same map also serves T > 0 (no sampled map of its own)
-        self._refit_sampled = getattr(cal, "sampled", None) is None
-        if hasattr(cal, "a") and hasattr(cal, "b"):
-            cal = (cal.a, cal.b)
-        self.base_calibration = (float(cal[0]), float(cal[1])) if isinstance(cal, (tuple, list)) and len(cal) == 2 else None
+        self._refit_sampled = self.stored_calibration.sampled is None
+        self.base_calibration = (float(self.stored_calibration.a), float(self.stored_calibration.b))
         self.controller_ok = False
         self.registrations = 0
         self.heartbeats_ok = 0
@@ -146,8 +151,8 @@ class HeartbeatMixin:
                 self.counters["rounds"] += s.batch_size
                 self.counters["draft_tokens"] += sum(s.tree_sizes)
                 self.counters["accepted_tokens"] += sum(s.accepted)
-                used = s.calibration_records + (getattr(s, "sampled_records", ()) if self._refit_sampled else ())
-                records.extend((_logit(float(q)), bool(y), self._sibling_offset(int(r))) for q, y, r in used)
+                used = s.calibration_records + (s.sampled_records if self._refit_sampled else ())
+                records.extend(calibration_records(list(used), self.stored_calibration))
                 rounds.extend(round_records(s))
             emitted, self._tokens_emitted = self._tokens_emitted, 0
             counters = dict(self.counters)

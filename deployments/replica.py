@@ -3,7 +3,7 @@
 The core (``deployments.replica_core``) handles requests over continuous batching;
 its heartbeat (``deployments.heartbeat``) reports to the controller; the engine comes
 from ``AppArgs.engine_factory`` (default ``build_engine``, ``deployments.engine_factory``).
-This module is the Serve wrapper, and re-exports those names from their old home.
+This module is only the Serve wrapper.
 """
 
 from __future__ import annotations
@@ -14,11 +14,7 @@ from typing import Any
 from ray import serve
 
 from deployments.config import AppArgs
-from deployments.engine_factory import EngineBundle, build_engine, load_model_pair
-from deployments.heartbeat import rss_bytes, summarize_steps
 from deployments.replica_core import ReplicaCore
-
-__all__ = ["EngineBundle", "Replica", "ReplicaCore", "build_engine", "load_model_pair", "rss_bytes", "summarize_steps"]
 
 
 @serve.deployment(name="Replica", max_ongoing_requests=64, health_check_period_s=5)

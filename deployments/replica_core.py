@@ -26,7 +26,8 @@ from deployments.engine_factory import EngineBundle
 from deployments.engine_loop import ACCEPTED, Aborted, EngineLoop, Failed, asyncio_sink
 from deployments.heartbeat import HeartbeatMixin, rss_bytes
 from deployments.reports import COUNTERS, budget_to_wire
-from deployments.text import Detokenizer, StopMatcher, encode_chat, encode_text
+from deployments.text import Detokenizer, StopMatcher, encode_text
+from treespark.chat import chat_ids
 
 
 def _build_bundle(args: AppArgs) -> EngineBundle:
@@ -72,7 +73,7 @@ class ReplicaCore(HeartbeatMixin):
         param = "messages" if req.get("messages") is not None else "prompt"
         try:
             if req.get("messages") is not None:
-                ids = encode_chat(self.tokenizer, req["messages"])
+                ids = chat_ids(self.tokenizer, req["messages"])
             elif req.get("prompt_ids") is not None:
                 ids = [int(t) for t in req["prompt_ids"]]
             else:

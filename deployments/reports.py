@@ -9,7 +9,7 @@ records the controller learns from; the reply carries a budget in the same wire 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from treespark.budget import Budget
@@ -68,17 +68,20 @@ class ReplicaReport:
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:
-        d = dict(d)
-        d["tree"] = TreeStats(**d.get("tree", {}))
-        d["calibration_records"] = tuple((float(r[0]), bool(r[1]), float(r[2]) if len(r) > 2 else 0.0)
-                                         for r in d.get("calibration_records", ()))
-        if d.get("calibration") is not None:
-            d["calibration"] = tuple(d["calibration"])
-        if d.get("base_calibration") is not None:
-            d["base_calibration"] = (float(d["base_calibration"][0]), float(d["base_calibration"][1]))
-        d["round_records"] = tuple((int(n), int(a)) for n, a in d.get("round_records", ()))
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})  # a newer replica's extra keys: ignored
+        """The report from its wire dict (what ``HeartbeatMixin.make_report`` sends: every
+        field, JSON-shaped)."""
+
+        def pair(v: Any) -> tuple[float, float] | None:
+            return None if v is None else (float(v[0]), float(v[1]))
+
+        return cls(**{
+            **d,
+            "tree": TreeStats(**d["tree"]),
+            "calibration_records": tuple((float(x), bool(y), float(o)) for x, y, o in d["calibration_records"]),
+            "calibration": pair(d["calibration"]),
+            "round_records": tuple((int(n), int(a)) for n, a in d["round_records"]),
+            "base_calibration": pair(d["base_calibration"]),
+        })
 
 
 def budget_to_wire(b: Budget) -> dict[str, float]:

@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError
 
 from deployments.errors import error_response, internal_error
 
-log = logging.getLogger("ray.serve")
+log = logging.getLogger(__name__)
 
 
 def cancel_call(gen: Any) -> None:

@@ -1,6 +1,7 @@
-"""Text around the engine: prompt encoding, chat templates, incremental detokenization
-and stop strings. Pure Python; the tokenizer is a Hugging Face tokenizer or, for pairs
-without one (``random_pair``), ``ByteTokenizer``."""
+"""Text around the engine: prompt encoding, incremental detokenization and stop strings
+(chat templates: ``treespark.chat``). Pure Python; the tokenizer is a Hugging Face
+tokenizer or, for pairs without one (``random_pair``), ``ByteTokenizer``, which has the
+same methods."""
 
 from __future__ import annotations
 
@@ -12,40 +13,34 @@ REPLACEMENT = "\ufffd"
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids (``byte % vocab_size``): enough to run HTTP end to end on a
-    random pair. Ids >= 256 decode to ``id % 256``."""
+    random pair. Ids >= 256 decode to ``id % 256``. The methods (and keywords) are those
+    of a Hugging Face tokenizer that the serving path and ``treespark.chat`` call; it has
+    no special tokens."""
 
     eos_token_id = None
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return [b % self.vocab_size for b in text.encode("utf-8")]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
-    def chat_text(self, messages: Sequence[dict[str, str]]) -> str:
-        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    def apply_chat_template(self, conversation: list[dict[str, str]], *, add_generation_prompt: bool = False,
+                            tokenize: bool = True) -> str | list[int]:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in conversation)
+        text += "<|assistant|>\n" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.encode(text)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """The tokenizer's chat template with the assistant turn opened."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.encode(tokenizer.chat_text(messages))
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    """A plain prompt (no template, no special tokens added)."""
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.decode(ids)
     return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 

@@ -24,24 +24,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
+import math
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import requests
-import yaml
 
+from loadtests.common import (
+    LoadArgs,
+    StatusPoller,
+    locust_command,
+    log,
+    percentile,
+    read_records,
+    run_locust,
+    serve_process,
+    wait_healthy,
+    wait_idle,
+)
 from loadtests.shapes import parse_shape, total_duration, users_at
-
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 
 # fixed baselines for ``compare`` (override budgets); ``adaptive`` releases the override
 BASELINES: dict[str, dict | None] = {
@@ -50,96 +51,6 @@ BASELINES: dict[str, dict | None] = {
     "tree": {"theta": 0.02, "node_cap": 32, "branch_cap": 4},
     "off": {"theta": 0.0, "node_cap": 0, "branch_cap": 1},
 }
-
-
-def log(msg: str) -> None:
-    print(f"[experiment {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# -- the service ---------------------------------------------------------------------------
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["RAY_AUTH_MODE"] = "disabled"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
-    return env
-
-
-def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"serve run exited with {proc.returncode} before the service was ready")
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"{url}/health not ready after {timeout_s:.0f} s")
-
-
-@contextlib.contextmanager
-def serve_process(config: Path, out: Path, port: int | None = None,
-                  ready_timeout_s: float = 300.0) -> Iterator[str]:
-    """``serve run config`` in its own process group; yields the base URL; SIGINT to the
-    group afterwards (SIGKILL if it lingers)."""
-    cfg = yaml.safe_load(config.read_text())
-    http = cfg.setdefault("http_options", {})
-    if port is not None:
-        http["port"] = port
-    url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
-    raw = out / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    run_cfg = raw / "serve-config.yaml"
-    run_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    logf = open(raw / "serve.log", "w")  # noqa: SIM115 - closed below
-    log(f"serve run {config} -> {url} (log: {raw / 'serve.log'})")
-    proc = subprocess.Popen([str(BIN / "serve"), "run", str(run_cfg)], cwd=ROOT, env=_env(),
-                            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        t0 = time.time()
-        wait_healthy(url, ready_timeout_s, proc)
-        log(f"service ready in {time.time() - t0:.0f} s")
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        logf.close()
-        log("service stopped")
-
-
-# -- Locust ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LoadArgs:
-    max_tokens: int = 64
-    temperature: float = 0.0
-    stream: bool = True
-    model: str = ""
-    chat: bool = False
-
-
-def locust_command(url: str, shape: str, prefix: Path, load: LoadArgs) -> list[str]:
-    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtests" / "locustfile.py"),
-           "--headless", "--host", url, "--shape", shape, "--records", f"{prefix}-records.jsonl",
-           "--csv", str(prefix), "--csv-full-history", "--only-summary", "--exit-code-on-error", "0",
-           "--max-tokens", str(load.max_tokens), "--temperature", str(load.temperature),
-           "--loglevel", "WARNING"]
-    if not load.stream:
-        cmd.append("--no-stream")
-    if load.model:
-        cmd += ["--model", load.model]
-    if load.chat:
-        cmd.append("--chat")
-    return cmd
 
 
 # -- polling ----------------------------------------------------------------------------------
@@ -182,55 +93,9 @@ def speculation_row(status: dict) -> dict:
     }
 
 
-def get_status(url: str) -> dict | None:
-    with contextlib.suppress(requests.RequestException, ValueError):
-        r = requests.get(f"{url}/v1/speculation", timeout=2)
-        if r.status_code == 200:
-            return r.json()
-    return None
-
-
-class Poller:
-    """Reads ``/v1/speculation`` every ``period_s`` in a thread, keeping raw rows."""
-
-    def __init__(self, url: str, period_s: float = 1.0) -> None:
-        self.url, self.period_s = url, period_s
-        self.rows: list[dict] = []
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self.t0 = time.time()
-
-    def start(self) -> Poller:
-        self.t0 = time.time()
-        self._t.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join(5)
-
-    def _run(self) -> None:
-        nxt = time.time()
-        while not self._stop.is_set():
-            st = get_status(self.url)
-            now = time.time()
-            if st is not None:
-                self.rows.append({"t": round(now - self.t0, 2), "wall": now, **speculation_row(st)})
-            nxt += self.period_s
-            self._stop.wait(max(nxt - time.time(), 0.0))
-
-
-def _percentile(xs: list[float], q: float) -> float | str:
-    if not xs:
-        return ""
-    xs = sorted(xs)
-    return xs[min(int(q * len(xs)), len(xs) - 1)]
-
-
-def read_records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def timeline_rows(status: dict, t: float) -> list[dict]:
+    """The ``StatusPoller`` row of one ``/v1/speculation`` answer."""
+    return [{"t": round(t, 2), "wall": time.time(), **speculation_row(status)}]
 
 
 def read_user_history(prefix: Path) -> list[tuple[float, int]]:
@@ -269,8 +134,8 @@ def finish_timeline(rows: list[dict], records: list[dict], history: list[tuple[f
         e2e = [r["t1"] - r["t0"] for r in recent]
         ttft = [r["ttft"] for r in recent if r.get("ttft") is not None]
         row.update(requests_done=sum(1 for r in done if r["t1"] <= wall),
-                   p50_e2e_s=_percentile(e2e, 0.5), p99_e2e_s=_percentile(e2e, 0.99),
-                   p50_ttft_s=_percentile(ttft, 0.5), p99_ttft_s=_percentile(ttft, 0.99))
+                   p50_e2e_s=percentile(e2e, 0.5), p99_e2e_s=percentile(e2e, 0.99),
+                   p50_ttft_s=percentile(ttft, 0.5), p99_ttft_s=percentile(ttft, 0.99))
         out.append(row)
     return out
 
@@ -280,21 +145,13 @@ def write_csv(path: Path, rows: list[dict], fields: list[str]) -> None:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
+            w.writerow({k: (("" if math.isnan(v) else f"{v:.4g}") if isinstance(v, float) else v)
+                        for k, v in r.items()})
 
 
 def set_override(url: str, budget: dict | None) -> None:
     r = requests.post(f"{url}/v1/speculation/override", json={"budget": budget}, timeout=10)
     r.raise_for_status()
-
-
-def wait_drained(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        st = get_status(url)
-        if st is not None and st["cluster"]["active"] + st["cluster"]["queued"] == 0:
-            return
-        time.sleep(0.5)
 
 
 # -- the experiments ---------------------------------------------------------------------------
@@ -309,16 +166,14 @@ def run_shape(url: str, shape: str, out: Path, name: str, load: LoadArgs,
     prefix = raw / name
     for p in raw.glob(f"{name}-records.jsonl"):
         p.unlink()
-    cmd = locust_command(url, shape, prefix, load)
     log(f"locust {shape} for {total_duration(stages):.0f} s ({name})")
-    poller = Poller(url, poll_s).start()
+    poller = StatusPoller(url, poll_s, timeline_rows).start()
     t_start = time.time()
-    with open(raw / f"{name}-locust.log", "w") as lf:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=lf, stderr=subprocess.STDOUT,
-                              timeout=total_duration(stages) + 120)
+    rc, _ = run_locust(locust_command(url, shape, prefix, load), raw / f"{name}-locust.log",
+                       total_duration(stages) + 120)
     poller.stop()
-    if proc.returncode != 0:
-        raise RuntimeError(f"locust exited with {proc.returncode}; see {raw / f'{name}-locust.log'}")
+    if rc != 0:
+        raise RuntimeError(f"locust exited with {rc}; see {raw / f'{name}-locust.log'}")
     return finish_timeline(poller.rows, read_records(Path(f"{prefix}-records.jsonl")),
                            read_user_history(prefix), stages, t_start)
 
@@ -354,7 +209,7 @@ def experiment_compare(url: str, args) -> Path:
     rows = []
     for users, policy in compare_order(args.levels, args.policies):
         set_override(url, BASELINES[policy])
-        wait_drained(url)
+        wait_idle(url)
         name = f"cmp-{policy}-u{users}"
         tl = run_shape(url, f"const:{users}:{args.warmup + args.duration}", args.out, name, args.load)
         t0 = tl[0]["wall"] if tl else 0.0
@@ -374,8 +229,8 @@ def experiment_compare(url: str, args) -> Path:
         ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
         row = {"policy": policy, "users": users, "goodput_tok_s": toks / secs if secs == secs and secs else 0.0,
                "tokens": toks, "seconds": secs, "requests": len(ok), "errors": len(recs) - len(ok),
-               "p50_e2e_s": _percentile(e2e, 0.5), "p99_e2e_s": _percentile(e2e, 0.99),
-               "p50_ttft_s": _percentile(ttft, 0.5), "p99_ttft_s": _percentile(ttft, 0.99),
+               "p50_e2e_s": percentile(e2e, 0.5), "p99_e2e_s": percentile(e2e, 0.99),
+               "p50_ttft_s": percentile(ttft, 0.5), "p99_ttft_s": percentile(ttft, 0.99),
                "tree_size": mean("tree_size"), "width": mean("width"),
                "accepted_per_round": mean("accepted_per_round"), "theta": mean("theta"),
                "batch_size": mean("batch_size")}

@@ -24,8 +24,6 @@ import argparse
 import copy
 import csv
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,7 +31,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from loadtests.experiment import ROOT, _env, log, serve_process
+from loadtests.common import ROOT, constant_load, percentile, read_records, serve_process, wait_idle
 
 
 def service_config(model: str, replicas: int, max_batch: int, max_ongoing: int, max_queued: int,
@@ -49,57 +47,13 @@ def service_config(model: str, replicas: int, max_batch: int, max_ongoing: int, 
     return cfg
 
 
-def get_status(url: str) -> dict | None:
-    try:
-        r = requests.get(f"{url}/v1/speculation", timeout=5)
-        return r.json() if r.status_code == 200 else None
-    except requests.RequestException:
-        return None
-
-
-def wait_idle(url: str, timeout_s: float = 60.0) -> dict:
-    """The controller status once every replica reports no work and no KV slot in use."""
-    deadline = time.time() + timeout_s
-    s = None
-    while time.time() < deadline:
-        s = get_status(url)
-        if s and s["replicas"] and all(r["active"] == 0 and r["queued"] == 0 and not r.get("kv_slots_in_use")
-                                       for r in s["replicas"].values()):
-            return s
-        time.sleep(0.5)
-    raise TimeoutError(f"service not idle after {timeout_s} s: {s}")
-
-
-def run_locust(url: str, users: int, duration_s: int, prefix: Path, max_tokens: int, stop_timeout_s: int,
-               model: str = "") -> tuple[int, float]:
-    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtests" / "locustfile.py"), "--headless", "--host", url,
-           "--shape", f"const:{users}:{duration_s}",
-           "--stop-timeout", str(stop_timeout_s), "--records", f"{prefix}-records.jsonl", "--csv", str(prefix),
-           "--only-summary", "--exit-code-on-error", "0", "--max-tokens", str(max_tokens), "--loglevel", "WARNING"]
-    if model:
-        cmd += ["--model", model]
-    Path(f"{prefix}-records.jsonl").unlink(missing_ok=True)
-    log(" ".join(cmd[2:]))
-    t0 = time.time()
-    with open(f"{prefix}-locust.log", "w") as logf:
-        rc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=logf, stderr=subprocess.STDOUT,
-                            timeout=duration_s + stop_timeout_s + 120).returncode
-    return rc, time.time() - t0
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(int(q * len(xs)), len(xs) - 1)], 3)
-
-
 def summarize(records: list[dict]) -> dict:
     by: dict[str, list[float]] = {}
     for r in records:
         key = str(r["status"]) if r["ok"] or r["status"] != 200 else "200-stream-error"
         by.setdefault(key, []).append(r["t1"] - r["t0"])
-    return {k: {"count": len(v), "p50_s": pct(v, 0.5), "p99_s": pct(v, 0.99), "max_s": round(max(v), 3)}
+    return {k: {"count": len(v), "p50_s": round(percentile(v, 0.5), 3), "p99_s": round(percentile(v, 0.99), 3),
+                "max_s": round(max(v), 3)}
             for k, v in sorted(by.items())}
 
 
@@ -159,11 +113,11 @@ def main(argv: list[str] | None = None) -> None:
         probe: dict = {}
         t = threading.Thread(target=lambda: (time.sleep(min(20, a.duration / 3)), probe.update(probe_refusal(url, model))))
         t.start()
-        rc, wall = run_locust(url, a.users, a.duration, prefix, a.max_tokens, a.stop_timeout, model)
+        rc, wall = constant_load(url, a.users, a.duration, prefix, a.max_tokens, a.stop_timeout, model)
         t.join()
         after_status = wait_idle(url, 60)
         after = after_status["counters"]
-    records = [json.loads(x) for x in Path(f"{prefix}-records.jsonl").read_text().splitlines() if x.strip()]
+    records = read_records(Path(f"{prefix}-records.jsonl"))
     ok = sum(1 for r in records if r["ok"])
     refused = sum(1 for r in records if r["status"] in (429, 503))
     other = [r for r in records if not r["ok"] and r["status"] not in (429, 503)]

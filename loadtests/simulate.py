@@ -35,9 +35,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtests.common import percentile
 from treespark.budget import Budget
-from treespark.costmodel import AcceptanceProfile, CostModel, step_time
-from treespark.policy import BudgetPolicy, CostModelPolicy, FixedPolicy, LoadSnapshot
+from treespark.pricing.costmodel import AcceptanceProfile, CostModel, step_time
+from treespark.pricing.estimators import RoundWindow
+from treespark.pricing.policy import BudgetPolicy, CostModelPolicy, FixedPolicy, LoadSnapshot
 
 # -- traces ---------------------------------------------------------------------------------
 
@@ -152,17 +154,8 @@ class SimResult:
     tokens_per_round: float
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    xs = sorted(xs)
-    return xs[min(int(q * len(xs)), len(xs) - 1)]
-
-
 def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConfig) -> SimResult:
     """Runs the cluster for ``cfg.duration_s`` simulated seconds; measures after warm-up."""
-    from deployments.controller import RoundWindow
-
     rng = random.Random(cfg.seed)              # acceptance draws
     arrivals = random.Random(cfg.seed + 1)     # the same arrivals for every policy
     reps = [_Replica(f"r{i}") for i in range(cfg.replicas)]
@@ -239,7 +232,7 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
         if r.running or r.queue:
             push(end, "step", i)
     span = cfg.duration_s - cfg.warmup_s
-    return SimResult(tokens / span, len(lat), _pct(lat, 0.5), _pct(lat, 0.99), _pct(ttft, 0.5),
+    return SimResult(tokens / span, len(lat), percentile(lat, 0.5), percentile(lat, 0.99), percentile(ttft, 0.5),
                      sum(trees) / len(trees) if trees else 0.0, sum(batches) / len(batches) if batches else 0.0,
                      sum(emitted_rounds) / len(emitted_rounds) if emitted_rounds else 0.0)
 

@@ -23,49 +23,27 @@ from __future__ import annotations
 import csv
 import json
 import statistics
-import threading
-import time
 from pathlib import Path
 
 import requests
 
-from loadtests.experiment import log, serve_process
-from loadtests.overload import (
-    get_status,
-    prepare_run,
-    run_locust,
-    run_parser,
-    service_config,
+from loadtests.common import (
+    StatusPoller,
+    constant_load,
+    log,
+    read_records,
+    serve_process,
     wait_idle,
 )
+from loadtests.overload import prepare_run, run_parser, service_config
 
 
-class RssPoller:
-    def __init__(self, url: str, period_s: float) -> None:
-        self.url, self.period_s = url, period_s
-        self.rows: list[dict] = []
-        self._stop = threading.Event()
-        self._t0 = time.time()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> RssPoller:
-        self._t0 = time.time()
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            s = get_status(self.url)
-            t = time.time() - self._t0
-            for rid, r in (s or {}).get("replicas", {}).items():
-                self.rows.append({"t": round(t, 1), "replica": rid, "rss_mb": round((r.get("rss_bytes") or 0) / 2**20, 2),
-                                  "kv_slots_in_use": r.get("kv_slots_in_use"), "active": r["active"],
-                                  "queued": r["queued"], "tokens_per_s": round(r.get("tokens_per_s", 0.0), 1)})
-            self._stop.wait(self.period_s)
+def rss_rows(status: dict, t: float) -> list[dict]:
+    """The ``StatusPoller`` rows of one ``/v1/speculation`` answer: one per replica."""
+    return [{"t": round(t, 1), "replica": rid, "rss_mb": round((r.get("rss_bytes") or 0) / 2**20, 2),
+             "kv_slots_in_use": r.get("kv_slots_in_use"), "active": r["active"],
+             "queued": r["queued"], "tokens_per_s": round(r.get("tokens_per_s", 0.0), 1)}
+            for rid, r in status.get("replicas", {}).items()]
 
 
 def rss_growth(rows: list[dict], warmup_s: float, window_s: float, end_s: float) -> dict:
@@ -114,11 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     with serve_process(cfg_path, work, port=a.port) as url:
         model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         before = wait_idle(url)["counters"]
-        poller = RssPoller(url, a.period).start()
-        rc, wall = run_locust(url, a.users, a.duration, prefix, a.max_tokens, 120, model)
+        poller = StatusPoller(url, a.period, rss_rows).start()
+        rc, wall = constant_load(url, a.users, a.duration, prefix, a.max_tokens, 120, model)
         poller.stop()
         end = wait_idle(url, 120)
-    records = [json.loads(x) for x in Path(f"{prefix}-records.jsonl").read_text().splitlines() if x.strip()]
+    records = read_records(Path(f"{prefix}-records.jsonl"))
     ok = sum(1 for r in records if r["ok"])
     growth = rss_growth(poller.rows, a.warmup, a.window, min(a.duration, max(r["t"] for r in poller.rows)))
     tokens = sum(r.get("tokens", 0) for r in records)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,14 +15,14 @@ from treespark.calibration import (
     fit_calibration,
     logit,
     p_hat_of,
+    sigmoid,
 )
 
 
 def synthetic(a: float, b: float, n: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.rand(n, generator=g, dtype=torch.float64) * 0.98 + 0.01
-    p = torch.sigmoid(a * logit(q) + b)
-    return q, torch.rand(n, generator=g, dtype=torch.float64) < p
+    rng = np.random.default_rng(seed)
+    q = rng.random(n) * 0.98 + 0.01
+    return q, rng.random(n) < sigmoid(a * logit(q) + b)
 
 
 @pytest.mark.parametrize("a,b", [(1.0, 0.0), (1.7, -0.6), (0.5, 1.2)])
@@ -34,9 +35,9 @@ def test_fit_recovers_known_parameters(a, b):
 def test_fit_converges_when_acceptance_depends_weakly_on_q():
     """A full Newton step from the identity start overshot to a = 2e4 on data like the
     default pair's T = 1 records: many tiny q, acceptance barely rising with q."""
-    g = torch.Generator().manual_seed(3)
-    q = torch.rand(4000, generator=g, dtype=torch.float64) ** 3 * 0.98 + 1e-5
-    y = torch.rand(4000, generator=g, dtype=torch.float64) < torch.sigmoid(0.2 * logit(q) - 1.0)
+    rng = np.random.default_rng(3)
+    q = rng.random(4000) ** 3 * 0.98 + 1e-5
+    y = rng.random(4000) < sigmoid(0.2 * logit(q) - 1.0)
     cal = fit_calibration(q, y)
     assert abs(cal.a - 0.2) < 0.05 and abs(cal.b + 1.0) < 0.1
 
@@ -53,12 +54,12 @@ def test_report_shows_improvement_and_round_trips(tmp_path):
 
 
 def test_fit_recovers_sibling_offsets_and_beats_the_two_scalar_map(tmp_path):
-    g = torch.Generator().manual_seed(4)
+    rng = np.random.default_rng(4)
     n = 60_000
-    q = torch.rand(n, generator=g, dtype=torch.float64) * 0.98 + 0.01
-    rank = torch.randint(0, 5, (n,), generator=g)
+    q = rng.random(n) * 0.98 + 0.01
+    rank = rng.integers(0, 5, n)
     truth = Calibration(1.4, -0.5, sibling_bias=(-0.8, -1.5, -2.0))
-    y = torch.rand(n, generator=g, dtype=torch.float64) < p_hat_of(truth, q, rank)
+    y = rng.random(n) < p_hat_of(truth, q, rank)
     report = calibrate(q, y, rank)
     cal = report.calibration
     assert abs(cal.a - 1.4) < 0.06 and abs(cal.b + 0.5) < 0.06
@@ -94,24 +95,43 @@ def test_ece_of_a_perfect_predictor_is_small():
     assert expected_calibration_error(q, y) < 0.01
 
 
+def test_ece_by_hand():
+    # bins of width 0.5: {0.1, 0.2} -> |0.5 - 0.15|, {0.9} -> |0 - 0.9|
+    assert expected_calibration_error([0.1, 0.2, 0.9], [True, False, False], bins=2) == pytest.approx(
+        (2 * 0.35 + 0.9) / 3)
+    assert np.isnan(expected_calibration_error([], []))
+
+
+def test_fit_takes_torch_tensors_and_p_hat_maps_them():
+    """The engine's records arrive as tensors; the expansion maps a tensor of q."""
+    q, y = synthetic(1.5, -0.5, 5000, seed=5)
+    assert fit_calibration(torch.from_numpy(q), torch.from_numpy(y)) == fit_calibration(q, y)
+    cal = Calibration(1.5, -0.5, sibling_bias=(-1.0,))
+    t = torch.tensor([0.05, 0.5, 0.95])
+    for rank in (0, 1):
+        got = cal.p_hat(t, rank)
+        assert got.dtype == torch.float32
+        assert got.tolist() == pytest.approx([cal.p_hat_scalar(float(x), rank) for x in t], rel=1e-5)
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError):
-        fit_calibration(torch.tensor([]), torch.tensor([]))
+        fit_calibration([], [])
     with pytest.raises(ValueError):
-        fit_calibration(torch.tensor([0.5]), torch.tensor([True, False]))
+        fit_calibration([0.5], [True, False])
     with pytest.raises(ValueError):
         Calibration(a=float("nan"), b=0.0)
     with pytest.raises(ValueError):
         Calibration(a=1.0, b=0.0, sibling_bias=(float("inf"),))
     with pytest.raises(ValueError):
-        fit_calibration(torch.tensor([0.5, 0.4]), torch.tensor([True, False]), torch.tensor([0]))
+        fit_calibration([0.5, 0.4], [True, False], [0])
 
 
 def test_calibrate_pair_stores_the_map_in_use_and_its_variant(tmp_path):
     """`treespark calibrate` on a tiny random pair: both fits land in calibration.json,
     the one in use on top and the other under ``variant``; the flag swaps them."""
     from treespark import random_pair
-    from treespark.bench.calibrate_cmd import calibrate_pair
+    from treespark.calibrate_cmd import calibrate_pair
     from treespark.calibration import load_variant
 
     pair = random_pair(64, 0, block_size=3)

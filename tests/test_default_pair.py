@@ -1,4 +1,7 @@
-"""The shipped default pair: the committed drafter loads strictly and really accepts."""
+"""The shipped default pair: the committed drafter loads strictly and really accepts.
+
+Every test here loads the default target from the model cache (``make test`` fills it
+first with ``make fetch-model``; without a warm cache, ``load_pair`` downloads it)."""
 
 from __future__ import annotations
 
@@ -8,8 +11,10 @@ import sys
 import pytest
 
 from treespark import Budget, generate, load_pair
+from treespark.chat import chat_ids
 from treespark.models import default_drafter_dir
-from treespark.recipe import chat_ids
+
+pytestmark = pytest.mark.default_pair
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",

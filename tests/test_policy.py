@@ -5,7 +5,7 @@ import math
 import pytest
 
 from treespark.budget import Budget
-from treespark.policy import BudgetPolicy, FixedPolicy, LadderPolicy, LoadSnapshot, Rung
+from treespark.pricing.policy import BudgetPolicy, FixedPolicy, LadderPolicy, LoadSnapshot, Rung
 
 
 def _loads():
@@ -75,7 +75,7 @@ def test_from_thresholds_length_mismatch():
         LadderPolicy.from_thresholds([1, 2], [Budget.off()])
 
 
-@pytest.mark.parametrize("kw", [dict(replicas=-1), dict(active=1.5), dict(step_s=float("nan")), dict(tokens_per_s=-1.0)])
+@pytest.mark.parametrize("kw", [dict(replicas=-1), dict(active=1.5), dict(queued=-2)])
 def test_snapshot_validates(kw):
     base = dict(replicas=1, active=0, queued=0)
     with pytest.raises(ValueError):

@@ -15,6 +15,8 @@ import requests
 from serving.harness import serve_app, wait_for
 
 from deployments.config import AppArgs, ControllerArgs, LimitArgs, ReplicaArgs
+from loadtests.common import get_status as spec
+from loadtests.common import is_idle
 
 pytestmark = pytest.mark.integration
 
@@ -34,16 +36,10 @@ def url():
         yield u
 
 
-def spec(url):
-    r = requests.get(f"{url}/v1/speculation", timeout=5)
-    return r.json() if r.status_code == 200 else None
-
-
 def idle(url):
-    """Every replica reports an empty engine and an empty KV cache."""
+    """The status once every replica reports an empty engine and an empty KV cache."""
     s = spec(url)
-    return s and s["replicas"] and all(r["active"] == 0 and r["queued"] == 0 and r["kv_slots_in_use"] == 0
-                                       for r in s["replicas"].values()) and s
+    return s if is_idle(s) else None
 
 
 def complete(url, max_tokens=8, stream=False, timeout=60):
@@ -52,29 +48,32 @@ def complete(url, max_tokens=8, stream=False, timeout=60):
     return requests.post(f"{url}/v1/completions", json=body, timeout=timeout, stream=stream)
 
 
-def test_backpressure_503_retry_after_fast(url):
-    """8 ongoing + 4 queued fit; the rest are refused at once, never left hanging."""
+def test_backpressure_503_retry_after_without_waiting_for_a_slot(url):
+    """8 ongoing + 4 queued fit; the rest are refused at once, never left hanging: every
+    refusal is answered before any admitted request has finished (all 24 leave together)."""
+    start = threading.Barrier(24, timeout=60)
+
     def one(_):
-        t0 = time.time()
+        start.wait()
         r = complete(url, max_tokens=300, stream=True)
-        if r.status_code == 200:  # admitted: read one chunk, then leave (frees the row)
-            next(x for x in r.iter_lines() if x.startswith(b"data: "))
-            text = None
+        if r.status_code == 200:  # admitted: served to the end
+            text = "".join(x.decode() for x in r.iter_lines())
+            assert text.endswith("data: [DONE]"), text[-200:]
         else:
             text = r.raw.read().decode()
-        dt = time.time() - t0
         r.close()
-        return r.status_code, dt, r.headers.get("retry-after"), text
+        return r.status_code, time.monotonic(), r.headers.get("retry-after"), text
 
     with cf.ThreadPoolExecutor(24) as ex:
         out = list(ex.map(one, range(24)))
     refused = [o for o in out if o[0] != 200]
-    assert refused and len(out) - len(refused) >= 8, [o[:2] for o in out]
-    for status, dt, retry, text in refused:
+    served = [o for o in out if o[0] == 200]
+    assert refused and len(served) >= 8, [o[0] for o in out]
+    for status, _, retry, text in refused:
         body = json.loads(text)
         assert status == 503 and retry == "2" and body["error"]["code"] == "overloaded", (status, retry, body)
-        assert dt < 5.0, dt
-    wait_for(lambda: idle(url), timeout=20, interval=0.25)
+    assert max(t for _, t, _, _ in refused) < min(t for _, t, _, _ in served)
+    wait_for(lambda: idle(url), timeout=60, interval=0.25)
 
 
 def test_client_disconnect_frees_kv(url):
@@ -83,15 +82,11 @@ def test_client_disconnect_frees_kv(url):
     lines = [r.iter_lines() for r in streams]  # kept: a dropped line iterator closes its connection
     for it in lines:
         assert next(x for x in it if x.startswith(b"data: "))
-    s = wait_for(lambda: (x := spec(url)) and sum(r["kv_slots_in_use"] or 0 for r in x["replicas"].values()) == 3 and x,
-                 timeout=5, interval=0.05)
-    spec_before = s
+    wait_for(lambda: (x := spec(url)) and sum(r["kv_slots_in_use"] or 0 for r in x["replicas"].values()) == 3 and x,
+             timeout=30, interval=0.05)
     for r in streams:
         r.close()
-    t0 = time.time()
-    s = wait_for(lambda: idle(url), timeout=10, interval=0.1)
-    print(f"disconnect: KV slots in use before {sum(r['kv_slots_in_use'] for r in spec_before['replicas'].values())}, "
-          f"all free {time.time() - t0:.2f} s after the clients left")
+    s = wait_for(lambda: idle(url), timeout=60, interval=0.1)
     assert s["counters"]["requests_aborted"] >= before + 3
 
 
@@ -160,6 +155,8 @@ def test_kill_replica_midrun(url):
 
 
 def test_kill_controller_under_load(url):
+    """Clients keep getting answers while the controller is killed and restarted by Ray,
+    then killed for good and re-created by the replicas; every answer is a 200."""
     import ray
 
     name, ns = ARGS.controller.name, ARGS.controller.namespace
@@ -170,23 +167,36 @@ def test_kill_controller_under_load(url):
         while not stop.is_set():
             codes.append(complete(url, max_tokens=16).status_code)
 
+    def answers(more: int) -> None:
+        """Until the clients have ``more`` answers beyond those they have now."""
+        n = len(codes) + more
+        wait_for(lambda: len(codes) >= n, timeout=120, interval=0.05)
+
+    def fresh_controller(t_kill: float):
+        """Both replicas registered with a controller started after ``t_kill``."""
+        return wait_for(lambda: (x := spec(url)) and len(x["replicas"]) == 2 and x["uptime_s"] <= time.time() - t_kill
+                        and all(r["budget_source"] == "controller" for r in x["replicas"].values()) and x,
+                        timeout=60, interval=0.1)
+
     threads = [threading.Thread(target=client) for _ in range(3)]
     for t in threads:
         t.start()
     try:
-        time.sleep(1.5)
+        answers(3)
+        t_kill = time.time()
         ray.kill(ray.get_actor(name, namespace=ns), no_restart=False)  # restarted by Ray, state reset
-        time.sleep(2.5)
+        answers(3)
+        fresh_controller(t_kill)
+        t_kill = time.time()
         ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)   # gone for good: replicas recreate it
-        time.sleep(3.0)
+        answers(3)
+        fresh_controller(t_kill)
+        answers(3)
     finally:
         stop.set()
         for t in threads:
             t.join(60)
-    assert len(codes) >= 10 and set(codes) == {200}, codes
-    s = wait_for(lambda: (x := spec(url)) and len(x["replicas"]) == 2
-                 and all(r["budget_source"] == "controller" for r in x["replicas"].values()) and x, timeout=20)
-    assert s["uptime_s"] < 20
+    assert len(codes) >= 12 and set(codes) == {200}, codes
 
 
 def test_fuzz_served_app(url):
@@ -225,7 +235,7 @@ def test_disconnect_mid_stream_frees_kv_inprocess():
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2000, "stream": True, "ignore_eos": True}
         r = a.post("/v1/completions", body, disconnect_after=3)
         assert r.status == 200 and "[DONE]" not in r.sse()
-        deadline = time.time() + 10
+        deadline = time.time() + 60  # generous: the loop ends as soon as the engine is empty
         while time.time() < deadline and (engine.kv.slots_in_use or engine.num_running or engine.num_waiting
                                           or not a.core.counters["requests_aborted"]):
             a.loop.run_until_complete(asyncio.sleep(0.02))

@@ -174,7 +174,7 @@ class _BrokenEngine(FakeEngine):
 def build_broken_engine(args):
     from serving.fake_engine import SamplingParams
 
-    from deployments.replica import EngineBundle
+    from deployments.engine_factory import EngineBundle
     from deployments.text import ByteTokenizer
 
     return EngineBundle(_BrokenEngine(args.vocab_size, args.max_batch_size, args.max_context), ByteTokenizer(args.vocab_size),

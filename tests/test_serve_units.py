@@ -10,21 +10,15 @@ import yaml
 from serving.fake_engine import FakeEngine, SamplingParams, build_fake_engine
 
 from deployments.config import AppArgs
-from deployments.controller import (
-    ControllerState,
-    ReplicaReport,
-    TreeStats,
-    aggregate_load,
-    assign_budgets,
-    expired,
-    fit_calibration,
-)
+from deployments.controller_state import ControllerState, aggregate_load, assign_budgets, expired
 from deployments.engine_loop import ACCEPTED, Aborted, EngineLoop, Failed
 from deployments.metrics import render
-from deployments.replica import ReplicaCore
+from deployments.replica_core import ReplicaCore
+from deployments.reports import ReplicaReport, TreeStats
 from deployments.text import ByteTokenizer, Detokenizer, StopMatcher
 from treespark.budget import Budget
-from treespark.policy import LadderPolicy, LoadSnapshot
+from treespark.pricing.estimators import fit_ab
+from treespark.pricing.policy import LadderPolicy, LoadSnapshot
 
 
 class Clock:
@@ -44,8 +38,7 @@ def rep(rid, active=0, queued=0, steps=0, step_s=0.0, counters=None, records=())
 
 def test_aggregate_and_assign():
     load = aggregate_load([rep("a", 3, 1, steps=2, step_s=0.1), rep("b", 5, 0), rep("c", 0, 0, steps=1, step_s=0.3)])
-    assert (load.replicas, load.active, load.queued, load.tokens_per_s) == (3, 8, 1, 30.0)
-    assert load.step_s == pytest.approx(0.2)
+    assert (load.replicas, load.active, load.queued) == (3, 8, 1)
     p = LadderPolicy()
     assert assign_budgets(p, load, ["a", "b"]) == {"a": p.budget_for(load, "a"), "b": p.budget_for(load, "b")}
     assert set(assign_budgets(p, load, ["a"], override=Budget.chain(3)).values()) == {Budget.chain(3)}
@@ -75,28 +68,28 @@ def test_controller_registers_prices_and_drops():
     assert set(st["replicas"]) == {"a", "c"} and st["override"]["node_cap"] == 2
 
 
-def test_fit_calibration_recovers_parameters():
+def test_fit_ab_recovers_parameters():
     rng = random.Random(0)
     a, b = 1.7, -0.4
     recs = []
     for _ in range(4000):
         x, o = rng.uniform(-4, 3), rng.choice((0.0, -1.2))
         recs.append((x, rng.random() < 1 / (1 + math.exp(-(a * x + b + o))), o))
-    fa, fb = fit_calibration(recs)
+    fa, fb = fit_ab(recs)
     assert abs(fa - a) < 0.2 and abs(fb - b) < 0.2
     # the offsets matter: dropping them biases b
-    _, fb0 = fit_calibration([(x, y, 0.0) for x, y, _ in recs])
+    _, fb0 = fit_ab([(x, y, 0.0) for x, y, _ in recs])
     assert fb0 < b - 0.3
 
 
-def test_fit_calibration_converges_when_acceptance_depends_weakly_on_q():
+def test_fit_ab_converges_when_acceptance_depends_weakly_on_q():
     rng = random.Random(3)
     recs = []
     for _ in range(4000):
         q = rng.random() ** 3 * 0.98 + 1e-5
         x = math.log(q / (1 - q))
         recs.append((x, rng.random() < 1 / (1 + math.exp(-(0.2 * x - 1.0))), 0.0))
-    fa, fb = fit_calibration(recs)
+    fa, fb = fit_ab(recs)
     assert abs(fa - 0.2) < 0.05 and abs(fb + 1.0) < 0.1
 
 
@@ -435,5 +428,3 @@ def test_round_records_are_keyed_by_each_rows_node_cap():
     s = StepStats(tree_sizes=(4, 0, 1), accepted=(2, 0, 1), node_caps=(8, 8, 2), **base)
     # the empty tree counts as a round at its cap that accepted nothing, not at the widest tree
     assert round_records(s) == [(8, 2), (8, 0), (2, 1)]
-    legacy = StepStats(tree_sizes=(4, 0, 1), accepted=(2, 0, 1), **base)
-    assert round_records(legacy) == [(4, 2), (4, 0), (4, 1)]

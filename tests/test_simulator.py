@@ -6,8 +6,8 @@ import pytest
 
 from loadtests.simulate import SimConfig, Traces, baseline_policies, simulate, sweep, sweep_table
 from treespark.budget import Budget
-from treespark.costmodel import AcceptanceProfile, CostModel
-from treespark.policy import FixedPolicy
+from treespark.pricing.costmodel import AcceptanceProfile, CostModel
+from treespark.pricing.policy import FixedPolicy
 
 COST = CostModel.affine(0.08, 0.002)
 PRIOR = AcceptanceProfile.saturating(max_nodes=32)

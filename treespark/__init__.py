@@ -6,11 +6,44 @@ Public API (a contract that outside checks call):
 * ``load_pair() -> ModelPair`` (the embedded default pair)
 * ``Budget(theta, node_cap, branch_cap)``, ``Budget.chain(k)``, ``Budget.off()``
 * ``generate(pair, prompt_ids, *, max_new_tokens, temperature=0.0, seed=None, budget=None) -> Generation``
+
+The names resolve on first use (PEP 562), so ``import treespark.budget`` or
+``import treespark.pricing`` loads no torch: the serving control plane (controller,
+HTTP ingress) imports the library without the model code.
 """
 
-from treespark.budget import Budget
-from treespark.calibration import Calibration
-from treespark.decode import Generation, generate
-from treespark.models import ModelPair, load_pair, random_pair
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOMES = {
+    "Budget": "treespark.budget",
+    "Calibration": "treespark.calibration",
+    "Generation": "treespark.decode",
+    "generate": "treespark.decode",
+    "ModelPair": "treespark.models",
+    "load_pair": "treespark.models",
+    "random_pair": "treespark.models",
+}
 
 __all__ = ["Budget", "Calibration", "Generation", "ModelPair", "generate", "load_pair", "random_pair"]
+
+if TYPE_CHECKING:
+    from treespark.budget import Budget
+    from treespark.calibration import Calibration
+    from treespark.decode import Generation, generate
+    from treespark.models import ModelPair, load_pair, random_pair
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'treespark' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

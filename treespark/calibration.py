@@ -20,6 +20,11 @@ a calibration may hold a second map, ``sampled``, fitted on records of sampled
 verification and used at every T > 0 (``at``). On the default pair one map fitted to
 both kinds of record under-rated sampled edges of flat q: at T = 1 and theta 0.01 the
 adaptive tree grew 10.2 nodes for tau 1.492; its own map grew 11.8 for tau 1.603.
+
+The maths is numpy, so the serving controller refits (a, b) online with the same
+logistic fit (``fit_logistic``) and scores it with the same ECE without loading torch;
+record arrays may be torch CPU tensors. ``Calibration.p_hat`` works on a torch tensor
+through its own methods (the expansion's hot path), without importing torch here.
 """
 
 from __future__ import annotations
@@ -28,15 +33,23 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import torch
+import numpy as np
+from numpy.typing import ArrayLike
 
 _EPS = 1e-6
 
 
-def logit(q: torch.Tensor) -> torch.Tensor:
-    q = q.clamp(_EPS, 1 - _EPS)
-    return torch.log(q) - torch.log1p(-q)
+def logit(q: ArrayLike) -> np.ndarray:
+    """log(q / (1 - q)) in float64, q clamped to [1e-6, 1 - 1e-6] (a float gives a 0-d array)."""
+    q = np.clip(np.asarray(q, dtype=np.float64), _EPS, 1 - _EPS)
+    return np.log(q) - np.log1p(-q)
+
+
+def sigmoid(z: ArrayLike) -> np.ndarray:
+    z = np.asarray(z, dtype=np.float64)
+    return np.exp(-np.logaddexp(0.0, -z))
 
 
 @dataclass(frozen=True)
@@ -66,11 +79,14 @@ class Calibration:
             return 0.0
         return self.sibling_bias[min(rank, len(self.sibling_bias)) - 1]
 
-    def p_hat(self, q: torch.Tensor, rank: int = 0) -> torch.Tensor:
-        return torch.sigmoid(self.a * logit(q.to(torch.float32)) + self.b + self.offset(rank))
+    def p_hat(self, q: Any, rank: int = 0) -> Any:
+        """p_hat of a torch tensor of drafter probabilities (float32 out), by the tensor's
+        own methods: this module imports no torch."""
+        q = q.float().clamp(_EPS, 1 - _EPS)
+        return (self.a * (q.log() - (-q).log1p()) + self.b + self.offset(rank)).sigmoid()
 
     def p_hat_scalar(self, q: float, rank: int = 0) -> float:
-        q = min(max(q, _EPS), 1 - _EPS)
+        q = min(max(q, _EPS), 1 - _EPS)  # plain floats: the expansion calls this per node
         z = self.a * (math.log(q) - math.log1p(-q)) + self.b + self.offset(rank)
         return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
 
@@ -125,103 +141,119 @@ class CalibrationReport:
     log_loss_after: float
 
 
-def _design(q: torch.Tensor, rank: torch.Tensor | None, sibling_ranks: int) -> torch.Tensor:
-    """Columns: logit q, 1, then [rank == r] for r = 1 .. sibling_ranks - 1 and
+def _design(q: ArrayLike, rank: ArrayLike | None, sibling_ranks: int) -> np.ndarray:
+    """[N, P] columns: logit q, 1, then [rank == r] for r = 1 .. sibling_ranks - 1 and
     [rank >= sibling_ranks] (no rank columns when ``rank`` is None)."""
-    x = logit(q.to(torch.float64).flatten())
-    cols = [x, torch.ones_like(x)]
+    x = logit(q).ravel()
+    cols = [x, np.ones_like(x)]
     if rank is not None and sibling_ranks > 0:
-        r = rank.flatten().long()
-        cols += [(r == j).to(torch.float64) for j in range(1, sibling_ranks)]
-        cols.append((r >= sibling_ranks).to(torch.float64))
-    return torch.stack(cols, dim=1)
+        r = np.asarray(rank).ravel().astype(np.int64)
+        cols += [(r == j).astype(np.float64) for j in range(1, sibling_ranks)]
+        cols.append((r >= sibling_ranks).astype(np.float64))
+    return np.stack(cols, axis=1)
 
 
-def fit_calibration(
-    q: torch.Tensor, accepted: torch.Tensor, rank: torch.Tensor | None = None, *,
-    sibling_ranks: int = 3, iters: int = 100, l2: float = 1e-4,
-) -> Calibration:
-    """Logistic regression of ``accepted`` on logit(q) (and the sibling rank) by Newton's method.
+def fit_logistic(X: np.ndarray, y: ArrayLike, offset: ArrayLike | None = None, *,
+                 iters: int = 100, l2: float = 1e-4) -> np.ndarray:
+    """Ridge logistic regression ``P(y) = sigmoid(X w + offset)`` by damped Newton.
 
-    q: [N] drafter probabilities of edges whose ancestors were accepted; accepted: [N] bool;
-    rank: [N] each edge's sibling rank (0 = first child), or None for the two-scalar fit.
-    With ``rank``, offsets are fitted for ranks 1 .. sibling_ranks (the last one pooling
-    every deeper rank); a rank never seen keeps offset 0 (the ridge holds it there).
+    X: [N, P] design; y: [N] 0/1; offset: [N] fixed logit terms (or None). Minimises the
+    mean log-loss + l2/2 |w|^2 from w = (1, 0, ..., 0) (the identity map when column 0
+    is logit q). A full Newton step can overshoot from there (it did on the default
+    pair's T = 1 records alone: a = 4e4), so each step is halved until the loss drops.
     """
-    if q.numel() != accepted.numel() or (rank is not None and rank.numel() != q.numel()):
-        raise ValueError("q, accepted (and rank) must have the same length")
-    if q.numel() == 0:
+    X = np.asarray(X, dtype=np.float64)                              # [N, P]
+    y = np.asarray(y, dtype=np.float64).ravel()                      # [N]
+    n, d = X.shape
+    if n == 0:
         raise ValueError("cannot fit a calibration on zero records")
-    X = _design(q, rank, sibling_ranks)                          # [N, P]
-    y = accepted.to(torch.float64).flatten()
-    w = torch.zeros(X.shape[1], dtype=torch.float64)
+    o = np.zeros(n) if offset is None else np.asarray(offset, dtype=np.float64).ravel()
+    if len(y) != n or len(o) != n:
+        raise ValueError("the design, the outcomes (and the offsets) must have the same length")
+
+    def objective(w: np.ndarray) -> float:
+        z = X @ w + o
+        return float(np.mean(np.logaddexp(0.0, z) - y * z) + 0.5 * l2 * w @ w)
+
+    w = np.zeros(d)
     w[0] = 1.0
-    reg = torch.eye(X.shape[1], dtype=torch.float64) * l2 * len(y)
-
-    def objective(w: torch.Tensor) -> float:
-        z = X @ w
-        return float((torch.nn.functional.softplus(z) - y * z).sum() + 0.5 * w @ reg @ w)
-
     loss = objective(w)
     for _ in range(iters):
-        p = torch.sigmoid(X @ w)
-        grad = X.T @ (p - y) + reg @ w
-        hess = (X * (p * (1 - p)).unsqueeze(1)).T @ X + reg
-        step = torch.linalg.solve(hess, grad)
-        # a full Newton step can overshoot from the identity start (it did on the
-        # default pair's T = 1 records alone: a = 4e4); halve it until the loss drops
+        p = sigmoid(X @ w + o)
+        grad = X.T @ (p - y) / n + l2 * w
+        hess = (X * (p * (1 - p))[:, None]).T @ X / n + l2 * np.eye(d)
+        step = np.linalg.solve(hess, grad)
         t = 1.0
         while (new_loss := objective(w - t * step)) > loss and t > 1e-6:
             t /= 2
         if new_loss > loss:  # no descent left at this precision
             break
         w, loss = w - t * step, new_loss
-        if (t * step).abs().max() < 1e-10:
+        if np.abs(t * step).max() < 1e-10:
             break
+    return w
+
+
+def fit_calibration(
+    q: ArrayLike, accepted: ArrayLike, rank: ArrayLike | None = None, *,
+    sibling_ranks: int = 3, iters: int = 100, l2: float = 1e-4,
+) -> Calibration:
+    """Logistic regression of ``accepted`` on logit(q) (and the sibling rank): ``fit_logistic``.
+
+    q: [N] drafter probabilities of edges whose ancestors were accepted; accepted: [N] bool;
+    rank: [N] each edge's sibling rank (0 = first child), or None for the two-scalar fit.
+    With ``rank``, offsets are fitted for ranks 1 .. sibling_ranks (the last one pooling
+    every deeper rank); a rank never seen keeps offset 0 (the ridge holds it there).
+    """
+    q, accepted = np.asarray(q).ravel(), np.asarray(accepted).ravel()
+    if q.size != accepted.size or (rank is not None and np.asarray(rank).size != q.size):
+        raise ValueError("q, accepted (and rank) must have the same length")
+    w = fit_logistic(_design(q, rank, sibling_ranks), accepted, iters=iters, l2=l2)
     return Calibration(a=float(w[0]), b=float(w[1]), sibling_bias=tuple(float(c) for c in w[2:]))
 
 
-def p_hat_of(cal: Calibration, q: torch.Tensor, rank: torch.Tensor | None = None) -> torch.Tensor:
-    """p_hat of every record (float64), each at its own sibling rank (rank 0 if None)."""
-    z = cal.a * logit(q.to(torch.float64).flatten()) + cal.b
+def p_hat_of(cal: Calibration, q: ArrayLike, rank: ArrayLike | None = None) -> np.ndarray:
+    """[N] p_hat of every record (float64), each at its own sibling rank (rank 0 if None)."""
+    z = cal.a * logit(q).ravel() + cal.b
     if rank is not None and cal.sibling_bias:
         last = len(cal.sibling_bias)  # Calibration.offset is constant from this rank on
-        offsets = torch.tensor([cal.offset(r) for r in range(last + 1)], dtype=torch.float64)
-        z = z + offsets[rank.flatten().long().clamp(0, last)]
-    return torch.sigmoid(z)
+        offsets = np.array([cal.offset(r) for r in range(last + 1)])
+        z = z + offsets[np.clip(np.asarray(rank).ravel().astype(np.int64), 0, last)]
+    return sigmoid(z)
 
 
-def expected_calibration_error(p: torch.Tensor, y: torch.Tensor, bins: int = 15) -> float:
-    """ECE with equal-width bins: sum_b |B_b|/N * |mean(y) - mean(p)| over bin b."""
-    p = p.to(torch.float64).flatten()
-    y = y.to(torch.float64).flatten()
-    idx = (p * bins).long().clamp(max=bins - 1)
-    ece = 0.0
-    for b in range(bins):
-        m = idx == b
-        if m.any():
-            ece += float(m.sum()) / len(p) * abs(float(y[m].mean() - p[m].mean()))
-    return ece
+def expected_calibration_error(p: ArrayLike, y: ArrayLike, bins: int = 15) -> float:
+    """ECE with equal-width bins: sum_b |B_b|/N * |mean(y) - mean(p)| over bin b (nan if empty)."""
+    p = np.asarray(p, dtype=np.float64).ravel()
+    y = np.asarray(y, dtype=np.float64).ravel()
+    if p.size == 0:
+        return float("nan")
+    idx = np.minimum((p * bins).astype(np.int64), bins - 1)
+    count = np.bincount(idx, minlength=bins)
+    gap = np.bincount(idx, weights=y - p, minlength=bins)
+    return float(np.abs(gap[count > 0]).sum() / p.size)
 
 
-def brier_score(p: torch.Tensor, y: torch.Tensor) -> float:
-    return float(((p.to(torch.float64) - y.to(torch.float64)) ** 2).mean())
+def brier_score(p: ArrayLike, y: ArrayLike) -> float:
+    return float(np.mean((np.asarray(p, dtype=np.float64) - np.asarray(y, dtype=np.float64)) ** 2))
 
 
-def log_loss(p: torch.Tensor, y: torch.Tensor) -> float:
-    p = p.to(torch.float64).flatten().clamp(1e-12, 1 - 1e-12)
-    y = y.to(torch.float64).flatten()
-    return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
+def log_loss(p: ArrayLike, y: ArrayLike) -> float:
+    p = np.clip(np.asarray(p, dtype=np.float64).ravel(), 1e-12, 1 - 1e-12)
+    y = np.asarray(y, dtype=np.float64).ravel()
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p)))
 
 
-def calibrate(q: torch.Tensor, accepted: torch.Tensor, rank: torch.Tensor | None = None) -> CalibrationReport:
+def calibrate(q: ArrayLike, accepted: ArrayLike, rank: ArrayLike | None = None) -> CalibrationReport:
     """Fit the calibration (with sibling offsets when ``rank`` is given) and report ECE,
     Brier and log-loss before (p_hat = q) and after."""
+    q = np.asarray(q, dtype=np.float64).ravel()
+    accepted = np.asarray(accepted).ravel()
     cal = fit_calibration(q, accepted, rank)
     after = p_hat_of(cal, q, rank)
     return CalibrationReport(
         calibration=cal,
-        n=int(q.numel()),
+        n=int(q.size),
         ece_before=expected_calibration_error(q, accepted),
         ece_after=expected_calibration_error(after, accepted),
         brier_before=brier_score(q, accepted),

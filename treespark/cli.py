@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from treespark.budget import Budget
-from treespark.costmodel import MeasureConfig
+from treespark.cost_measure import MeasureConfig
 
 
 def parse_budget(text: str) -> Budget:
@@ -40,7 +40,7 @@ def cmd_fetch(args) -> None:
 
 def cmd_generate(args) -> None:
     from treespark import generate, load_pair
-    from treespark.recipe import chat_ids
+    from treespark.chat import chat_ids
 
     pair = load_pair(device=args.device)
     ids = chat_ids(pair.tokenizer, args.prompt) if not args.raw else pair.tokenizer.encode(args.prompt)
@@ -82,7 +82,7 @@ def cmd_train(args) -> None:
 
 def cmd_calibrate(args) -> None:
     from treespark import load_pair
-    from treespark.bench.calibrate_cmd import calibrate_pair
+    from treespark.calibrate_cmd import calibrate_pair
 
     pair = load_pair(drafter=args.drafter, device=args.device)
     calibrate_pair(pair, Path(args.out or args.drafter or _default_dir()), sibling_offsets=args.sibling_offsets,
@@ -138,7 +138,8 @@ def cmd_bench(args) -> None:
 def cmd_cost_model(args) -> None:
     import time
 
-    from treespark.costmodel import format_table, measure_cost_model
+    from treespark.cost_measure import measure_cost_model
+    from treespark.pricing.costmodel import format_table
 
     if args.threads:
         import torch

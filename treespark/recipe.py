@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from treespark.budget import Budget
+from treespark.chat import chat_ids
 from treespark.corpus import training_texts
 from treespark.drafter import save_drafter
 from treespark.models import ModelPair
@@ -62,15 +63,6 @@ class DrafterRecipe:
     mask_token_id: int = 3           # SmolLM2's <repo_name>: never seen in chat
     train: TrainConfig = TrainConfig(steps=12000, lr=1.5e-3, anchors_per_step=48)
     seed: int = 0
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    """A user message in the tokenizer's chat template, ready for the assistant's turn."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                        add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def corpus_sequences(tokenizer, total_tokens: int, seq_len: int) -> list[list[int]]:

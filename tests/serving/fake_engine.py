@@ -1,62 +1,18 @@
-"""A fake ``treespark.engine.Engine`` with the same contract, for serving tests that
-isolate the deployments from the model: deterministic tokens (``prev + 1 mod V``),
-``1 + min(node_cap, 2)`` tokens per round, an optional sleep per step."""
+"""A fake ``treespark.engine.Engine`` with the same contract (and the engine's own
+request and step types), for serving tests that isolate the deployments from the model:
+deterministic tokens (``prev + 1 mod V``), ``1 + min(node_cap, 2)`` tokens per round, an
+optional sleep per step."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from deployments.engine_factory import EngineBundle
 from deployments.text import ByteTokenizer
 from treespark.budget import Budget
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-
-    def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
-            raise ValueError(f"bad sampling params {self}")
-
-
-@dataclass(frozen=True)
-class RequestStats:
-    prompt_tokens: int
-    generated_tokens: int
-    rounds: int
-    drafted_tokens: int
-    accepted_tokens: int
-    mean_tree_size: float
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    stats: RequestStats | None
-
-
-@dataclass(frozen=True)
-class StepStats:
-    batch_size: int
-    tokens_verified: int
-    tree_sizes: tuple[int, ...]
-    depths: tuple[int, ...]
-    widths: tuple[int, ...]
-    accepted: tuple[int, ...]
-    theta: float
-    draft_s: float
-    verify_s: float
-    step_s: float
-    calibration_records: tuple[tuple[float, bool, int], ...]
-    sampled_records: tuple[tuple[float, bool, int], ...] = ()
+from treespark.calibration import Calibration
+from treespark.params import RequestOutput, RequestStats, SamplingParams, StepStats
 
 
 @dataclass
@@ -82,7 +38,7 @@ class FakeEngine:
         self._waiting: list[_Req] = []
         self._aborted: list[str] = []
         self.aborted_ids: list[str] = []
-        self.calibration = (1.0, 0.0)
+        self.calibration = Calibration()
 
     @property
     def num_running(self) -> int:
@@ -114,7 +70,7 @@ class FakeEngine:
         self.budget = budget
 
     def set_calibration(self, a, b):
-        self.calibration = (a, b)
+        self.calibration = self.calibration.with_ab(a, b)
 
     def step(self):
         t0 = time.perf_counter()
@@ -152,25 +108,24 @@ class FakeEngine:
         n = len(accepted)
         dt = time.perf_counter() - t0
         if self.on_step is not None:
-            self.on_step(StepStats(n, n * (1 + self.budget.node_cap), (self.budget.node_cap,) * n, (min(self.budget.node_cap, 2),) * n,
-                                   (self.budget.branch_cap,) * n, tuple(accepted), self.budget.theta, 0.0, dt, dt,
-                                   ((0.5, True, 0), (0.2, False, 1)) if n else (),
-                                   ((0.3, True, 0),) if n else ()))
+            cap = self.budget.node_cap
+            self.on_step(StepStats(
+                batch_size=n, tokens_verified=n * (1 + cap), tree_sizes=(cap,) * n, depths=(min(cap, 2),) * n,
+                widths=(self.budget.branch_cap,) * n, accepted=tuple(accepted), theta=self.budget.theta,
+                draft_s=0.0, verify_s=dt, step_s=dt,
+                calibration_records=((0.5, True, 0), (0.2, False, 1)) if n else (),
+                sampled_records=((0.3, True, 0),) if n else (), node_caps=(cap,) * n))
         return outs
 
 
 def build_fake_engine(args, step_sleep_s: float = 0.01):
     """``engine_factory`` for ``AppArgs``: a FakeEngine with a byte tokenizer."""
-    from deployments.replica import EngineBundle
-
     engine = FakeEngine(args.vocab_size, args.max_batch_size, args.max_context, step_sleep_s=step_sleep_s)
     return EngineBundle(engine=engine, tokenizer=ByteTokenizer(args.vocab_size), make_params=SamplingParams, eos_token_ids=())
 
 
 def build_fake_engine_with_sampled_map(args, step_sleep_s: float = 0.01):
     """As ``build_fake_engine``, its calibration holding a sampled map of its own."""
-    from treespark.calibration import Calibration
-
     bundle = build_fake_engine(args, step_sleep_s)
     bundle.engine.calibration = Calibration(1.0, 0.0, sampled=Calibration(0.5, -1.0))
     return bundle

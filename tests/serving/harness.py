@@ -12,6 +12,7 @@ from pathlib import Path
 import requests
 
 from deployments.config import AppArgs
+from loadtests.common import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,12 +48,7 @@ def serve_app(args: AppArgs) -> Iterator[str]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name="treespark", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
+        wait_healthy(url, timeout_s=120)
         yield url
     finally:
         with contextlib.suppress(Exception):

@@ -17,8 +17,8 @@ from typing import Any
 
 from deployments.api import Api, app
 from deployments.config import AppArgs
-from deployments.controller import ControllerState
-from deployments.replica import ReplicaCore
+from deployments.controller_state import ControllerState
+from deployments.replica_core import ReplicaCore
 
 _END = object()
 
@@ -93,7 +93,7 @@ class LocalController:
             return self.state.status()
 
         async def set_override(budget: Any) -> None:
-            from deployments.controller import budget_from_wire
+            from deployments.reports import budget_from_wire
 
             self.state.set_override(None if budget is None else budget_from_wire(budget))
 

@@ -25,8 +25,8 @@ def bench_prompts(pair: ModelPair, n: int, split: str = "heldout", seed: int = 0
     """Chat-templated prompts of ``split`` for a real pair ("heldout" for evaluation,
     "tune" for calibration and defaults, "train"); random token prompts otherwise."""
     if pair.tokenizer is not None:
+        from treespark.chat import chat_ids
         from treespark.prompts import load_prompts, tuning_prompts
-        from treespark.recipe import chat_ids
 
         texts = [p.text for p in (tuning_prompts() if split == "tune" else load_prompts(split))]
         return [chat_ids(pair.tokenizer, texts[i % len(texts)]) for i in range(n)]

@@ -1,4 +1,5 @@
-"""Fit the drafter's calibration on verification traces, report ECE/Brier, plot it."""
+"""``treespark calibrate``: fit the drafter's calibration on verification traces of the
+tuning prompts, report ECE / Brier / log-loss, store calibration.json and plot it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from treespark.bench.common import bench_prompts, run_engine
 from treespark.budget import Budget
@@ -15,15 +16,15 @@ from treespark.models import ModelPair
 
 
 def collect_records(pair: ModelPair, prompts, *, temperature: float, max_tokens: int,
-                    budget: Budget) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, accepted, sibling rank) of every edge below an accepted node, from real
-    verification rounds at ``temperature``."""
+                    budget: Budget) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[N] q, [N] accepted, [N] sibling rank of every edge below an accepted node, from
+    real verification rounds at ``temperature``."""
     r = run_engine(pair, prompts, budget, max_tokens=max_tokens, batch_size=8, temperature=temperature)
     recs = [rec for s in r.step_stats
             for rec in (s.calibration_records if temperature == 0 else s.sampled_records)]
-    q = torch.tensor([x for x, _, _ in recs], dtype=torch.float64)
-    y = torch.tensor([a for _, a, _ in recs], dtype=torch.bool)
-    rank = torch.tensor([j for _, _, j in recs], dtype=torch.long)
+    q = np.array([x for x, _, _ in recs], dtype=np.float64)
+    y = np.array([a for _, a, _ in recs], dtype=bool)
+    rank = np.array([j for _, _, j in recs], dtype=np.int64)
     return q, y, rank
 
 
@@ -32,9 +33,9 @@ class RegimeFit:
     """One temperature regime's records and its two fits: (a, b) alone and with offsets."""
 
     label: str
-    q: torch.Tensor
-    y: torch.Tensor
-    rank: torch.Tensor
+    q: np.ndarray
+    y: np.ndarray
+    rank: np.ndarray
     plain: CalibrationReport
     ranked: CalibrationReport
 
@@ -52,13 +53,13 @@ def reliability_png(fits: list[RegimeFit], sibling_offsets: bool, path: Path) ->
     for ax, f in zip(axes[0], fits, strict=True):
         report = f.chosen(sibling_offsets)
         for label, p in (("raw q", f.q), ("calibrated p_hat", p_hat_of(report.calibration, f.q, f.rank))):
-            idx = (p * 10).long().clamp(max=9)
+            idx = np.minimum((p * 10).astype(np.int64), 9)
             xs, ys = [], []
             for b in range(10):
                 m = idx == b
                 if int(m.sum()) >= 20:
                     xs.append(float(p[m].mean()))
-                    ys.append(float(f.y[m].double().mean()))
+                    ys.append(float(f.y[m].mean()))
             ax.plot(xs, ys, marker="o", label=label)
         ax.plot([0, 1], [0, 1], "k--", lw=0.8)
         ax.set(xlabel="predicted acceptance", ylabel="observed acceptance", xlim=(0, 1), ylim=(0, 1),
@@ -93,7 +94,7 @@ def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_t
         if len(q) == 0:
             raise RuntimeError(f"no calibration records at T={t:g}: the drafter never drafted")
         fit = RegimeFit(f"T={t:g}", q, y, rank, calibrate(q, y), calibrate(q, y, rank))
-        log(f"{fit.label}: {len(q)} edge records, acceptance {float(y.double().mean()):.3f}")
+        log(f"{fit.label}: {len(q)} edge records, acceptance {float(y.mean()):.3f}")
         for name, r in (("(a, b) alone", fit.plain), ("with sibling offsets", fit.ranked)):
             c = r.calibration
             log(f"  {name:>20}: a={c.a:.3f} b={c.b:.3f} c={[round(x, 3) for x in c.sibling_bias]}  ECE "

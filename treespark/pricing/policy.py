@@ -12,7 +12,7 @@ one: a ladder of budgets indexed by the load per replica (running plus queued
 requests), the serving counterpart of the hand-measured theta-by-batch-size
 ladder of the TreeSpark reference code. ``CostModelPolicy`` replaces the ladder
 with a price derived from the measured forward time T(bs, k) and the acceptance
-the replicas observe (``treespark.costmodel``).
+the replicas observe (``treespark.pricing.costmodel``).
 
 This module is pure: no Ray, no HTTP, no torch.
 """
@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from treespark.budget import Budget
-from treespark.costmodel import AcceptanceProfile, AcceptanceStats, CostModel, Plan, plan_budget
+from treespark.pricing.costmodel import (
+    AcceptanceProfile,
+    AcceptanceStats,
+    CostModel,
+    Plan,
+    plan_budget,
+)
 
 
 @dataclass(frozen=True)
@@ -35,8 +41,6 @@ class LoadSnapshot:
     * ``replicas``      replicas currently reporting (>= 1 for a meaningful snapshot);
     * ``active``        requests running in the engines' batches, summed over replicas;
     * ``queued``        requests admitted but waiting for a batch slot, summed;
-    * ``step_s``        mean engine step time over replicas, seconds (0 if unknown);
-    * ``tokens_per_s``  generated tokens per second, summed over replicas;
     * ``acceptance``    recent rounds per tree size and the draft tokens they accepted
                         (None when unknown): what a tree of n nodes buys right now;
     * ``draft_node_s``  drafting seconds per draft node, fitted from the replicas' draft
@@ -46,8 +50,6 @@ class LoadSnapshot:
     replicas: int
     active: int
     queued: int
-    step_s: float = 0.0
-    tokens_per_s: float = 0.0
     acceptance: AcceptanceStats | None = None
     draft_node_s: float | None = None
 
@@ -56,10 +58,6 @@ class LoadSnapshot:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"LoadSnapshot.{name} must be an integer >= 0, got {value!r}")
-        for name in ("step_s", "tokens_per_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-                raise ValueError(f"LoadSnapshot.{name} must be a number >= 0, got {value!r}")
 
     @property
     def load_per_replica(self) -> float:
@@ -149,7 +147,7 @@ class FixedPolicy:
 
 @dataclass(frozen=True)
 class CostModelPolicy:
-    """theta from a measured cost model (see ``treespark.costmodel.plan_budget``).
+    """theta from a measured cost model (see ``treespark.pricing.costmodel.plan_budget``).
 
     Per replica: the batch it will run (running + queued, at most ``max_batch`` rows) and
     the requests waiting beyond it price the draft nodes on ``cost`` (or on ``replica_costs[replica_id]``, so replicas on different

@@ -5,8 +5,8 @@ derives that price from two measured things:
 
 * ``CostModel``  the target forward time ``T(bs, k)`` for ``bs`` rows of ``k`` tokens
                  each (the root plus ``k - 1`` draft nodes, padded as the engine pads),
-                 measured on the deployment hardware by ``measure_cost_model``
-                 (``treespark cost-model``) and stored as JSON;
+                 measured on the deployment hardware by ``treespark cost-model``
+                 (``treespark.cost_measure``) and stored as JSON;
 * ``AcceptanceProfile``  ``A(n)``: expected draft tokens accepted per round by a
                  best-first tree of ``n`` nodes (a prior, refined online from what the
                  replicas report).
@@ -31,7 +31,7 @@ longer pays. When requests wait for a batch row, every second of speculative com
 also delays them (throughput mode): ``queue_weight`` scales the cost of the draft
 nodes by ``1 + w * waiting / batch``.
 
-The math here is pure Python (no torch); only ``measure_cost_model`` imports torch.
+Pure Python (no torch): the controller prices with it in a process that runs no model.
 """
 
 from __future__ import annotations
@@ -39,9 +39,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +47,7 @@ from typing import Any
 # -- the cost model ----------------------------------------------------------------------
 
 
-def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+def interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear interpolation; linear extrapolation beyond the ends."""
     if len(xs) == 1:
         return ys[0]
@@ -93,11 +91,11 @@ class CostModel:
         """T(bs, k) in seconds: bilinear in the grid; beyond the largest batch, linear in
         bs through the origin (compute-bound); beyond the largest k, the last slope."""
         bs, k = max(float(bs), 1.0), max(float(k), 1.0)
-        per_bs = [_interp(self.tokens, row, k) for row in self.seconds]
+        per_bs = [interp(self.tokens, row, k) for row in self.seconds]
         top = self.batch_sizes[-1]
         if bs > top:
             return per_bs[-1] * bs / top
-        return max(_interp(self.batch_sizes, per_bs, bs), 1e-9)
+        return max(interp(self.batch_sizes, per_bs, bs), 1e-9)
 
     def slope(self, bs: float, k: float, h: float = 1.0) -> float:
         """dT/dk at (bs, k): the secant from k to k + h tokens per row (>= 0)."""
@@ -202,16 +200,6 @@ class AcceptanceStats:
         if len(self.counts) != len(self.sums):
             raise ValueError("AcceptanceStats.counts and .sums must have the same length")
 
-    @classmethod
-    def from_rounds(cls, rounds: Sequence[tuple[int, int]], max_nodes: int = 64) -> AcceptanceStats:
-        """``rounds``: (node cap, accepted) per request-round."""
-        counts, sums = [0] * (max_nodes + 1), [0.0] * (max_nodes + 1)
-        for n, a in rounds:
-            n = min(max(int(n), 0), max_nodes)
-            counts[n] += 1
-            sums[n] += float(a)
-        return cls(tuple(counts), tuple(sums))
-
     @property
     def rounds(self) -> int:
         return sum(self.counts)
@@ -297,112 +285,7 @@ def plan_budget(cost: CostModel, profile: AcceptanceProfile, *, active: float, q
     return Plan(bs, best_n, theta, branch_cap_for(theta, max_branch), gain, qf)
 
 
-# -- measuring T(bs, k) ------------------------------------------------------------------
-
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24)
-# 3 and 6 as well: on CPU the product kernels change between 2 and 3 tokens per row
-# (docs/benchmarks.md), and a grid of powers of two would interpolate over that step
-DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
-
-
-@dataclass(frozen=True)
-class MeasureConfig:
-    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
-    tokens: tuple[int, ...] = DEFAULT_TOKENS   # tokens per row (root + draft nodes); must start at 1
-    context: int = 256                          # committed KV tokens per row
-    repeats: int = 5                            # passes over the grid; a cell keeps its median
-    max_step_tokens: int = 2048                 # skip cells with bs * k above this (extrapolated)
-
-    def __post_init__(self) -> None:
-        if self.repeats < 1 or self.context < 1:
-            raise ValueError("repeats and context must be >= 1")
-        if not self.tokens or self.tokens[0] != 1:
-            raise ValueError("tokens must start at 1 (plain decoding)")
-
-
-
-def time_forward(runner, store, bs: int, k: int, context: int, repeats: int,
-                 generator=None, warmup: bool = True) -> float:
-    """Fastest of ``repeats`` timed verify forwards (after one warm-up) of ``bs`` rows x
-    ``k`` tokens over ``context`` committed tokens per row, with the engine's mask layout
-    (context + tree ancestors; a chain mask: the shape of the tree does not change the
-    cost)."""
-    import torch
-
-    dev = runner.device
-    tokens = torch.randint(0, runner.vocab_size, (bs, k), generator=generator).to(dev)  # [B, K]
-    lens = torch.full((bs, 1), context, device=dev)
-    offsets = torch.arange(k, device=dev)[None]
-    positions = lens + offsets                                                      # [B, K]
-    total = context + k
-    cols = torch.arange(total, device=dev)[None, None, :]                           # [1, 1, T]
-    rel = cols - lens[:, :, None]
-    mask = ((rel < 0) | (rel <= offsets[:, :, None])).expand(bs, k, total)[:, None]  # [B, 1, K, T]
-    rows = slice(0, bs)
-    times = []
-    for i in range(repeats + int(warmup)):
-        t0 = time.perf_counter()
-        runner.forward(tokens, positions, positions, store, rows, mask)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        if i or not warmup:
-            times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def _time_once(runner, store, bs: int, k: int, context: int, generator=None) -> float:
-    """One timed forward, no warm-up (the cell was warmed in the first pass)."""
-    return time_forward(runner, store, bs, k, context, repeats=1, generator=generator, warmup=False)
-
-
-def measure_cost_model(target, config: MeasureConfig = MeasureConfig(), *, name: str = "",
-                       tap_layers: tuple[int, ...] = (0,),
-                       on_cell: Callable[[int, int, float, int, int], None] | None = None) -> CostModel:
-    """Time ``TargetRunner.forward`` on ``target`` (a transformers causal LM; only the
-    target is timed, so no drafter is needed) over the grid. Cells with
-    ``bs * k > max_step_tokens`` are filled by linear extrapolation in k from the two
-    largest measured k of that batch size. ``on_cell(bs, k, seconds, done, total)``
-    reports progress."""
-    import datetime
-
-    import torch
-
-    from treespark.kv import KVStore
-    from treespark.target import TargetRunner
-
-    runner = TargetRunner(target, tap_layers)
-    bmax, kmax = max(config.batch_sizes), max(config.tokens)
-    store = KVStore(runner.store_shape, bmax, config.context + kmax + 1, runner.device, runner.dtype)
-    g = torch.Generator().manual_seed(0)
-    cells = [(b, k) for b in config.batch_sizes for k in config.tokens]
-    times: dict[tuple[int, int], list[float]] = {}
-    todo = [c for c in cells if c[0] * c[1] <= config.max_step_tokens]
-    # ``repeats`` passes over the grid, each cell timed once per pass (the first pass
-    # with a warm-up): a burst of load from another process then spoils one pass of a
-    # few cells, not every repeat of one cell. A cell keeps its median, not its fastest:
-    # on CPU the fastest of a few forwards of 3-6 tokens per row came out +13 % over 2
-    # tokens, their medians +22 %, and the median is what a served step costs.
-    done, total = 0, len(todo) * config.repeats
-    for rep in range(config.repeats):
-        for b, k in todo:
-            t = time_forward(runner, store, b, k, config.context, 1, g) if rep == 0 \
-                else _time_once(runner, store, b, k, config.context, g)
-            times.setdefault((b, k), []).append(t)
-            done += 1
-            if on_cell is not None:
-                on_cell(b, k, statistics.median(times[(b, k)]), done, total)
-    table = {cell: statistics.median(ts) for cell, ts in times.items()}
-    seconds: list[tuple[float, ...]] = []
-    for b in config.batch_sizes:
-        have = [k for k in config.tokens if (b, k) in table]
-        if not have:
-            raise ValueError(f"max_step_tokens={config.max_step_tokens} leaves batch size {b} unmeasured")
-        xs, ys = have, [table[(b, k)] for k in have]
-        seconds.append(tuple(table.get((b, k), max(_interp(xs, ys, k), ys[-1])) for k in config.tokens))
-    return CostModel(tuple(config.batch_sizes), tuple(config.tokens), monotone(seconds), context=config.context,
-                     pair=name, device=str(runner.device),
-                     threads=torch.get_num_threads(),
-                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+# -- tables ----------------------------------------------------------------------------
 
 
 def monotone(seconds: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
