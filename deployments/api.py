@@ -37,7 +37,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, TaskCancelledError
@@ -53,7 +53,7 @@ from deployments.errors import (
     retry_after,
     validation_error_response,
 )
-from deployments.metrics import render
+from deployments.metrics import CONTENT_TYPE, render
 from deployments.responses import cancel_call, completion_body, engine_error_response, sse_stream
 from deployments.schemas import (
     ChatMessage,
@@ -257,12 +257,12 @@ class Api:
             return error_response(503, "the engine loop is not running", code="not_ready")
         return {"status": "ok"}
 
-    async def _authorized_status(self, request: Request) -> Any:
-        """The controller's status dict, or the error response to send instead."""
+    async def _authorized_status(self, request: Request, method: str = "status") -> Any:
+        """The controller's status dict (or ``method``'s), or the error response to send instead."""
         if (denied := self._auth(request)) is not None:
             return denied
         try:
-            return await self._controller_call("status")
+            return await self._controller_call(method)
         except Exception as err:  # noqa: BLE001
             return self._controller_unavailable(err)
 
@@ -295,7 +295,7 @@ class Api:
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Any:
-        status = await self._authorized_status(request)
-        if not isinstance(status, dict):
-            return status
-        return PlainTextResponse(render(status, self.model), media_type="text/plain; version=0.0.4")
+        view = await self._authorized_status(request, "metrics_view")
+        if not isinstance(view, dict):
+            return view
+        return Response(render(view, self.model, self.args.max_batch_size), media_type=CONTENT_TYPE)

@@ -81,6 +81,9 @@ class Controller:
     def status(self) -> dict[str, Any]:
         return self.state.status()
 
+    def metrics_view(self) -> dict[str, Any]:
+        return self.state.metrics_view()
+
     def ping(self) -> str:
         return "ok"
 

@@ -10,7 +10,8 @@ on the first report that gets through.
 
 ``HeartbeatMixin`` holds this half of ``ReplicaCore``; it reads the host's ``args``,
 ``replica_id``, ``policy``, ``loop`` (the ``EngineLoop``), ``bundle``, and the
-``counters`` / ``_tokens_emitted`` it shares with request handling under ``_lock``.
+``counters`` / ``_tokens_emitted`` it shares with request handling under ``_lock``, and
+``metrics`` (its ``ReplicaMetrics``), whose snapshot every report carries.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ class HeartbeatMixin:
                 rounds.extend(round_records(s))
             emitted, self._tokens_emitted = self._tokens_emitted, 0
             counters = dict(self.counters)
+        self.metrics.steps(window)
         load = self.loop.load
         return {
             "replica_id": self.replica_id,
@@ -167,6 +169,7 @@ class HeartbeatMixin:
             "calibration": self.calibration,
             "round_records": rounds[-2048:],
             "base_calibration": self.base_calibration,
+            "metrics": self.metrics.snapshot(),
         }
 
     def apply_budget(self, budget: Budget, source: str) -> None:

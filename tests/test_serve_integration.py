@@ -223,11 +223,13 @@ def test_budget_change_reaches_all_replicas_within_1s(url):
 
 def test_metrics_prometheus(url):
     complete(url)
-    wait_for(lambda: "treespark:spec_decode_num_draft_tokens_total" in requests.get(f"{url}/metrics", timeout=5).text, 5)
+    wait_for(lambda: "treespark:request_success_total{" in requests.get(f"{url}/metrics", timeout=5).text, 5)
     text = requests.get(f"{url}/metrics", timeout=5).text
     for name in ("treespark:request_success_total", "treespark:prompt_tokens_total", "treespark:generation_tokens_total",
                  "treespark:spec_decode_num_accepted_tokens_total", "treespark:spec_decode_theta",
-                 "treespark:spec_decode_mean_tree_size", "treespark:step_time_seconds"):
+                 "treespark:spec_decode_mean_tree_size", "treespark:step_time_seconds",
+                 "treespark:time_to_first_token_seconds", "treespark:spec_decode_num_accepted_tokens_per_pos_total",
+                 "treespark:spec_decode_mode", "treespark:controller_broadcast_age_seconds"):
         assert f"# TYPE {name}" in text
     total = [x for x in text.splitlines() if x.startswith("treespark:request_success_total")]
     assert float(total[0].split()[-1]) >= 1
