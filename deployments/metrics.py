@@ -27,7 +27,6 @@ without the hook leave that histogram empty.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -132,7 +131,6 @@ class ReplicaMetrics:
                 self._m[f.name] = Counter(f.name, f.help, f.labels, registry=self.registry)
             else:
                 self._m[f.name] = Histogram(f.name, f.help, f.labels, buckets=f.buckets, registry=self.registry)
-        self._lock = threading.Lock()
 
     def _inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         m = self._m[P + name]
@@ -144,17 +142,25 @@ class ReplicaMetrics:
     # -- observations ----------------------------------------------------------------------
     def steps(self, stats: Iterable[Any]) -> None:
         """The engine's ``StepStats`` since the last heartbeat."""
+        steps = drafts = nodes = accepted = 0
+        reached: list[int] = []   # reached[p]: drafts whose accepted path reached depth p
         for s in stats:
-            self._inc("engine_steps")
-            drafts = [(n, a) for n, a in zip(s.tree_sizes, s.accepted, strict=True) if n > 0]
-            if not drafts:
-                continue
-            self._inc("spec_decode_num_drafts", len(drafts))
-            self._inc("spec_decode_num_draft_tokens", sum(n for n, _ in drafts))
-            self._inc("spec_decode_num_accepted_tokens", sum(a for _, a in drafts))
-            for _, a in drafts:
-                for pos in range(int(a)):
-                    self._inc("spec_decode_num_accepted_tokens_per_pos", position=str(pos))
+            steps += 1
+            for n, a in zip(s.tree_sizes, s.accepted, strict=True):
+                if n <= 0:   # an empty tree (plain decoding) is no draft
+                    continue
+                drafts, nodes, accepted = drafts + 1, nodes + n, accepted + a
+                reached += [0] * (a - len(reached))
+                for p in range(a):
+                    reached[p] += 1
+        if steps:
+            self._inc("engine_steps", steps)
+        if drafts:
+            self._inc("spec_decode_num_drafts", drafts)
+            self._inc("spec_decode_num_draft_tokens", nodes)
+            self._inc("spec_decode_num_accepted_tokens", accepted)
+        for p, count in enumerate(reached):
+            self._inc("spec_decode_num_accepted_tokens_per_pos", count, position=str(p))
 
     def request(self) -> RequestClock:
         return RequestClock(self)

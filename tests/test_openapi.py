@@ -127,3 +127,8 @@ def test_nothing_left_running(local_api):
         print(f"  {op:32} {status}: {count}")
     assert not any(status >= 500 for _, status in SEEN)
     assert local_api.handle.calls >= 10  # the cases reached the engine, not only the validation
+
+
+def test_docs_page(local_api):
+    r = local_api.get("/docs")
+    assert r.status == 200 and b"/openapi.json" in r.body

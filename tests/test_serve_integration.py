@@ -237,6 +237,12 @@ def test_metrics_prometheus(url):
     assert float(total[0].split()[-1]) >= 1
 
 
+def test_served_openapi_document(url):
+    doc = requests.get(f"{url}/openapi.json", timeout=5).json()
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("/ChatRequest") and "ChatRequest" in doc["components"]["schemas"]
+
+
 def test_scale_up_replica_receives_budget(url):
     budget = {"theta": 0.2, "node_cap": 2, "branch_cap": 1}
     set_override(url, budget)
