@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -88,7 +89,8 @@ def test_cluster_shape(name):
     args = AppArgs.model_validate(yaml.safe_load((ROOT / v.config).read_text())["applications"][0]["args"])
     assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     assert cluster["enableInTreeAutoscaling"] is True
-    assert cluster["rayVersion"] == render.RAY_VERSION
+    pin = re.search(r'"ray\[serve\]==([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert cluster["rayVersion"] == render.RAY_VERSION == pin   # the image's Ray is the one we test with
     (group,) = cluster["workerGroupSpecs"]
     (container,) = group["template"]["spec"]["containers"]
     limits = container["resources"]["limits"]
