@@ -25,7 +25,7 @@ test: setup fetch-model
 	RAY_AUTH_MODE=disabled $(BIN)/pytest -q
 
 lint: setup
-	$(BIN)/ruff check treespark deployments loadtests tests
+	$(BIN)/ruff check treespark deployments loadtests tests deploy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

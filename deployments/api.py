@@ -33,11 +33,12 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, TaskCancelledError
@@ -53,19 +54,38 @@ from deployments.errors import (
     retry_after,
     validation_error_response,
 )
-from deployments.metrics import render
+from deployments.metrics import CONTENT_TYPE, render
+from deployments.openapi import answers, request_body
+from deployments.openapi import install as install_openapi
 from deployments.responses import cancel_call, completion_body, engine_error_response, sse_stream
 from deployments.schemas import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
     ChatRequest,
+    CompletionChunk,
     CompletionRequest,
+    CompletionResponse,
+    Health,
+    ModelList,
     OverrideRequest,
+    OverrideResponse,
     SamplingRequest,
+    SpeculationStatus,
 )
-from deployments.validation import check_override, engine_request, json_body, parse
+from deployments.validation import check_override, choice_requests, engine_request, json_body, parse
 
 log = logging.getLogger(__name__)
 
-app = FastAPI(title="TreeSpark Serve", docs_url=None, redoc_url=None)
+app = FastAPI(
+    title="TreeSpark Serve",
+    version="0.1.0",
+    description="OpenAI-compatible completions with speculative decoding on calibrated, load-adaptive draft trees. "
+                "With `api_key_env` set, every route but `/health` (and this document) needs "
+                "`Authorization: Bearer <key>`.",
+    docs_url="/docs",
+    redoc_url=None,
+)
+install_openapi(app)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -90,6 +110,21 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 class _ReplicaFailed(Exception):
     """The engine replica died (or became unreachable) before the response started."""
+
+
+async def _all(coros: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Await every coroutine concurrently (one per choice); if one raises or the caller is
+    cancelled, the others are cancelled too (their handle calls with them)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _first_error(results: list[Any]) -> JSONResponse | None:
+    return next((r for r in results if isinstance(r, JSONResponse)), None)
 
 
 # -- the ingress deployment ---------------------------------------------------------
@@ -150,19 +185,41 @@ class Api:
         ereq = self._engine_request(req)
         if isinstance(ereq, JSONResponse):
             return ereq
+        chat = isinstance(req, ChatRequest)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        ereqs = choice_requests(ereq, req.n)  # n independent engine requests
+        if req.stream:
+            opened = await _all(self._retrying(e, self._open) for e in ereqs)
+            if (refused := _first_error(opened)) is not None:
+                for o in opened:
+                    if not isinstance(o, JSONResponse):
+                        cancel_call(o[0])
+                return refused
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            rid = prefix + opened[0][1]["request_id"]
+            return StreamingResponse(sse_stream([gen for gen, _ in opened], rid, chat, include_usage, self.model),
+                                     media_type="text/event-stream")
+        done = await _all(self._retrying(e, self._complete) for e in ereqs)
+        if (refused := _first_error(done)) is not None:
+            return refused
+        return completion_body(prefix + done[0][0]["request_id"], chat, self.model, [(text, end) for _, text, end in done])
+
+    async def _retrying(self, ereq: dict[str, Any], attempt: Callable[[dict[str, Any]], Awaitable[Any]]) -> Any:
+        """``attempt(ereq)``, resent under a new id while it raises ``_ReplicaFailed``."""
         retries = self.args.limits.replica_retries
-        for attempt in range(retries + 1):
+        for i in range(retries + 1):
             try:
-                return await self._generate_once(req, ereq)
+                return await attempt(ereq)
             except _ReplicaFailed as err:
                 log.warning("request %s: engine replica failed (%r); attempt %d of %d", ereq["request_id"], err.__cause__,
-                            attempt + 1, retries + 1)
+                            i + 1, retries + 1)
                 ereq = {**ereq, "request_id": uuid.uuid4().hex}
         return error_response(503, "the engine replica serving this request failed; retry", code="replica_failed",
                               headers=retry_after(self.args.replica.retry_after_s))
 
-    async def _generate_once(self, req: SamplingRequest, ereq: dict[str, Any]) -> Any:
-        """One try on one replica; raises ``_ReplicaFailed`` while nothing was sent yet."""
+    async def _open(self, ereq: dict[str, Any]) -> tuple[Any, dict[str, Any]] | JSONResponse:
+        """Start one engine request on one replica: (the handle call, its first event), or the
+        refusal; raises ``_ReplicaFailed`` if the replica died first (nothing was sent)."""
         gen = None
         try:  # (Serve may raise BackPressureError from .remote() itself)
             gen = self.replica.options(stream=True).generate.remote(ereq)
@@ -186,11 +243,15 @@ class Api:
             raise _ReplicaFailed() from err
         if first["type"] == "error":
             return engine_error_response(first)
-        chat = isinstance(req, ChatRequest)
-        rid = ("chatcmpl-" if chat else "cmpl-") + first["request_id"]
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(sse_stream(gen, rid, chat, include_usage, self.model), media_type="text/event-stream")
+        return gen, first
+
+    async def _complete(self, ereq: dict[str, Any]) -> tuple[dict[str, Any], str, dict[str, Any]] | JSONResponse:
+        """One engine request to its end: (first event, whole text, end event), or the refusal;
+        raises ``_ReplicaFailed`` if the replica died (nothing was sent to the client yet)."""
+        opened = await self._open(ereq)
+        if isinstance(opened, JSONResponse):
+            return opened
+        gen, first = opened
         texts: list[str] = []
         end: dict[str, Any] | None = None
         try:
@@ -209,25 +270,27 @@ class Api:
             raise _ReplicaFailed() from err
         if end is None:
             return internal_error("generation ended without a result", "the replica's event stream ended early")
-        return completion_body(rid, chat, self.model, "".join(texts), end)
+        return first, "".join(texts), end
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", summary="Complete a prompt", openapi_extra=request_body(CompletionRequest),
+              responses=answers(CompletionResponse, 400, 401, 404, 413, 429, 503, stream=CompletionChunk))
     async def completions(self, request: Request) -> Any:
         return await self._generate(request, CompletionRequest)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", summary="Answer a chat", openapi_extra=request_body(ChatRequest),
+              responses=answers(ChatCompletionResponse, 400, 401, 404, 413, 429, 503, stream=ChatCompletionChunk))
     async def chat_completions(self, request: Request) -> Any:
         return await self._generate(request, ChatRequest)
 
     # -- the rest -------------------------------------------------------------------
-    @app.get("/v1/models")
+    @app.get("/v1/models", summary="The served model", responses=answers(ModelList, 401))
     async def models(self, request: Request) -> Any:
         if (denied := self._auth(request)) is not None:
             return denied
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created, "owned_by": "treespark",
                                              "max_model_len": self.args.max_context}]}
 
-    @app.get("/health")
+    @app.get("/health", summary="Readiness", responses=answers(Health, 503))
     async def health(self) -> Any:
         """200 once an engine replica answers (readiness), 503 before."""
         try:
@@ -239,23 +302,25 @@ class Api:
             return error_response(503, "the engine loop is not running", code="not_ready")
         return {"status": "ok"}
 
-    async def _authorized_status(self, request: Request) -> Any:
-        """The controller's status dict, or the error response to send instead."""
+    async def _authorized_status(self, request: Request, method: str = "status") -> Any:
+        """The controller's status dict (or ``method``'s), or the error response to send instead."""
         if (denied := self._auth(request)) is not None:
             return denied
         try:
-            return await self._controller_call("status")
+            return await self._controller_call(method)
         except Exception as err:  # noqa: BLE001
             return self._controller_unavailable(err)
 
-    @app.get("/v1/speculation")
+    @app.get("/v1/speculation", summary="Budgets, trees and load per replica",
+             responses=answers(SpeculationStatus, 401, 503))
     async def speculation(self, request: Request) -> Any:
         status = await self._authorized_status(request)
         if not isinstance(status, dict):
             return status
         return {"model": self.model, **status}
 
-    @app.post("/v1/speculation/override")
+    @app.post("/v1/speculation/override", summary="Pin one budget for all replicas (null: release)",
+              openapi_extra=request_body(OverrideRequest), responses=answers(OverrideResponse, 400, 401, 413, 503))
     async def override(self, request: Request) -> Any:
         if (denied := self._auth(request)) is not None:
             return denied
@@ -275,9 +340,10 @@ class Api:
             return self._controller_unavailable(err)
         return {"override": budget}
 
-    @app.get("/metrics")
+    @app.get("/metrics", summary="Prometheus metrics of the whole cluster", response_class=PlainTextResponse,
+             responses=answers(None, 401, 503, text="Prometheus text format 0.0.4"))
     async def metrics(self, request: Request) -> Any:
-        status = await self._authorized_status(request)
-        if not isinstance(status, dict):
-            return status
-        return PlainTextResponse(render(status, self.model), media_type="text/plain; version=0.0.4")
+        view = await self._authorized_status(request, "metrics_view")
+        if not isinstance(view, dict):
+            return view
+        return Response(render(view, self.model, self.args.max_batch_size), media_type=CONTENT_TYPE)

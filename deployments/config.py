@@ -140,6 +140,7 @@ class LimitArgs(_Strict):
     max_stop: int = Field(4, ge=0)  # stop strings per request
     max_stop_chars: int = Field(128, ge=1)  # characters per stop string
     max_stop_token_ids: int = Field(16, ge=0)
+    max_n: int = Field(8, ge=1)  # choices per request (each one engine request)
     queue_timeout_s: float = Field(60.0, gt=0)  # no replica took the request by then: 503
     replica_retries: int = Field(1, ge=0)  # resend a request whose replica died before answering
 

@@ -56,6 +56,9 @@ class Controller:
     def status(self) -> dict[str, Any]:
         return self.state.status()
 
+    def metrics_view(self) -> dict[str, Any]:
+        return self.state.metrics_view()
+
 
 def get_or_create_controller(args: dict[str, Any]):
     """The controller actor handle, creating it if absent (idempotent, race-free through

@@ -11,7 +11,10 @@ Replicas report every heartbeat; the state
 * keeps cluster counters (monotone across dropped replicas), calibration records and
   per-round (node cap, accepted) records, and refits what
   ``treespark.pricing.estimators`` learns from them;
-* answers ``status()``, what ``GET /v1/speculation`` and ``/metrics`` show.
+* keeps each replica's latest Prometheus samples, and the sum of the dropped replicas'
+  (``deployments.metrics.merge``), so cluster counters stay monotone;
+* answers ``status()``, what ``GET /v1/speculation`` shows, and ``metrics_view()``, what
+  ``/metrics`` renders.
 
 ``clock`` is injectable, so tests drive time by hand.
 """
@@ -24,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from deployments.metrics import merge
 from deployments.reports import COUNTERS, ReplicaReport, budget_from_wire, budget_to_wire
 from treespark.budget import Budget
 from treespark.pricing.costmodel import AcceptanceStats
@@ -83,6 +87,7 @@ class ControllerState:
     replicas: dict[str, _Entry] = field(default_factory=dict)
     override: Budget | None = None
     departed: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
+    departed_samples: list = field(default_factory=list)   # dropped replicas' Prometheus samples, summed
     records: deque = field(default_factory=lambda: deque(maxlen=20000))
     calibration: tuple[float, float] | None = None
     calibration_report: dict[str, float] | None = None
@@ -126,6 +131,7 @@ class ControllerState:
         for rid in gone:
             for k in COUNTERS:
                 self.departed[k] += self.replicas[rid].report.counters.get(k, 0.0)
+            self.departed_samples = merge(self.departed_samples, self.replicas[rid].report.metrics)
             del self.replicas[rid]
         self.dropped += len(gone)
         if gone:
@@ -222,3 +228,10 @@ class ControllerState:
             "uptime_s": time.time() - self.started_at,
             "counters": self.counters(),
         }
+
+    def metrics_view(self) -> dict[str, Any]:
+        """``status()`` and the cluster's Prometheus samples: every live replica's latest
+        plus the dropped replicas' totals, summed (``deployments.metrics.render``)."""
+        st = self.status()
+        st["samples"] = merge(self.departed_samples, *(e.report.metrics for e in self.replicas.values()))
+        return st

@@ -6,6 +6,8 @@ drains the queue, runs ``engine.step()`` while there is work, and otherwise bloc
 the queue. Each request has a *sink*, a callable the loop thread invokes with:
 
 * ``ACCEPTED``           once, when ``add_request`` succeeded;
+* ``SCHEDULED``          at most once, when the engine took the request from its waiting
+                         queue (engines with an ``on_schedule(request_id)`` hook only);
 * ``Failed(error)``      once, final: ``add_request`` raised (``ValueError`` = bad input)
                          or the engine crashed;
 * a ``RequestOutput``    per step with new tokens; the one with ``finished`` is final;
@@ -37,6 +39,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ACCEPTED = object()
+SCHEDULED = object()
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class EngineLoop:
     def __init__(self, engine: Any = None, *, name: str = "treespark-engine", max_step_stats: int = 4096) -> None:
         self.engine: Any = None
         self._user_on_step: Callable[[Any], None] | None = None
+        self._user_on_schedule: Callable[[str], None] | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stats: deque = deque(maxlen=max_step_stats)
@@ -159,6 +163,9 @@ class EngineLoop:
             raise RuntimeError("the engine loop already has an engine")
         self._user_on_step = getattr(engine, "on_step", None)
         engine.on_step = self._on_step
+        if hasattr(engine, "on_schedule"):  # optional: lets replicas time the queue
+            self._user_on_schedule = engine.on_schedule
+            engine.on_schedule = self._on_schedule
         self.engine = engine
 
     def _on_step(self, stats: Any) -> None:
@@ -166,6 +173,13 @@ class EngineLoop:
             self._stats.append((time.monotonic(), stats))
         if self._user_on_step is not None:
             self._user_on_step(stats)
+
+    def _on_schedule(self, request_id: str) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is not None:
+            sink(SCHEDULED)
+        if self._user_on_schedule is not None:
+            self._user_on_schedule(request_id)
 
     def _run(self) -> None:
         try:

@@ -10,6 +10,7 @@ on the first report that gets through.
 
 ``HeartbeatMixin`` holds this half of ``ReplicaCore``; the attributes it needs from
 its host are declared on the class (the host sets them before ``_init_heartbeat``).
+Its ``metrics`` (the host's ``ReplicaMetrics``) snapshot rides on every report.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ class HeartbeatMixin:
                 rounds.extend(round_records(s))
             emitted, self._tokens_emitted = self._tokens_emitted, 0
             counters = dict(self.counters)
+        self.metrics.steps(window)
         load = self.loop.load
         return {
             "replica_id": self.replica_id,
@@ -172,6 +174,7 @@ class HeartbeatMixin:
             "calibration": self.calibration,
             "round_records": rounds[-2048:],
             "base_calibration": self.base_calibration,
+            "metrics": self.metrics.snapshot(),
         }
 
     def apply_budget(self, budget: Budget, source: str) -> None:

@@ -9,6 +9,9 @@ the API turns into OpenAI responses:
 * ``{"type": "delta", "text", "token_ids"}``                    (one per engine step)
 * ``{"type": "end", "finish_reason", "usage", "speculation"}``  (final)
 
+Each request is timed and counted in the replica's Prometheus registry
+(``deployments.metrics.ReplicaMetrics``), which the heartbeat reports.
+
 Tokenization, the context check and stop strings happen here, where the tokenizer is.
 The controller link (heartbeat, budget) is ``HeartbeatMixin`` (``deployments.heartbeat``).
 """
@@ -23,8 +26,9 @@ from typing import Any
 
 from deployments.config import AppArgs, import_attr
 from deployments.engine_factory import EngineBundle
-from deployments.engine_loop import ACCEPTED, Aborted, EngineLoop, Failed, asyncio_sink
+from deployments.engine_loop import ACCEPTED, SCHEDULED, Aborted, EngineLoop, Failed, asyncio_sink
 from deployments.heartbeat import HeartbeatMixin, rss_bytes
+from deployments.metrics import ReplicaMetrics, RequestClock
 from deployments.reports import COUNTERS, budget_to_wire
 from deployments.text import Detokenizer, StopMatcher, encode_text
 from treespark.chat import chat_ids
@@ -65,6 +69,7 @@ class ReplicaCore(HeartbeatMixin):
         self.policy = args.policy.build(args.max_batch_size)
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(COUNTERS, 0.0)
+        self.metrics = ReplicaMetrics()
         self._tokens_emitted = 0
         self._init_heartbeat(connect)
 
@@ -121,6 +126,7 @@ class ReplicaCore(HeartbeatMixin):
             return _error(str(err))
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        clock = self.metrics.request()
         ids = self._prompt_ids(req)
         if isinstance(ids, dict):
             yield ids
@@ -138,6 +144,9 @@ class ReplicaCore(HeartbeatMixin):
         stops = StopMatcher(req.get("stop") or ())
         try:
             first = await q.get()
+            while first is SCHEDULED:  # (not before ACCEPTED, but cheap to be sure)
+                clock.scheduled()
+                first = await q.get()
             if isinstance(first, Failed):
                 done = True
                 if isinstance(first.error, ValueError):
@@ -150,13 +159,16 @@ class ReplicaCore(HeartbeatMixin):
             stopped_by_string = False
             while True:
                 item = await q.get()
+                if item is SCHEDULED:
+                    clock.scheduled()
+                    continue
                 if isinstance(item, Failed):
                     done = True
                     yield _error(f"engine error: {item.error}", status=500, code="engine_error")
                     return
                 if isinstance(item, Aborted):  # our own abort after a stop string
                     done = True
-                    yield self._end(rid, "stop", len(ids), generated, rounds, None)
+                    yield self._end(rid, "stop", len(ids), generated, rounds, None, clock)
                     return
                 if stopped_by_string and not item.finished:  # in flight before our abort landed
                     continue
@@ -164,6 +176,7 @@ class ReplicaCore(HeartbeatMixin):
                 if new:
                     generated += len(new)
                     rounds += 1
+                    clock.emitted(len(new))
                     with self._lock:
                         self.counters["generation_tokens"] += len(new)
                         self._tokens_emitted += len(new)
@@ -183,7 +196,7 @@ class ReplicaCore(HeartbeatMixin):
                 if item.finished:
                     done = True
                     reason = "stop" if stopped_by_string else (item.finish_reason or "stop")
-                    yield self._end(rid, reason, len(ids), generated, rounds, item.stats)
+                    yield self._end(rid, reason, len(ids), generated, rounds, item.stats, clock)
                     return
         finally:
             if not done:  # the caller went away (client disconnect): free the KV now
@@ -191,11 +204,14 @@ class ReplicaCore(HeartbeatMixin):
                 with self._lock:
                     self.counters["requests_aborted"] += 1
                     self.counters["prompt_tokens"] += len(ids)
+                clock.aborted(len(ids))
 
-    def _end(self, rid: str, reason: str, n_prompt: int, generated: int, rounds: int, stats: Any) -> dict[str, Any]:
+    def _end(self, rid: str, reason: str, n_prompt: int, generated: int, rounds: int, stats: Any,
+             clock: RequestClock) -> dict[str, Any]:
         with self._lock:
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += n_prompt
+        clock.finished(reason, n_prompt)
         if stats is not None:
             spec = {
                 "rounds": stats.rounds,

@@ -65,6 +65,7 @@ class ReplicaReport:
     base_calibration: tuple[float, float] | None = None     # the replica's stored (a, b)
     kv_slots_in_use: int | None = None                      # engine KV rows holding a request
     rss_bytes: int | None = None                            # the replica process's resident memory
+    metrics: tuple = ()     # the replica's Prometheus samples (deployments.metrics.ReplicaMetrics.snapshot)
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:

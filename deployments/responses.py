@@ -1,12 +1,14 @@
 """From an engine replica's events to OpenAI responses: JSON bodies and SSE streams.
 
 An engine replica's ``generate`` yields ``start``, ``delta`` ..., then ``end`` or
-``error`` events (``deployments.replica``). ``completion_body`` folds them into a
-``text_completion`` or ``chat.completion`` object; ``sse_stream`` relays them as
-``data:`` chunks ending in ``data: [DONE]``, an engine failure mid-stream as an SSE
-error event naming an error id (the detail goes to the log).
+``error`` events (``deployments.replica``); a request with ``n`` choices is ``n`` engine
+requests. ``completion_body`` folds them into a ``text_completion`` or
+``chat.completion`` object; ``sse_stream`` relays them as ``data:`` chunks (each naming
+its choice's ``index``) ending in ``data: [DONE]``, an engine failure mid-stream as an
+SSE error event naming an error id (the detail goes to the log).
 """
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -42,28 +44,90 @@ def engine_error_response(ev: dict[str, Any]) -> JSONResponse:
     return error_response(ev["status"], ev["message"], ev["param"], ev["code"])
 
 
-def completion_body(rid: str, chat: bool, model: str, text: str, end: dict[str, Any]) -> dict[str, Any]:
-    """The non-streamed response, from the whole text and the ``end`` event."""
-    base = {"id": rid, "created": int(time.time()), "model": model, "usage": end["usage"], "speculation": end["speculation"]}
+def merge_speculation(ends: list[dict[str, Any]]) -> dict[str, Any]:
+    """One request's ``speculation`` from its choices' (sums; the means recomputed)."""
+    if len(ends) == 1:
+        return ends[0]["speculation"]
+    specs = [e["speculation"] for e in ends]
+    rounds = sum(s["rounds"] for s in specs)
+    accepted = sum(s["accepted_tokens"] for s in specs)
+    drafted = None if any(s["drafted_tokens"] is None for s in specs) else sum(s["drafted_tokens"] for s in specs)
+    return {"rounds": rounds, "drafted_tokens": drafted, "accepted_tokens": accepted,
+            "mean_tree_size": None if drafted is None else drafted / max(rounds, 1),
+            "accepted_per_round": accepted / max(rounds, 1)}
+
+
+def merge_usage(ends: list[dict[str, Any]]) -> dict[str, int]:
+    """The prompt counted once, the completions of every choice."""
+    prompt = ends[0]["usage"]["prompt_tokens"]
+    completion = sum(e["usage"]["completion_tokens"] for e in ends)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_body(rid: str, chat: bool, model: str, choices: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The non-streamed response, from each choice's whole text and ``end`` event."""
+    ends = [end for _, end in choices]
+    base = {"id": rid, "created": int(time.time()), "model": model, "usage": merge_usage(ends),
+            "speculation": merge_speculation(ends)}
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": end["finish_reason"]}
-        return {"object": "chat.completion", **base, "choices": [choice]}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end["finish_reason"]}
-    return {"object": "text_completion", **base, "choices": [choice]}
+        out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": end["finish_reason"]} for i, (text, end) in enumerate(choices)]
+        return {"object": "chat.completion", **base, "choices": out}
+    out = [{"index": i, "text": text, "logprobs": None, "finish_reason": end["finish_reason"]}
+           for i, (text, end) in enumerate(choices)]
+    return {"object": "text_completion", **base, "choices": out}
 
 
-async def sse_stream(gen: Any, rid: str, chat: bool, include_usage: bool, model: str) -> AsyncIterator[str]:
-    """The streamed response: ``gen`` (the handle call, past its first event) as SSE lines.
-    A client that goes away before the end cancels ``gen`` (the replica aborts the request)."""
+_DONE = object()
+
+
+async def _indexed(gens: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """The events of several handle calls as (choice index, event), in arrival order; an
+    exception in one (a dead replica) is raised here."""
+    if len(gens) == 1:
+        async for ev in gens[0]:
+            yield 0, ev
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Any) -> None:
+        try:
+            async for ev in gen:
+                q.put_nowait((i, ev))
+        except Exception as err:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait((i, err))
+        finally:
+            q.put_nowait((i, _DONE))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        live = len(gens)
+        while live:
+            i, item = await q.get()
+            if item is _DONE:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def sse_stream(gens: list[Any], rid: str, chat: bool, include_usage: bool, model: str) -> AsyncIterator[str]:
+    """The streamed response: ``gens`` (the handle calls of the request's choices, each past
+    its first event) as SSE lines; chunks carry their choice's index. A client that goes
+    away before the end cancels every call (the replicas abort the requests)."""
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(i: int, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
-            c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
         return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
 
     def error(what: str, detail: Any, code: str) -> str:
@@ -71,27 +135,35 @@ async def sse_stream(gen: Any, rid: str, chat: bool, include_usage: bool, model:
         log.error("stream %s: %s [error id %s]: %s", rid, what, eid, detail)
         return sse({"error": {"message": f"{what} (error id {eid})", "type": "internal_error", "param": None, "code": code}})
 
+    ends: dict[int, dict[str, Any]] = {}
     finished = False
     try:
         if chat:
-            yield sse(chunk(None, None, role=True))
+            for i in range(len(gens)):
+                yield sse(chunk(i, None, None, role=True))
         try:
-            async for ev in gen:
-                if ev["type"] == "delta" and ev["text"]:
-                    yield sse(chunk(ev["text"], None))
-                elif ev["type"] == "end":
-                    finished = True
-                    yield sse(chunk(None if chat else "", ev["finish_reason"]))
-                    if include_usage:
-                        yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                                   "usage": ev["usage"], "speculation": ev["speculation"]})
-                elif ev["type"] == "error":
-                    finished = True
-                    yield error("the engine failed on this request", ev["message"], ev["code"] or "engine_error")
+            async with contextlib.aclosing(_indexed(gens)) as events:
+                async for i, ev in events:
+                    if ev["type"] == "delta" and ev["text"]:
+                        yield sse(chunk(i, ev["text"], None))
+                    elif ev["type"] == "end":
+                        ends[i] = ev
+                        yield sse(chunk(i, None if chat else "", ev["finish_reason"]))
+                        if len(ends) == len(gens):
+                            finished = True
+                            if include_usage:
+                                done = [ends[j] for j in range(len(gens))]
+                                yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                                           "usage": merge_usage(done), "speculation": merge_speculation(done)})
+                    elif ev["type"] == "error":  # final for its choice; the others are cancelled below
+                        finished = len(gens) == 1
+                        yield error("the engine failed on this request", ev["message"], ev["code"] or "engine_error")
+                        break
         except RayActorError as err:  # the replica died mid-stream: tell the client, end cleanly
-            finished = True
+            finished = len(gens) == 1
             yield error("the engine replica serving this request failed", repr(err)[:2000], "replica_failed")
         yield "data: [DONE]\n\n"
     finally:
-        if not finished:  # client disconnected (or we failed): abort in the engine
-            cancel_call(gen)
+        if not finished:  # client disconnected, or a choice failed: abort the others in the engines
+            for gen in gens:
+                cancel_call(gen)

@@ -3,7 +3,9 @@
 The ingress reads the body under ``limits.max_body_bytes`` (413 beyond), parses it as
 JSON into a request schema (400 on any mismatch, 404 for another model's name), checks
 the limits that depend on the app config (``check_limits``) and translates the result
-into the plain dict an engine replica's ``generate`` takes (``engine_request``). Every
+into the plain dict an engine replica's ``generate`` takes (``engine_request``), one per
+choice when ``n`` > 1 (``choice_requests``). A field set to a value we cannot honour
+(``SamplingRequest.unsupported``) is a 400 with code ``unsupported_parameter``. Every
 refusal is an OpenAI error response, returned rather than raised.
 """
 
@@ -67,6 +69,8 @@ def check_limits(req: SamplingRequest, args: AppArgs) -> JSONResponse | None:
     elif len(req.prompt) >= ctx:
         return error_response(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
                                    f"{len(req.prompt)}.", "prompt", "context_length_exceeded")
+    if req.n > lim.max_n:
+        return error_response(400, f"n must be <= {lim.max_n}", "n", "invalid_value")
     limit = min(ctx - 1, lim.max_tokens or ctx)
     mt = getattr(req, "max_completion_tokens", None) or req.max_tokens
     if mt is not None and mt > limit:
@@ -106,6 +110,9 @@ async def parse(request: Request, schema: type[SamplingRequest], args: AppArgs) 
     if req.model != args.model_name:
         return error_response(404, f"The model `{req.model[:200]}` does not exist. Available: `{args.model_name}`.",
                               "model", "model_not_found")
+    if (field := req.unsupported()) is not None:
+        return error_response(400, f"`{field}` is not supported yet: leave it out (or at its default)", field,
+                              "unsupported_parameter")
     return check_limits(req, args) or req
 
 
@@ -135,3 +142,22 @@ def engine_request(req: SamplingRequest) -> dict[str, Any] | JSONResponse:
     else:
         return error_response(400, "only one prompt per request is supported", "prompt", "invalid_value")
     return out
+
+
+# Choice i > 0 of a seeded request samples with seed + i * SEED_STRIDE (mod 2**64): the
+# golden-ratio stride spreads the seeds of neighbouring choices and requests far apart.
+SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """The seed of choice ``i``: the request's own for choice 0 (so ``n`` = 1 and the first
+    of ``n`` choices sample alike), a derived one otherwise; None stays None (fresh streams)."""
+    if seed is None or i == 0:
+        return seed
+    return (seed + i * SEED_STRIDE) % 2**64
+
+
+def choice_requests(ereq: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The ``n`` engine requests of one request: independent choices, each its own id and seed."""
+    return [ereq if i == 0 else {**ereq, "request_id": uuid.uuid4().hex, "seed": choice_seed(ereq["seed"], i)}
+            for i in range(n)]

@@ -161,7 +161,9 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, None, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.5}, "invalid_value", "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, "invalid_value", "top_p"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, "invalid_value", "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, "invalid_value", "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 500}, "invalid_value", "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, "unsupported_parameter", "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "invalid_value", "stop"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model_not_found", "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "invalid_value", "messages"),
@@ -223,14 +225,22 @@ def test_budget_change_reaches_all_replicas(url):
 
 def test_metrics_prometheus(url):
     complete(url)
-    wait_for(lambda: "treespark:spec_decode_num_draft_tokens_total" in requests.get(f"{url}/metrics", timeout=5).text, 5)
+    wait_for(lambda: "treespark:request_success_total{" in requests.get(f"{url}/metrics", timeout=5).text, 5)
     text = requests.get(f"{url}/metrics", timeout=5).text
     for name in ("treespark:request_success_total", "treespark:prompt_tokens_total", "treespark:generation_tokens_total",
                  "treespark:spec_decode_num_accepted_tokens_total", "treespark:spec_decode_theta",
-                 "treespark:spec_decode_mean_tree_size", "treespark:step_time_seconds"):
+                 "treespark:spec_decode_mean_tree_size", "treespark:step_time_seconds",
+                 "treespark:time_to_first_token_seconds", "treespark:spec_decode_num_accepted_tokens_per_pos_total",
+                 "treespark:spec_decode_mode", "treespark:controller_broadcast_age_seconds"):
         assert f"# TYPE {name}" in text
     total = [x for x in text.splitlines() if x.startswith("treespark:request_success_total")]
     assert float(total[0].split()[-1]) >= 1
+
+
+def test_served_openapi_document(url):
+    doc = requests.get(f"{url}/openapi.json", timeout=5).json()
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("/ChatRequest") and "ChatRequest" in doc["components"]["schemas"]
 
 
 def test_scale_up_replica_receives_budget(url):

@@ -11,8 +11,7 @@ from serving.fake_engine import FakeEngine, SamplingParams, build_fake_engine
 
 from deployments.config import AppArgs
 from deployments.controller_state import ControllerState, aggregate_load, assign_budgets, expired
-from deployments.engine_loop import ACCEPTED, Aborted, EngineLoop, Failed
-from deployments.metrics import render
+from deployments.engine_loop import ACCEPTED, SCHEDULED, Aborted, EngineLoop, Failed
 from deployments.replica_core import ReplicaCore
 from deployments.reports import ReplicaReport, TreeStats
 from deployments.text import ByteTokenizer, Detokenizer, StopMatcher
@@ -99,14 +98,6 @@ def test_online_calibration_is_pushed():
     assert out["calibration"] is not None and out["calibration"][0] > 0
 
 
-def test_metrics_render():
-    s = ControllerState(LadderPolicy())
-    s.report(rep("a", counters={"draft_tokens": 7, "accepted_tokens": 3}))
-    text = render(s.status(), "m")
-    assert 'treespark:spec_decode_num_draft_tokens_total{model_name="m"} 7.0' in text
-    assert 'treespark:spec_decode_theta{model_name="m",replica="a"}' in text
-
-
 # -- text ---------------------------------------------------------------------------
 
 def test_detokenizer_holds_incomplete_utf8():
@@ -144,8 +135,8 @@ def test_engine_loop_add_error_abort():
     loop.abort("c")
     time.sleep(0.1)
     loop.stop()
-    assert got["a"][0] is ACCEPTED and got["a"][-1].finish_reason == "length"
-    assert sum(len(o.new_token_ids) for o in got["a"][1:]) == 5
+    assert got["a"][0] is ACCEPTED and got["a"][1] is SCHEDULED and got["a"][-1].finish_reason == "length"
+    assert sum(len(o.new_token_ids) for o in got["a"][2:]) == 5
     assert isinstance(got["b"][0], Failed) and isinstance(got["b"][0].error, ValueError)
     assert isinstance(got["c"][-1], Aborted) and "c" in loop.engine.aborted_ids
     assert loop.drain_step_stats()
@@ -250,7 +241,7 @@ def test_engine_loop_call_and_attach():
         got.clear()
         loop.add("a", [1, 2], SamplingParams(max_tokens=3), got.append)
         _wait(lambda: got and getattr(got[-1], "finished", False))
-        assert got[0] is ACCEPTED and sum(len(o.new_token_ids) for o in got[1:]) == 3
+        assert got[0] is ACCEPTED and got[1] is SCHEDULED and sum(len(o.new_token_ids) for o in got[2:]) == 3
     finally:
         loop.stop()
     with pytest.raises(RuntimeError, match="not running"):

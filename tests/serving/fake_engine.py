@@ -34,6 +34,7 @@ class FakeEngine:
         self.step_sleep_s = step_sleep_s
         self.budget = Budget.adaptive()
         self.on_step = None
+        self.on_schedule = None  # the optional hook: called with a request id leaving the waiting queue
         self._running: dict[str, _Req] = {}
         self._waiting: list[_Req] = []
         self._aborted: list[str] = []
@@ -79,6 +80,8 @@ class FakeEngine:
         while self._waiting and len(self._running) < self.max_batch_size:
             r = self._waiting.pop(0)
             self._running[r.rid] = r
+            if self.on_schedule is not None:
+                self.on_schedule(r.rid)
         if self.step_sleep_s:
             time.sleep(self.step_sleep_s)
         k = 1 + min(self.budget.node_cap, 2)

@@ -92,12 +92,16 @@ class LocalController:
         async def status() -> dict[str, Any]:
             return self.state.status()
 
+        async def metrics_view() -> dict[str, Any]:
+            return self.state.metrics_view()
+
         async def set_override(budget: Any) -> None:
             from deployments.reports import budget_from_wire
 
             self.state.set_override(None if budget is None else budget_from_wire(budget))
 
         self.status = _Method(status)
+        self.metrics_view = _Method(metrics_view)
         self.set_override = _Method(set_override)
 
 
@@ -149,6 +153,12 @@ class LocalApi:
     def close(self) -> None:
         self.core.shutdown()
         self.loop.close()
+
+    def beat(self, dt: float = 0.25) -> dict[str, Any]:
+        """One heartbeat of the replica to the in-process controller (no thread runs them here)."""
+        from deployments.reports import ReplicaReport
+
+        return self.api._controller.state.report(ReplicaReport.from_wire(self.core.make_report(dt)))
 
     def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
                 disconnect_after: int | None = None, timeout: float = 30.0) -> Response:
