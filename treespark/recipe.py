@@ -64,10 +64,14 @@ class DrafterRecipe:
     seed: int = 0
 
 
-def chat_ids(tokenizer, text: str) -> list[int]:
-    """A user message in the tokenizer's chat template, ready for the assistant's turn."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                        add_generation_prompt=True, tokenize=True)
+def chat_ids(tokenizer, conversation: str | list[dict[str, str]]) -> list[int]:
+    """A conversation in the tokenizer's chat template, ready for the assistant's turn.
+
+    ``conversation`` is one user message, or a list of ``{"role", "content"}`` turns
+    (user, assistant, user, ...) for a multi-turn request. Every request the project
+    formats goes through this one function."""
+    messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else conversation
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
