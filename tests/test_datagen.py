@@ -120,7 +120,12 @@ def test_default_sources_avoid_heldout_and_tuning_prompts():
     dg.assert_not_reserved([p.text for p in plans], reserved)
     held = [p.text for p in load_prompts("heldout")]
     assert not any(h in d for d in src.docs for h in held)
-    assert len({p.text for p in plans}) > 0.9 * len(plans)  # distinct requests
+    # distinct requests (the question-writing ones repeat across shards; the questions they
+    # yield are sampled, so they do not)
+    pasted = [p.text for p in plans if p.kind != dg.KIND_SELF]
+    assert len(set(pasted)) > 0.9 * len(pasted)
+    asks = [p.text for p in plans if p.kind == dg.KIND_SELF]
+    assert len(set(asks)) > 0.5 * len(asks)
 
 
 def test_plan_is_a_function_of_config_and_shard():
