@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving.fake_engine import StepStats
-from treespark.pricing.policy import LadderPolicy
 
 from deployments.config import AppArgs
 from deployments.controller_state import ControllerState
 from deployments.metrics import ReplicaMetrics, budget_mode, merge, render
 from deployments.reports import ReplicaReport, TreeStats
+from treespark.pricing.policy import LadderPolicy
 
 MODEL = "treespark-random"
 

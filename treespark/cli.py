@@ -167,6 +167,27 @@ def cmd_cost_model(args) -> None:
     print(f"written to {args.out}", file=sys.stderr)
 
 
+def cmd_gen_data(args) -> None:
+    from dataclasses import replace
+
+    import torch
+
+    from treespark import load_pair
+    from treespark.datagen import GenConfig, default_sources, generate_shards
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = GenConfig()
+    cfg = replace(base, **{k: v for k, v in (("seed", args.seed), ("conversations", args.conversations),
+                                             ("batch_size", args.batch_size),
+                                             ("max_answer_tokens", args.max_answer_tokens)) if v is not None})
+    print(cfg, file=sys.stderr)
+    pair = load_pair(device=args.device)
+    written = generate_shards(pair, cfg, default_sources(cfg.max_snippet_chars), Path(args.out),
+                              target_tokens=args.target_tokens, max_shards=args.shards)
+    print(f"wrote shards {written} to {args.out}", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="treespark", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -240,6 +261,19 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--threads", type=int, help="torch threads (match the replicas' torch_threads)")
     m.add_argument("--out", default="configs/costmodel.json")
     m.set_defaults(func=cmd_cost_model)
+
+    d = sub.add_parser("gen-data", help="have the default target write drafter training conversations "
+                                        "(resumable shards of token ids; see docs/drafter-data.md)")
+    d.add_argument("--out", default="data/answers")
+    d.add_argument("--target-tokens", type=int, help="stop once the committed answer tokens reach this")
+    d.add_argument("--shards", type=int, help="stop once this many shards exist")
+    d.add_argument("--threads", type=int, help="torch threads")
+    d.add_argument("--seed", type=int, help="default: GenConfig's")
+    d.add_argument("--conversations", type=int, help="first-turn requests per shard (default: GenConfig's)")
+    d.add_argument("--batch-size", type=int, help="default: GenConfig's")
+    d.add_argument("--max-answer-tokens", type=int, help="default: GenConfig's")
+    d.add_argument("--device")
+    d.set_defaults(func=cmd_gen_data)
     return p
 
 
