@@ -136,7 +136,7 @@ def test_plan_is_a_function_of_config_and_shard():
 
 
 def test_chat_ids_formats_multi_turn_with_the_same_function():
-    from treespark.recipe import chat_ids
+    from treespark.chat import chat_ids
 
     tok = CharTokenizer()
     one = chat_ids(tok, "hi there")
