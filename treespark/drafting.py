@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from treespark.budget import Budget
 from treespark.calibration import Calibration
+from treespark.linear import linear
 from treespark.sampling import Sampler
 from treespark.select import TOP_M, TreeBuilder, slot_values
 from treespark.transfer import HostTransfers
@@ -81,7 +81,7 @@ def score_parents(
     float32 of the sampled parents): packed holds the top-M q, their indices, then
     the k drawn indices and their q (zeros for T = 0 parents)."""
     k = uniforms.shape[1]
-    logits = base[rows, depths - 1].float() + F.linear(w1[parents], w2).float()
+    logits = base[rows, depths - 1].float() + linear(w1[parents], w2).float()  # CPU: the fast layout
     # shift first: a tiny temperature then gives -inf (not NaN) off the argmax
     probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature[:, None], dim=-1)
     m = min(TOP_M, probs.shape[-1])
