@@ -45,10 +45,6 @@ def build_engine(args: AppArgs) -> EngineBundle:
     pair = load_model_pair(args)
     engine = Engine(pair, EngineConfig(max_batch_size=args.max_batch_size, max_context=args.max_context,
                                         max_tree_nodes=args.max_tree_nodes))
-    tok = getattr(pair, "tokenizer", None)
-    eos: tuple[int, ...] = ()
-    if tok is None:
-        tok = ByteTokenizer(engine.vocab_size)
-    elif getattr(tok, "eos_token_id", None) is not None:
-        eos = (int(tok.eos_token_id),)
-    return EngineBundle(engine=engine, tokenizer=tok, make_params=SamplingParams, eos_token_ids=eos)
+    tok = pair.tokenizer if pair.tokenizer is not None else ByteTokenizer(engine.vocab_size)
+    return EngineBundle(engine=engine, tokenizer=tok, make_params=SamplingParams,
+                        eos_token_ids=pair.stop_token_ids)

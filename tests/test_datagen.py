@@ -24,8 +24,10 @@ class CharTokenizer:
         assert 4 + len(self.chars) <= 64
         self.index = {c: i + 4 for i, c in reversed(list(enumerate(self.chars)))}
 
-    def encode(self, text: str) -> list[int]:
-        return [self.index.get(c, self.index[" "]) for c in text]
+    specials = {"\x01": 1, "\x02": 2, "\x03": 3}  # how the chat template writes <eos>, <user>, <assistant>
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.specials.get(c) or self.index.get(c, self.index[" "]) for c in text]
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         special = {1: "<eos>", 2: "<user>", 3: "<assistant>"}
@@ -38,10 +40,9 @@ class CharTokenizer:
         return "".join(out)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True):
-        ids: list[int] = []
-        for m in messages:
-            ids += [2 if m["role"] == "user" else 3] + self.encode(m["content"][:40]) + [1]
-        return ids + [3]
+        text = "".join(("\x02" if m["role"] == "user" else "\x03") + m["content"][:40] + "\x01"
+                       for m in messages) + "\x03"
+        return self.encode(text) if tokenize else text
 
 
 SOURCES = dg.Sources(

@@ -103,3 +103,18 @@ def test_random_pair_families():
     assert q.target.config.num_key_value_heads < q.target.config.num_attention_heads
     with pytest.raises(ValueError, match="family"):
         random_pair(64, 0, family="gpt2")
+
+
+def test_every_eos_id_of_the_generation_config_stops(qwen3_pairs):
+    """Qwen3 ends a reply with <|im_end|> or <|endoftext|>: both stop a request."""
+    from dataclasses import replace
+
+    class Tok:
+        eos_token_id = 7
+
+    pair = replace(qwen3_pairs[512], tokenizer=Tok())
+    pair.target.generation_config.eos_token_id = [11, 7, 13]
+    assert pair.stop_token_ids == (11, 7, 13)
+    pair.target.generation_config.eos_token_id = 5
+    assert pair.stop_token_ids == (5, 7)
+    assert qwen3_pairs[512].stop_token_ids == ()

@@ -44,9 +44,8 @@ def cmd_generate(args) -> None:
 
     pair = load_pair(device=args.device)
     ids = chat_ids(pair.tokenizer, args.prompt) if not args.raw else pair.tokenizer.encode(args.prompt)
-    eos = (pair.tokenizer.eos_token_id,)
     out = generate(pair, ids, max_new_tokens=args.max_tokens, temperature=args.temperature,
-                   seed=args.seed, budget=args.budget, stop_token_ids=eos)
+                   seed=args.seed, budget=args.budget, stop_token_ids=pair.stop_token_ids)
     print(pair.tokenizer.decode(out.token_ids, skip_special_tokens=True))
     print(f"\n[{len(out.token_ids)} tokens in {len(out.rounds) + 1} target forwards "
           f"(prefill + {len(out.rounds)} rounds), {out.tokens_per_round:.2f} tokens/round]", file=sys.stderr)
@@ -55,7 +54,8 @@ def cmd_generate(args) -> None:
             print(f"round {i:3d}: tree {r.tree_size:2d} depth {r.depth} width {r.width} "
                   f"accepted {r.accepted} theta {r.theta:.3f}", file=sys.stderr)
     if args.check and args.temperature == 0:
-        plain = generate(pair, ids, max_new_tokens=args.max_tokens, budget=Budget.off(), stop_token_ids=eos)
+        plain = generate(pair, ids, max_new_tokens=args.max_tokens, budget=Budget.off(),
+                         stop_token_ids=pair.stop_token_ids)
         same = plain.token_ids == out.token_ids
         print(f"identical to plain greedy decoding: {same}", file=sys.stderr)
         if not same:

@@ -52,9 +52,6 @@ class KVStore:
         self.k[:, dst_slot, :, :length] = self.k[:, src_slot, :, :length]
         self.v[:, dst_slot, :, :length] = self.v[:, src_slot, :, :length]
 
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
 
 class KVCache:
     """The target's and the drafter's stores, with slot bookkeeping.
@@ -96,5 +93,3 @@ class KVCache:
     def slots_in_use(self) -> int:
         return sum(1 for n in self.lengths if n > 0)
 
-    def nbytes(self) -> int:
-        return self.target.nbytes() + self.drafter.nbytes()

@@ -39,6 +39,22 @@ class ModelPair:
     def vocab_size(self) -> int:
         return self.target.config.vocab_size
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every token that ends a reply: the target's ``generation_config`` eos ids (Qwen3
+        lists two, ``<|im_end|>`` and ``<|endoftext|>``) and the tokenizer's. None for a
+        pair without a tokenizer (random pairs: their configs' eos ids mean nothing)."""
+        if self.tokenizer is None:
+            return ()
+        ids: list[int] = []
+        gen = getattr(self.target, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        ids += [eos] if isinstance(eos, int) else list(eos or ())
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            ids.append(tok_eos)
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
     """The device to run on: the one asked for, else CUDA when present, else CPU."""

@@ -103,7 +103,6 @@ class TargetRunner:
         self.tap_layers = tuple(tap_layers)
         attn = base.layers[0].self_attn
         self.head_dim = attn.head_dim
-        self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.scaling = attn.scaling
         self.vocab_size = cfg.vocab_size

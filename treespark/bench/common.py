@@ -57,7 +57,6 @@ class RunResult:
 def run_engine(pair: ModelPair, prompts: list[list[int]], budget: Budget, *, max_tokens: int,
                batch_size: int, temperature: float = 0.0, seed: int = 0) -> RunResult:
     """Serve every prompt through one engine (batch_size rows) and time it."""
-    eos = pair.tokenizer.eos_token_id if pair.tokenizer is not None else None
     longest = max(len(p) for p in prompts)
     engine = Engine(pair, EngineConfig(max_batch_size=batch_size, max_context=longest + max_tokens),
                     budget=budget)
@@ -66,7 +65,7 @@ def run_engine(pair: ModelPair, prompts: list[list[int]], budget: Budget, *, max
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(
             temperature=temperature, max_tokens=max_tokens, seed=seed + i,
-            stop_token_ids=(eos,) if eos is not None else ()))
+            stop_token_ids=pair.stop_token_ids))
     tokens = rounds = accepted = drafted = steps = 0
     t0 = time.perf_counter()
     while engine.has_unfinished():
