@@ -45,7 +45,7 @@ from treespark.target import TargetRunner
 from treespark.transfer import HostTransfers
 from treespark.tree import DraftTree
 from treespark.verify import VerifyResult, verify_greedy, walked
-from treespark.walk import SampledTrees, walk_sampled
+from treespark.walk import SampledTrees, branching, walk_sampled
 
 
 @dataclass(frozen=True)
@@ -367,26 +367,14 @@ class Engine:
               sampled: list[int]) -> torch.Tensor:
         """The T > 0 rows' recursive rejection walk (``treespark.walk``)."""
         dev = self.device
-        kmax = logits.shape[1]
-        c = max([len(ch) for i in sampled for ch in drafted.trees[i].children] + [1])
-        depth = max(drafted.trees[i].depth for i in sampled)
-        r = len(sampled)
-        tokens = torch.zeros(r, kmax, dtype=torch.long)
-        draft_ids = torch.zeros(r, kmax, dtype=torch.long)
-        children = torch.full((r, kmax, c), -1, dtype=torch.long)
-        q_row = torch.full((r, kmax), -1, dtype=torch.long)
-        for j, i in enumerate(sampled):
-            t = drafted.trees[i]
-            tokens[j, :t.num_nodes] = torch.tensor(t.tokens)
-            draft_ids[j, :t.num_nodes] = torch.tensor(drafted.draft_ids[i]).clamp(min=0)
-            q_row[j, :t.num_nodes] = torch.tensor(drafted.q_row_of[i])
-            for n, ch in enumerate(t.children):
-                children[j, n, :len(ch)] = torch.tensor(ch, dtype=torch.long)
+        trees = SampledTrees.pad([drafted.trees[i] for i in sampled], [drafted.draft_ids[i] for i in sampled],
+                                 [drafted.q_row_of[i] for i in sampled], logits.shape[1], dev)
+        r, depth, c = len(sampled), trees.depth, trees.children.shape[2]
         # each request draws uniforms for its own tree's shape only (batch-independent)
         u = torch.full((r, (depth + 1) * c + 1), 0.5, dtype=torch.float64)
         for j, i in enumerate(sampled):
             t = drafted.trees[i]
-            ci = max([len(ch) for ch in t.children] + [1])
+            ci = branching(t)
             own = torch.tensor(batch[i].sampler.uniform((t.depth + 1) * ci + 1), dtype=torch.float64)
             u[j, :-1].view(depth + 1, c)[: t.depth + 1, :ci] = own[:-1].view(t.depth + 1, ci)
             u[j, -1] = own[-1]
@@ -394,7 +382,6 @@ class Engine:
         top_p = None
         if any(p.top_p < 1 for p in params):
             top_p = torch.tensor([p.top_p for p in params], device=dev)
-        trees = SampledTrees(tokens.to(dev), draft_ids.to(dev), children.to(dev), q_row.to(dev), depth)
         u = u.to(dev)
         return walk_sampled(logits[sampled], torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev),
                             top_p, trees, drafted.q_rows, self._d2t, u[:, :-1].view(r, depth + 1, c), u[:, -1])

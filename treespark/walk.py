@@ -19,6 +19,7 @@ import torch
 
 from treespark.drafting import normalized
 from treespark.sampling import sample_rows, target_probs_rows
+from treespark.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,29 @@ class SampledTrees:
     children: torch.Tensor   # [R, K, C] child node indices in draw order (-1: none)
     q_row: torch.Tensor      # [R, K] row of ``q_rows`` each node's children were drawn from (-1: none)
     depth: int               # the deepest node of any row
+
+    @classmethod
+    def pad(cls, trees: list[DraftTree], draft_ids: list[list[int]], q_row_of: list[list[int]],
+            width: int, device: torch.device) -> SampledTrees:
+        """The rows' trees padded to ``width`` nodes and to the widest branching, on ``device``."""
+        r, c = len(trees), max(branching(t) for t in trees)
+        tokens = torch.zeros(r, width, dtype=torch.long)
+        ids = torch.zeros(r, width, dtype=torch.long)
+        children = torch.full((r, width, c), -1, dtype=torch.long)
+        q_row = torch.full((r, width), -1, dtype=torch.long)
+        for j, t in enumerate(trees):
+            tokens[j, :t.num_nodes] = torch.tensor(t.tokens)
+            ids[j, :t.num_nodes] = torch.tensor(draft_ids[j]).clamp(min=0)  # the root's -1 is never read
+            q_row[j, :t.num_nodes] = torch.tensor(q_row_of[j])
+            for n, ch in enumerate(t.children):
+                children[j, n, :len(ch)] = torch.tensor(ch, dtype=torch.long)
+        return cls(tokens.to(device), ids.to(device), children.to(device), q_row.to(device),
+                   max(t.depth for t in trees))
+
+
+def branching(tree: DraftTree) -> int:
+    """The most children any node of ``tree`` has (at least 1)."""
+    return max([len(ch) for ch in tree.children] + [1])
 
 
 @torch.no_grad()
