@@ -182,9 +182,7 @@ class ReplicaCore(HeartbeatMixin):
                         self._tokens_emitted += len(new)
                     text, hit = stops.feed(detok.push(new))
                     if item.finished and not hit:
-                        more, hit = stops.feed(detok.flush())
-                        text += more
-                        text += "" if hit else stops.flush()
+                        text += stops.flush()
                     if text or new:
                         yield {"type": "delta", "text": text, "token_ids": new}
                     if hit and not item.finished:

@@ -5,10 +5,11 @@ same methods."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import codecs
+from collections.abc import Callable, Sequence
 from typing import Any
 
-REPLACEMENT = "\ufffd"
+from tokenizers.decoders import DecodeStream
 
 
 class ByteTokenizer:
@@ -28,6 +29,11 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
+    def decode_stream(self) -> Callable[[int], str | None]:
+        """A ``DecodeStream``-like step: the text a new id completes, or None."""
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return lambda i: utf8.decode(bytes([int(i) % 256])) or None
+
     def apply_chat_template(self, conversation: list[dict[str, str]], *, add_generation_prompt: bool = False,
                             tokenize: bool = True) -> str | list[int]:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in conversation)
@@ -45,32 +51,24 @@ def decode(tokenizer: Any, ids: Sequence[int]) -> str:
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text deltas.
-
-    Decodes the whole generation each time (contexts are short) and holds back a
-    trailing replacement character, which usually means an incomplete multi-byte
-    sequence that the next token completes."""
+    """Turns a growing list of token ids into text deltas, in time linear in the output:
+    each token is decoded once, by ``tokenizers``' ``DecodeStream`` (it holds back an
+    incomplete multi-byte character until the token that completes it, and handles
+    merges that rewrite a tail). ``ByteTokenizer`` brings its own stream. A generation
+    cut inside a character ends without it."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            stream = DecodeStream(skip_special_tokens=True)
+            self._step = lambda i: stream.step(backend, i)
+        elif hasattr(tokenizer, "decode_stream"):
+            self._step = tokenizer.decode_stream()
+        else:
+            raise TypeError(f"{type(tokenizer).__name__} has no fast (tokenizers) backend to stream-decode with")
 
     def push(self, new_ids: Sequence[int]) -> str:
-        self.ids.extend(int(i) for i in new_ids)
-        text = decode(self.tokenizer, self.ids)
-        stable = text.rstrip(REPLACEMENT)
-        # A later token may rewrite the tail (rare merges): wait until the text extends
-        # what was already sent.
-        delta = stable[len(self.emitted):] if stable.startswith(self.emitted) else ""
-        self.emitted += delta
-        return delta
-
-    def flush(self) -> str:
-        text = decode(self.tokenizer, self.ids)
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted += delta
-        return delta
+        return "".join(self._step(int(i)) or "" for i in new_ids)
 
 
 class StopMatcher:

@@ -93,3 +93,40 @@ def test_block_logits_shape(tmp_path):
     k = torch.zeros(2, b, 2, c, 8)
     u = d.block_logits(torch.tensor([3, 4]), k, k.clone(), torch.tensor([5, 2]))
     assert u.shape == (b, 7, 101) and torch.isfinite(u).all()
+
+
+def test_checkpoint_is_assigned_never_materialised_twice(tmp_path):
+    """The drafter is built on the meta device and the checkpoint's tensors are assigned:
+    every tensor ends on the asked device and dtype, holding the checkpoint's values."""
+    state = write_checkpoint(tmp_path / "ckpt", confidence=False)
+    drafter = load_drafter(tmp_path / "ckpt", dtype=torch.bfloat16)
+    tensors = dict(drafter.named_parameters()) | dict(drafter.named_buffers())
+    assert not any(t.is_meta for t in tensors.values())
+    assert all(t.dtype == torch.bfloat16 for t in drafter.parameters())
+    assert torch.equal(drafter.fc.weight, state["fc.weight"].to(torch.bfloat16))
+    # and it runs: the rotary frequencies were built for real, in float32
+    assert drafter.rotary._inv_freq[torch.device("cpu")].dtype == torch.float32
+    ctx_k = torch.zeros(2, 1, 2, 3, 8, dtype=torch.bfloat16)
+    out = drafter.block_logits(torch.tensor([5]), ctx_k, ctx_k.clone(), torch.tensor([3]))
+    assert out.shape == (1, 7, 101) and torch.isfinite(out).all()
+
+
+def _cos(config: dict, positions: list[int]) -> torch.Tensor:
+    from treespark.drafter import Rotary
+
+    cos, _ = Rotary(DSparkConfig.from_dict(config))(torch.tensor([positions]), torch.float32)
+    return cos[0]
+
+
+def test_rope_scaling_comes_from_the_config():
+    """Linear scaling by 2 puts position 2p where the unscaled rope puts p; the
+    transformers-5 form (rope_parameters) reads the same as the older rope_scaling."""
+    plain = _cos(CONFIG, [0, 3, 7, 20])
+    linear_old = _cos(CONFIG | {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, [0, 6, 14, 40])
+    linear_new = _cos(CONFIG | {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                    "rope_theta": 1000000}}, [0, 6, 14, 40])
+    assert torch.allclose(plain, linear_old, atol=1e-5) and torch.allclose(plain, linear_new, atol=1e-5)
+    yarn = CONFIG | {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}
+    assert not torch.allclose(_cos(yarn, [0, 6, 14, 40]), _cos(CONFIG, [0, 6, 14, 40]))
+    with pytest.raises(ValueError, match="dynamic"):
+        _cos(CONFIG | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, [0])

@@ -419,3 +419,21 @@ def test_round_records_are_keyed_by_each_rows_node_cap():
     s = StepStats(tree_sizes=(4, 0, 1), accepted=(2, 0, 1), node_caps=(8, 8, 2), **base)
     # the empty tree counts as a round at its cap that accepted nothing, not at the widest tree
     assert round_records(s) == [(8, 2), (8, 0), (2, 1)]
+
+
+def test_detokenizer_streams_the_default_tokenizer_losslessly():
+    """Token by token, the deltas join to the whole output's decode: multi-byte
+    characters split across byte-level tokens, emoji, CJK, leading spaces, newlines."""
+    from transformers import AutoTokenizer
+
+    from treespark.fetch import default_cache_dir, fetch_default_target
+
+    tok = AutoTokenizer.from_pretrained(fetch_default_target(default_cache_dir(), progress=False))
+    text = "Hé said: 你好, world 🙂!\n  def f(x):\n\treturn x ** 2  # ünïcödé"
+    ids = tok.encode(text, add_special_tokens=False)
+    d = Detokenizer(tok)
+    deltas = [d.push([i]) for i in ids]
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
+    assert "" in deltas  # some token only started a character, and waited for the next
+    d2 = Detokenizer(tok)
+    assert d2.push(ids[:7]) + d2.push(ids[7:]) == tok.decode(ids)

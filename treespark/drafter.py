@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from treespark.linear import Linear, linear
 
@@ -51,6 +53,8 @@ class DSparkConfig:
     target_hidden_size: int = 0          # 0: same as hidden_size
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None     # transformers' rope parameters beyond theta (rope_type, factor, ...)
+    max_position_embeddings: int = 40_960
     hidden_act: str = "silu"
     draft_vocab_size: int = 0            # 0: the full vocabulary
     shared_embeddings: bool = False      # embed_tokens / lm_head come from the target
@@ -87,8 +91,11 @@ class DSparkConfig:
         """Read our config.json or a public DSpark one (unknown keys are ignored; the
         DSpark-specific keys may also sit in a nested ``dspark_config`` dict)."""
         flat = {**d, **d.get("dspark_config", {})}
-        if "rope_theta" not in flat and isinstance(flat.get("rope_parameters"), dict):
-            flat["rope_theta"] = flat["rope_parameters"].get("rope_theta", 1_000_000.0)
+        rope = flat.get("rope_parameters")
+        if isinstance(rope, dict):  # transformers >= 5: theta and scaling in one dict
+            flat.setdefault("rope_theta", rope.get("rope_theta", 1_000_000.0))
+            if rope.get("rope_type", "default") != "default" and not flat.get("rope_scaling"):
+                flat["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         if not flat.get("head_dim"):
             flat["head_dim"] = flat["hidden_size"] // flat["num_attention_heads"]
         known = {f.name for f in fields(cls)}
@@ -112,15 +119,49 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half convention). x: [B, H, S, D]; positions: [B, S]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    freqs = positions.to(torch.float32)[..., None] * inv_freq          # [B, S, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]                    # [B, 1, S, D]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return torch.cat([-x[..., d:], x[..., :d]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, S, D]; cos, sin: [B, S, D] (rotate-half convention)."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class Rotary:
+    """The drafter's rotary embedding, from its config: theta, and the scaling (linear,
+    yarn, llama3, longrope, ...) exactly as transformers computes it for a target with
+    the same ``rope_parameters``. The inverse frequencies stay float32 on every device
+    (a plain attribute, not a buffer: casting the drafter to bfloat16 leaves them).
+    Dynamic NTK scaling, which changes with the sequence length, is refused."""
+
+    def __init__(self, c: DSparkConfig) -> None:
+        params = dict(c.rope_scaling or {})
+        rope_type = params.pop("rope_type", params.pop("type", "default"))
+        with torch.device("cpu"):  # also when the drafter itself is built on the meta device
+            if rope_type == "default":
+                d = c.head_dim
+                inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+                self.scale = 1.0
+            elif rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"drafter rope_type {rope_type!r} is not supported "
+                                 f"(supported: default, {', '.join(k for k in ROPE_INIT_FUNCTIONS if k != 'dynamic')})")
+            else:
+                cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                                  head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
+                                  rope_parameters={"rope_type": rope_type, "rope_theta": c.rope_theta, **params})
+                inv_freq, self.scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+        self._inv_freq = {torch.device("cpu"): inv_freq.float()}
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, S] -> cos, sin [B, S, head_dim] in ``dtype``."""
+        inv = self._inv_freq.get(positions.device)
+        if inv is None:
+            inv = self._inv_freq[positions.device] = self._inv_freq[torch.device("cpu")].to(positions.device)
+        freqs = positions.to(torch.float32)[..., None] * inv
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 
 class DSparkAttention(nn.Module):
@@ -135,25 +176,27 @@ class DSparkAttention(nn.Module):
         self.q_norm = RMSNorm(hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(hd, c.rms_norm_eps)
 
-    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of x [B, S, h] at positions [B, S] -> two [B, kvh, S, hd]."""
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of x [B, S, h] with the rotary cos/sin [B, S, hd] of its
+        positions -> two [B, kvh, S, hd]."""
         b, s, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, s, -1, self.c.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.c.head_dim).transpose(1, 2)
-        return rope(k, positions, self.c.rope_theta), v
+        return apply_rope(k, cos, sin), v
 
     def forward(
         self,
         x: torch.Tensor,           # [B, S, h] the block rows
-        positions: torch.Tensor,   # [B, S]
+        cos: torch.Tensor,         # [B, S, hd] rotary cos/sin of the rows' positions
+        sin: torch.Tensor,
         ctx_k: torch.Tensor,       # [B, kvh, C, hd] context keys (cached)
         ctx_v: torch.Tensor,       # [B, kvh, C, hd]
         mask: torch.Tensor,        # [B, 1, S, C + S] bool, True = may attend
     ) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, -1, self.c.head_dim)).transpose(1, 2)
-        q = rope(q, positions, self.c.rope_theta)
-        k_blk, v_blk = self.kv(x, positions)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin)
         k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=2)
         v = torch.cat([ctx_v.to(v_blk.dtype), v_blk], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -179,8 +222,8 @@ class DSparkLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -227,6 +270,7 @@ class DSparkDrafter(nn.Module):
             self.d2t = None
         self._shared_embed: torch.Tensor | None = None
         self._shared_head: torch.Tensor | None = None
+        self.rotary = Rotary(c)
 
     # -- shared embeddings ------------------------------------------------------------
     def attach_target_embeddings(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
@@ -264,7 +308,8 @@ class DSparkDrafter(nn.Module):
         """taps: [B, S, n_taps*th], positions: [B, S] -> keys, values [L, B, kvh, S, hd]
         for every drafter layer (what the drafter's KV cache stores per position)."""
         ctx = self.context(taps)
-        ks, vs = zip(*(layer.self_attn.kv(ctx, positions) for layer in self.layers), strict=True)
+        cos, sin = self.rotary(positions, ctx.dtype)
+        ks, vs = zip(*(layer.self_attn.kv(ctx, cos, sin) for layer in self.layers), strict=True)
         return torch.stack(ks), torch.stack(vs)
 
     @torch.no_grad()
@@ -280,8 +325,9 @@ class DSparkDrafter(nn.Module):
 
     def _backbone(self, ids, positions, ctx_k, ctx_v, mask) -> torch.Tensor:
         x = self.embed(ids).to(self.fc.weight.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, ctx_k[i], ctx_v[i], mask)
+            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
         return self.head(self.norm(x))
 
     @torch.no_grad()
@@ -355,14 +401,17 @@ def load_drafter(
         if not (directory / name).is_file():
             raise FileNotFoundError(f"drafter checkpoint {directory} has no {name}")
     raw = json.loads((directory / CONFIG_NAME).read_text())
-    state = load_file(str(directory / WEIGHTS_NAME))
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    # straight onto the device, in the serving dtype: no float32 CPU copy of a large drafter
+    state = {k: v.to(dtype) if v.is_floating_point() else v
+             for k, v in load_file(str(directory / WEIGHTS_NAME), device=str(dev)).items()}
     if any(k.startswith("confidence_head.") for k in state):
         raw = {**raw, "confidence_head": True}
     if "d2t" in state and not raw.get("draft_vocab_size"):
         raw = {**raw, "draft_vocab_size": int(state["d2t"].numel())}
-    drafter = DSparkDrafter(DSparkConfig.from_dict(raw))
-    drafter.load_state_dict(state, strict=True)
-    drafter.to(device=device, dtype=dtype)
+    with torch.device("meta"):  # no memory and no random init: the checkpoint's tensors are assigned
+        drafter = DSparkDrafter(DSparkConfig.from_dict(raw))
+    drafter.load_state_dict(state, strict=True, assign=True)
     if drafter.d2t is not None:
         drafter.d2t = drafter.d2t.long()
     if drafter.config.shared_embeddings:

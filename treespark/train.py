@@ -268,13 +268,17 @@ def new_drafter_for(target, *, block_size: int, tap_layers: tuple[int, ...], mar
     """A fresh shared-embedding drafter shaped after ``target`` (Llama family)."""
     tc = target.config
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    rope_theta = getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    rope_theta = getattr(tc, "rope_theta", None) or rope.get("rope_theta", 10000.0)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     cfg = DSparkConfig(
         vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=tc.num_key_value_heads, head_dim=head_dim, block_size=block_size,
         target_layer_ids=tuple(tap_layers), mask_token_id=mask_token_id, markov_rank=markov_rank,
         rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope_theta),
+        rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None,
+        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 40_960)),
         draft_vocab_size=int(d2t.numel()) if d2t is not None else 0, shared_embeddings=True,
     )
     drafter = DSparkDrafter(cfg)
