@@ -150,3 +150,15 @@ def test_calibrate_pair_stores_the_map_in_use_and_its_variant(tmp_path):
     assert stored["n"] > 0 and stored["sampled"]["n"] > 0 and stored["sampled"]["temperature"] == 1.0
     assert (tmp_path / "ranked" / "reliability.png").stat().st_size > 0
     assert load_variant(tmp_path / "missing.json") is None
+
+
+def test_calibration_for_a_drafter(tmp_path):
+    """Its own calibration.json first; else the published fit for the public DSpark
+    Qwen3-4B drafter (the reference code's a, b); else the identity map."""
+    from treespark.calibration import Calibration, calibration_for
+
+    public = "deepseek-ai/dspark_qwen3_4b_block7"
+    assert calibration_for(tmp_path, public) == Calibration(a=0.6684, b=-0.4587)
+    assert calibration_for(tmp_path, "someone/else") == Calibration()
+    Calibration(a=0.9, b=-0.2).save(tmp_path / "calibration.json")
+    assert calibration_for(tmp_path, public) == Calibration(a=0.9, b=-0.2)

@@ -118,6 +118,22 @@ class Calibration:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+# Fits published with a drafter, used until `treespark calibrate` writes one beside it.
+PUBLISHED: dict[str, Calibration] = {
+    # the TreeSpark paper's reference code: its fit for DSpark's Qwen3-4B block-7 drafter
+    "deepseek-ai/dspark_qwen3_4b_block7": Calibration(a=0.6684, b=-0.4587),
+}
+
+
+def calibration_for(drafter_dir: str | Path, drafter_name: str | None = None) -> Calibration:
+    """The drafter's calibration: its ``calibration.json``, else the published fit for a
+    drafter of that hub name, else the identity map (p_hat = q)."""
+    path = Path(drafter_dir) / "calibration.json"
+    if path.is_file():
+        return Calibration.load(path)
+    return PUBLISHED.get(drafter_name or "", Calibration())
+
+
 def load_variant(path: str | Path) -> Calibration | None:
     """The other fit ``treespark calibrate`` stores beside the one in use (key ``variant``:
     with sibling offsets if the one in use has none, and the other way round), for

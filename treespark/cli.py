@@ -84,7 +84,12 @@ def cmd_calibrate(args) -> None:
     from treespark import load_pair
     from treespark.calibrate_cmd import calibrate_pair
 
-    pair = load_pair(drafter=args.drafter, device=args.device)
+    if args.target and not args.drafter:
+        raise SystemExit("calibrate: --target needs its --drafter")
+    if args.drafter and not args.out and not Path(args.drafter).is_dir():
+        raise SystemExit(f"calibrate: {args.drafter} is not a local directory: say where calibration.json "
+                         "goes with --out (load_pair reads it from the drafter's directory)")
+    pair = load_pair(args.target, args.drafter, device=args.device)
     calibrate_pair(pair, Path(args.out or args.drafter or _default_dir()), sibling_offsets=args.sibling_offsets,
                    sampled_temperature=args.sampled_temperature)
 
@@ -141,11 +146,20 @@ def cmd_cost_model(args) -> None:
     from treespark.cost_measure import measure_cost_model
     from treespark.pricing.costmodel import format_table
 
-    if args.threads:
-        import torch
+    import torch
 
+    if args.threads:
         torch.set_num_threads(args.threads)
-    if args.pair == "default":  # only the target is timed: no drafter needed
+    if args.target:  # only the target is timed: no drafter needed
+        from transformers import AutoModelForCausalLM
+
+        from treespark.models import pick_device
+
+        dev = pick_device(args.device)
+        target = AutoModelForCausalLM.from_pretrained(
+            args.target, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).eval().to(dev)
+        name = args.target
+    elif args.pair == "default":
         from treespark.fetch import load_default_target
 
         target, name = load_default_target()[0], "smollm2-135m-instruct"
@@ -222,8 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="fit the calibration (a, b) on greedy verification traces and a "
                                          "second map for T > 0 on sampled ones (and the variant with "
                                          "sibling-rank offsets); writes calibration.json")
-    c.add_argument("--drafter", help="drafter directory (default: the shipped one)")
-    c.add_argument("--out")
+    c.add_argument("--target", help="a Llama-family causal LM: local directory or hub id (default: the embedded one)")
+    c.add_argument("--drafter", help="its DSpark drafter: directory or hub id (default: the shipped one)")
+    c.add_argument("--out", help="where calibration.json goes (default: the drafter's directory)")
     c.add_argument("--device")
     c.add_argument("--sampled-temperature", type=float, default=1.0,
                    help="the temperature of the traces the T > 0 map is fitted on (default 1)")
@@ -250,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("cost-model", help="measure the verify-forward time T(bs, k); writes JSON for the policy")
     m.add_argument("--pair", default="default", choices=["default", "random"])
+    m.add_argument("--target", help="time this causal LM instead (local directory or hub id)")
+    m.add_argument("--device")
     grid = MeasureConfig()
     m.add_argument("--batch-sizes", type=int, nargs="+", default=list(grid.batch_sizes))
     m.add_argument("--tokens", type=int, nargs="+", default=list(grid.tokens),

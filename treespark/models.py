@@ -19,7 +19,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from treespark.calibration import Calibration
+from treespark.calibration import Calibration, calibration_for
 from treespark.drafter import DSparkConfig, DSparkDrafter
 
 
@@ -174,6 +174,5 @@ def load_pair(
         raise FileNotFoundError(
             f"no drafter at {ddir}: train one with `treespark train-drafter --out {ddir}`")
     draft = load_drafter(ddir, target=model, device=dev, dtype=dtype)
-    cal_file = ddir / "calibration.json"
-    calibration = Calibration.load(cal_file) if cal_file.is_file() else Calibration()
-    return ModelPair(target=model, drafter=draft, tokenizer=tokenizer, calibration=calibration, name=name)
+    return ModelPair(target=model, drafter=draft, tokenizer=tokenizer,
+                     calibration=calibration_for(ddir, drafter), name=name)
