@@ -181,6 +181,14 @@ def cmd_cost_model(args) -> None:
     print(f"written to {args.out}", file=sys.stderr)
 
 
+def cmd_device_check(args) -> None:
+    from treespark.bench.device_check import SHAPES, CheckConfig, device_check
+
+    cfg = CheckConfig(shape=SHAPES[args.shape], batch_sizes=tuple(args.batch_sizes), new_tokens=args.max_tokens)
+    device_check(cfg, args.out, device=args.device, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"written to {args.out}/device-check.md and {args.out}/costmodel.json", file=sys.stderr)
+
+
 def cmd_gen_data(args) -> None:
     from dataclasses import replace
 
@@ -278,6 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--threads", type=int, help="torch threads (match the replicas' torch_threads)")
     m.add_argument("--out", default="configs/costmodel.json")
     m.set_defaults(func=cmd_cost_model)
+
+    v = sub.add_parser("device-check", help="the one-shot GPU check: random Qwen3-4B-shaped pair on the device, "
+                                            "plain/chain/tree tokens/s and stage times, the cost model T(bs, k)")
+    v.add_argument("--shape", default="qwen3-4b", choices=["qwen3-4b", "tiny"])
+    v.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    v.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    v.add_argument("--device")
+    v.add_argument("--out", default="docs/results/device")
+    v.set_defaults(func=cmd_device_check)
 
     d = sub.add_parser("gen-data", help="have the default target write drafter training conversations "
                                         "(resumable shards of token ids; see docs/drafter-data.md)")
