@@ -168,6 +168,10 @@ class AppArgs(_Strict):
     seed: int = 0
     max_batch_size: int = Field(8, ge=1)
     max_context: int = Field(1024, ge=2)
+    # KV memory: the fraction of device memory (less what is in use once the weights are
+    # loaded) the KV rows may take; an engine runs fewer than max_batch_size requests if
+    # that is what it holds (0: max_batch_size rows, no check)
+    kv_memory_fraction: float = Field(0.0, ge=0.0, le=1.0)
     # draft nodes per tree the engines hold at most, whatever the budget (EngineConfig.max_tree_nodes);
     # also the largest node_cap ``POST /v1/speculation/override`` accepts
     max_tree_nodes: int = Field(64, ge=0)

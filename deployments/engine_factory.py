@@ -44,7 +44,8 @@ def build_engine(args: AppArgs) -> EngineBundle:
 
     pair = load_model_pair(args)
     engine = Engine(pair, EngineConfig(max_batch_size=args.max_batch_size, max_context=args.max_context,
-                                        max_tree_nodes=args.max_tree_nodes))
+                                        max_tree_nodes=args.max_tree_nodes,
+                                        kv_memory_fraction=args.kv_memory_fraction))
     tok = pair.tokenizer if pair.tokenizer is not None else ByteTokenizer(engine.vocab_size)
     return EngineBundle(engine=engine, tokenizer=tok, make_params=SamplingParams,
                         eos_token_ids=pair.stop_token_ids)

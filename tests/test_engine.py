@@ -82,6 +82,25 @@ def test_full_engine_queues_and_limits_refuse_up_front(pair64):
         engine.add_request("dup", [1], SamplingParams(max_tokens=30))
 
 
+def test_kv_budget_sets_the_rows_and_admission(pair64):
+    """A KV budget of 3.5 rows allocates 2 running rows + the prefill row: at most 2
+    requests run at once although max_batch_size is 8, and every request completes with
+    the tokens it gets alone. Below 2 rows the engine refuses to start, saying why."""
+    row = Engine(pair64, EngineConfig(max_batch_size=1, max_context=40)).row_bytes
+    engine = Engine(pair64, EngineConfig(max_batch_size=8, max_context=40, kv_budget_bytes=int(3.5 * row)))
+    assert engine.max_batch_size == 2 and engine.kv.target.k.shape[1] == 3
+    arrivals = {0: [(f"q{i}", [i + 1, 2, 3], SamplingParams(max_tokens=5)) for i in range(5)]}
+    peak = []
+    engine.on_step = lambda s: peak.append(s.batch_size)
+    tokens, reasons = run(engine, arrivals)
+    assert max(peak) == 2 and len(reasons) == 5
+    alone, _ = run(Engine(pair64, EngineConfig(max_batch_size=1, max_context=40)), {0: arrivals[0][3:4]})
+    assert tokens["q3"] == alone["q3"]
+    with pytest.raises(ValueError, match="fewer than 2 rows"):
+        Engine(pair64, EngineConfig(max_context=40, kv_budget_bytes=int(1.5 * row)))
+    assert Engine(pair64, EngineConfig(max_batch_size=4, max_context=40, kv_memory_fraction=0.5)).max_batch_size == 4
+
+
 def test_no_leaks_after_200_requests_with_aborts(pair64):
     engine = Engine(pair64, EngineConfig(max_batch_size=6, max_context=64, prefill_chunk=8))
     arrivals, aborts = {}, {}

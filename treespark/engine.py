@@ -37,7 +37,7 @@ import torch
 from treespark.budget import Budget
 from treespark.calibration import Calibration
 from treespark.drafting import RoundDraft, RowDraft, WaveDrafter
-from treespark.kv import KVCache, StoreShape
+from treespark.kv import KVCache, StoreShape, bytes_per_token, device_kv_budget, rows_within
 from treespark.models import ModelPair
 from treespark.params import RequestOutput, RequestStats, RoundStats, SamplingParams, StepStats
 from treespark.sampling import TorchSampler, sample_rows, target_probs_rows
@@ -54,11 +54,17 @@ class EngineConfig:
     max_context: int = 1024         # prompt + generated tokens per request
     max_tree_nodes: int = 64        # hard cap on draft nodes per tree, whatever the budget
     prefill_chunk: int = 256        # prompt tokens per prefill forward
+    # KV memory: rows (a full context each, target + drafter) beyond what the budget holds
+    # are not allocated, and the engine runs fewer requests than max_batch_size at once
+    kv_budget_bytes: int = 0        # 0: no budget in bytes
+    kv_memory_fraction: float = 0.0 # 0: none; else this fraction of device memory less what is in use
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_context", "prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0")
+        if self.kv_budget_bytes < 0 or not 0.0 <= self.kv_memory_fraction <= 1.0:
+            raise ValueError("EngineConfig.kv_budget_bytes must be >= 0 and kv_memory_fraction in [0, 1]")
         if self.max_tree_nodes < 0:
             raise ValueError("EngineConfig.max_tree_nodes must be >= 0")
 
@@ -104,14 +110,17 @@ class Engine:
         self.runner = TargetRunner(pair.target, self.drafter.config.target_layer_ids)
         self.device = self.runner.device
         dc = self.drafter.config
-        self.kv = KVCache(
-            self.runner.store_shape,
-            StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim),
-            max_batch=self.config.max_batch_size,
-            capacity=self.config.max_context + self.config.max_tree_nodes + 1,
-            device=self.device,
-            dtype=self.runner.dtype,
-        )
+        shapes = (self.runner.store_shape, StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim))
+        capacity = self.config.max_context + self.config.max_tree_nodes + 1
+        self.row_bytes = capacity * bytes_per_token(*shapes, self.runner.dtype)
+        limits = [self.config.kv_budget_bytes] if self.config.kv_budget_bytes else []
+        if self.config.kv_memory_fraction:
+            limits.append(device_kv_budget(self.device, self.config.kv_memory_fraction))
+        # the running requests at once: what the KV budget holds, at most max_batch_size
+        self.max_batch_size = (rows_within(min(limits), self.row_bytes, self.config.max_batch_size) if limits
+                               else self.config.max_batch_size)
+        self.kv = KVCache(*shapes, max_batch=self.max_batch_size, capacity=capacity,
+                          device=self.device, dtype=self.runner.dtype)
         self.budget = budget or Budget.adaptive()
         self.calibration = calibration or pair.calibration
         self.transfers = HostTransfers()
@@ -193,7 +202,7 @@ class Engine:
 
     def _prefill_step(self, outputs: list[RequestOutput]) -> int:
         if self._staging is None:
-            if not self._waiting or len(self._running) >= self.config.max_batch_size:
+            if not self._waiting or len(self._running) >= self.max_batch_size:
                 return 0
             self._staging = self._waiting.popleft()
             self._staging.slot = self.kv.staging

@@ -22,6 +22,35 @@ class StoreShape:
     head_dim: int
 
 
+def bytes_per_token(target: StoreShape, drafter: StoreShape, dtype: torch.dtype) -> int:
+    """Bytes one token position takes in both stores (keys and values, every layer)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * elem * sum(s.layers * s.kv_heads * s.head_dim for s in (target, drafter))
+
+
+def rows_within(budget_bytes: int, row_bytes: int, max_batch: int) -> int:
+    """How many running rows a KV budget holds beside the prefill row (at most
+    ``max_batch``). Rows are dense, a full context each: a budget below two rows is an
+    error that says what one row needs."""
+    rows = budget_bytes // row_bytes - 1
+    if rows < 1:
+        raise ValueError(f"the KV budget ({budget_bytes / 2**20:.1f} MiB) holds fewer than 2 rows of "
+                         f"{row_bytes / 2**20:.1f} MiB (one running request and the prefill row, each a full "
+                         f"max_context): lower max_context or raise the budget")
+    return min(max_batch, rows)
+
+
+def device_kv_budget(device: torch.device, fraction: float) -> int:
+    """``fraction`` of the device's memory, less what is already in use (the weights,
+    other processes): vLLM's gpu_memory_utilization rule. On CPU: of the available RAM."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, int(fraction * total) - (total - free))
+    import os
+
+    return int(fraction * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
 class KVStore:
     """Keys and values of one model."""
 
