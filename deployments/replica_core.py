@@ -6,7 +6,8 @@ the API turns into OpenAI responses:
 
 * ``{"type": "error", "status", "message", "param", "code"}``   (bad input; final)
 * ``{"type": "start", "request_id", "prompt_tokens"}``
-* ``{"type": "delta", "text", "token_ids"}``                    (one per engine step)
+* ``{"type": "delta", "text", "token_ids"}``                    (one per engine step; with
+  ``"logprobs"``, one ``text.logprob_entry`` per token, when the request asked)
 * ``{"type": "end", "finish_reason", "usage", "speculation"}``  (final)
 
 Each request is timed and counted in the replica's Prometheus registry
@@ -30,7 +31,7 @@ from deployments.engine_loop import ACCEPTED, SCHEDULED, Aborted, EngineLoop, Fa
 from deployments.heartbeat import HeartbeatMixin, rss_bytes
 from deployments.metrics import ReplicaMetrics, RequestClock
 from deployments.reports import COUNTERS, budget_to_wire
-from deployments.text import Detokenizer, StopMatcher, encode_text
+from deployments.text import Detokenizer, StopMatcher, encode_text, logprob_entry
 from treespark.chat import chat_ids
 
 
@@ -121,6 +122,7 @@ class ReplicaCore(HeartbeatMixin):
                 max_tokens=int(max_tokens),
                 stop_token_ids=stop_ids,
                 seed=req.get("seed"),
+                logprobs=req.get("logprobs"),
             )
         except ValueError as err:
             return _error(str(err))
@@ -184,7 +186,10 @@ class ReplicaCore(HeartbeatMixin):
                     if item.finished and not hit:
                         text += stops.flush()
                     if text or new:
-                        yield {"type": "delta", "text": text, "token_ids": new}
+                        delta = {"type": "delta", "text": text, "token_ids": new}
+                        if getattr(item, "logprobs", None) is not None:
+                            delta["logprobs"] = [logprob_entry(self.tokenizer, x) for x in item.logprobs]
+                        yield delta
                     if hit and not item.finished:
                         stopped_by_string = True
                         self.loop.abort(rid)

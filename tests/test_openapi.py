@@ -80,7 +80,7 @@ schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.N
 schema.config.checks.negative_data_rejection.expected_statuses += ["413"]
 
 
-UNHONOURED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "presence_penalty", "frequency_penalty",
+UNHONOURED = ("echo", "best_of", "suffix", "presence_penalty", "frequency_penalty",
               "logit_bias", "tools", "tool_choice", "response_format")
 
 
