@@ -114,6 +114,9 @@ class ReplicaArgs(_Strict):
 
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    # custom Ray resources per replica: replicas run only on nodes that have them
+    # (``deployments.placement``), e.g. {"treespark_worker": 1}
+    resources: dict[str, float] = Field(default_factory=dict)
     num_replicas: int | None = Field(None, ge=1)
     autoscaling: AutoscalingArgs | None = None
     max_ongoing_requests: int | None = Field(None, ge=1)  # per replica; default 2 * max_batch_size

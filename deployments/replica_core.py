@@ -52,9 +52,11 @@ class ReplicaCore(HeartbeatMixin):
     """The replica without Serve: engine loop, request handling, heartbeat. ``replica_id``
     names it to the controller; ``connect`` returns a controller handle (Ray in production)."""
 
-    def __init__(self, args: AppArgs, replica_id: str, connect: Callable[[], Any] | None = None) -> None:
+    def __init__(self, args: AppArgs, replica_id: str, connect: Callable[[], Any] | None = None,
+                 node_id: str | None = None) -> None:
         self.args = args
         self.replica_id = replica_id
+        self.node_id = node_id  # the Ray node, reported to the controller
         # The engine is built on the thread that runs it, so torch keeps one OpenMP
         # worker team (see deployments.engine_loop).
         self.loop = EngineLoop().start()
@@ -238,6 +240,8 @@ class ReplicaCore(HeartbeatMixin):
             "budget_source": self.budget_source,
             "controller_ok": self.controller_ok,
             "registrations": self.registrations,
+            "node_id": self.node_id,
+            "first_budget_s": self.first_budget_s,
             "heartbeats_ok": self.heartbeats_ok,
             "heartbeats_failed": self.heartbeats_failed,
             "last_heartbeat_error": self.last_heartbeat_error,
