@@ -38,6 +38,7 @@ def replica_options(args: AppArgs) -> dict[str, Any]:
             "target_ongoing_requests": a.target_ongoing_requests,
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
+            "look_back_period_s": a.look_back_period_s,
         }
     else:
         opts["num_replicas"] = r.num_replicas or 1

@@ -101,6 +101,7 @@ class AutoscalingArgs(_Strict):
     target_ongoing_requests: float = Field(4.0, gt=0)
     upscale_delay_s: float = Field(5.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0)   # Serve averages ongoing requests over this window
 
     @model_validator(mode="after")
     def _check(self) -> AutoscalingArgs:

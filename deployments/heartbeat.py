@@ -208,7 +208,9 @@ class HeartbeatMixin:
     def _heartbeat_loop(self) -> None:
         period = self.args.controller.heartbeat_s
         handle, last, retry_at = None, time.monotonic(), 0.0
-        while not self._stop.wait(period):
+        wait = 0.0  # the first report at once: a new replica registers and gets its budget now
+        while not self._stop.wait(wait):
+            wait = period
             now = time.monotonic()
             if handle is None and now < retry_at:  # controller down: back off a little
                 self._use_local_policy()

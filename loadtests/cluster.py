@@ -67,10 +67,11 @@ class LocalCluster:
         return node.node_id
 
     def kill_worker(self, node_id: str) -> float:
-        """SIGKILL the worker's raylet and processes; returns when they are gone (time.time())."""
+        """SIGKILL the worker's raylet and processes; returns once they are gone, with the
+        time the kill was issued (time.time())."""
         node = self.workers.pop(node_id)
-        self.cluster.remove_node(node, allow_graceful=False)
         t = time.time()
+        self.cluster.remove_node(node, allow_graceful=False)
         self.killed.append((t, node_id))
         return t
 
