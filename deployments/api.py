@@ -202,7 +202,8 @@ class Api:
         done = await _all(self._retrying(e, self._complete) for e in ereqs)
         if (refused := _first_error(done)) is not None:
             return refused
-        return completion_body(prefix + done[0][0]["request_id"], chat, self.model, [(text, end) for _, text, end in done])
+        return completion_body(prefix + done[0][0]["request_id"], chat, self.model,
+                               [(text, end, lps) for _, text, end, lps in done])
 
     async def _retrying(self, ereq: dict[str, Any], attempt: Callable[[dict[str, Any]], Awaitable[Any]]) -> Any:
         """``attempt(ereq)``, resent under a new id while it raises ``_ReplicaFailed``."""
@@ -245,19 +246,23 @@ class Api:
             return engine_error_response(first)
         return gen, first
 
-    async def _complete(self, ereq: dict[str, Any]) -> tuple[dict[str, Any], str, dict[str, Any]] | JSONResponse:
-        """One engine request to its end: (first event, whole text, end event), or the refusal;
+    async def _complete(self, ereq: dict[str, Any]) -> tuple[dict[str, Any], str, dict[str, Any], Any] | JSONResponse:
+        """One engine request to its end: (first event, whole text, end event, log-prob entries
+        or None), or the refusal;
         raises ``_ReplicaFailed`` if the replica died (nothing was sent to the client yet)."""
         opened = await self._open(ereq)
         if isinstance(opened, JSONResponse):
             return opened
         gen, first = opened
         texts: list[str] = []
+        lps: list[dict[str, Any]] | None = None if ereq.get("logprobs") is None else []
         end: dict[str, Any] | None = None
         try:
             async for ev in gen:
                 if ev["type"] == "delta":
                     texts.append(ev["text"])
+                    if lps is not None:
+                        lps += ev.get("logprobs") or ()
                 elif ev["type"] == "end":
                     end = ev
                 elif ev["type"] == "error":
@@ -270,7 +275,7 @@ class Api:
             raise _ReplicaFailed() from err
         if end is None:
             return internal_error("generation ended without a result", "the replica's event stream ended early")
-        return first, "".join(texts), end
+        return first, "".join(texts), end, lps
 
     @app.post("/v1/completions", summary="Complete a prompt", openapi_extra=request_body(CompletionRequest),
               responses=answers(CompletionResponse, 400, 401, 404, 413, 429, 503, stream=CompletionChunk))

@@ -3,7 +3,8 @@
 
 The graph: ``Api`` (HTTP ingress, no CPU) -> ``Replica`` (one engine each, scaled by
 Serve) ; both talk to one named, detached ``Controller`` actor, created here when Ray
-is up (and by any replica that finds it gone)."""
+is up (and by any replica that finds it gone). The ingress and the controller run on
+the head node, the replicas where their resources are (``deployments.placement``)."""
 
 from typing import Any
 
@@ -13,13 +14,15 @@ from ray.serve import Application
 from deployments.api import Api
 from deployments.config import AppArgs
 from deployments.controller import get_or_create_controller
+from deployments.placement import on_head
 from deployments.replica import Replica
 
 
 def replica_options(args: AppArgs) -> dict[str, Any]:
     r = args.replica
     opts: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
+        "ray_actor_options": {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus,
+                              **({"resources": dict(r.resources)} if r.resources else {})},
         # a batch running and one waiting in the engine, per replica
         "max_ongoing_requests": r.max_ongoing_requests or 2 * args.max_batch_size,
         # beyond this many waiting in the caller (the API): BackPressureError -> 503/429 + Retry-After
@@ -35,6 +38,7 @@ def replica_options(args: AppArgs) -> dict[str, Any]:
             "target_ongoing_requests": a.target_ongoing_requests,
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
+            "look_back_period_s": a.look_back_period_s,
         }
     else:
         opts["num_replicas"] = r.num_replicas or 1
@@ -51,4 +55,4 @@ def build_app(args: AppArgs) -> Application:
     if ray.is_initialized():
         controller = get_or_create_controller(wire)
         ray.get(controller.configure.remote(wire), timeout=30)
-    return Api.bind(replica, wire)
+    return Api.options(ray_actor_options=on_head({"num_cpus": 0})).bind(replica, wire)

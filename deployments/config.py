@@ -101,6 +101,7 @@ class AutoscalingArgs(_Strict):
     target_ongoing_requests: float = Field(4.0, gt=0)
     upscale_delay_s: float = Field(5.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0)   # Serve averages ongoing requests over this window
 
     @model_validator(mode="after")
     def _check(self) -> AutoscalingArgs:
@@ -114,6 +115,9 @@ class ReplicaArgs(_Strict):
 
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    # custom Ray resources per replica: replicas run only on nodes that have them
+    # (``deployments.placement``), e.g. {"treespark_worker": 1}
+    resources: dict[str, float] = Field(default_factory=dict)
     num_replicas: int | None = Field(None, ge=1)
     autoscaling: AutoscalingArgs | None = None
     max_ongoing_requests: int | None = Field(None, ge=1)  # per replica; default 2 * max_batch_size

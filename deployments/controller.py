@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from deployments.controller_state import ControllerState
+from deployments.placement import on_head
 from deployments.reports import ReplicaReport, budget_from_wire
 from treespark.pricing.estimators import RoundWindow
 
@@ -54,7 +55,9 @@ class Controller:
         self.state.set_override(None if budget is None else budget_from_wire(budget))
 
     def status(self) -> dict[str, Any]:
-        return self.state.status()
+        import ray
+
+        return {**self.state.status(), "controller_node_id": ray.get_runtime_context().get_node_id()}
 
     def metrics_view(self) -> dict[str, Any]:
         return self.state.metrics_view()
@@ -63,7 +66,8 @@ class Controller:
 def get_or_create_controller(args: dict[str, Any]):
     """The controller actor handle, creating it if absent (idempotent, race-free through
     ``get_if_exists``). Detached so it outlives any one replica; restarted by Ray if it
-    dies (state reset; replicas re-register on their next heartbeat)."""
+    dies (state reset; replicas re-register on their next heartbeat). Pinned to the head
+    node (``deployments.placement``: why)."""
     import ray
 
     from deployments.config import AppArgs
@@ -77,5 +81,6 @@ def get_or_create_controller(args: dict[str, Any]):
         max_restarts=-1,
         max_task_retries=0,
         num_cpus=0,
+        resources=on_head({})["resources"],
     )
     return actor.remote(args)

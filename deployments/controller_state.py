@@ -208,6 +208,8 @@ class ControllerState:
                     "last_seen_s": now - e.last_seen,
                     "registered_s": now - e.registered_at,
                     "calibration": e.report.calibration,
+                    "node_id": e.report.node_id,
+                    "first_budget_s": e.report.first_budget_s,
                     **asdict(e.report.tree),
                 }
                 for rid, e in sorted(self.replicas.items())

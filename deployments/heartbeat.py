@@ -109,6 +109,7 @@ class HeartbeatMixin:
     counters: dict[str, float]          # shared with request handling, under ``_lock``
     _tokens_emitted: int                # since the last report, under ``_lock``
     _lock: threading.Lock
+    node_id: str | None                 # the Ray node (None outside Ray), reported as is
 
     def _init_heartbeat(self, connect: Callable[[], Any] | None) -> None:
         """The starting budget (the local policy at idle) and, with ``connect``, the thread."""
@@ -128,6 +129,8 @@ class HeartbeatMixin:
         self.heartbeats_failed = 0
         self.last_heartbeat_error: str | None = None
         self.last_tree = TreeStats()
+        self._hb_started = time.monotonic()
+        self.first_budget_s: float | None = None   # until the first budget from a controller
         self._connect = connect
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat_loop, name="treespark-heartbeat", daemon=True)
@@ -175,6 +178,8 @@ class HeartbeatMixin:
             "round_records": rounds[-2048:],
             "base_calibration": self.base_calibration,
             "metrics": self.metrics.snapshot(),
+            "node_id": self.node_id,
+            "first_budget_s": self.first_budget_s,
         }
 
     def apply_budget(self, budget: Budget, source: str) -> None:
@@ -190,6 +195,8 @@ class HeartbeatMixin:
         report = self.make_report(dt)
         reply = ray.get(handle.report.remote(report), timeout=self.args.controller.rpc_timeout_s)
         self.apply_budget(budget_from_wire(reply["budget"]), "controller")
+        if self.first_budget_s is None:
+            self.first_budget_s = time.monotonic() - self._hb_started
         if reply.get("registered"):
             self.registrations += 1
         cal = reply.get("calibration")
@@ -201,7 +208,9 @@ class HeartbeatMixin:
     def _heartbeat_loop(self) -> None:
         period = self.args.controller.heartbeat_s
         handle, last, retry_at = None, time.monotonic(), 0.0
-        while not self._stop.wait(period):
+        wait = 0.0  # the first report at once: a new replica registers and gets its budget now
+        while not self._stop.wait(wait):
+            wait = period
             now = time.monotonic()
             if handle is None and now < retry_at:  # controller down: back off a little
                 self._use_local_policy()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 
 from deployments.config import AppArgs
@@ -27,7 +28,8 @@ class Replica:
         a = AppArgs.model_validate(args)
         ctx = serve.get_replica_context()
         rid = str(getattr(ctx.replica_id, "unique_id", ctx.replica_id))
-        self.core = ReplicaCore(a, rid, connect=lambda: get_or_create_controller(args))
+        node = ray.get_runtime_context().get_node_id()
+        self.core = ReplicaCore(a, rid, connect=lambda: get_or_create_controller(args), node_id=node)
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         async for event in self.core.generate(req):

@@ -6,7 +6,8 @@ the API turns into OpenAI responses:
 
 * ``{"type": "error", "status", "message", "param", "code"}``   (bad input; final)
 * ``{"type": "start", "request_id", "prompt_tokens"}``
-* ``{"type": "delta", "text", "token_ids"}``                    (one per engine step)
+* ``{"type": "delta", "text", "token_ids"}``                    (one per engine step; with
+  ``"logprobs"``, one ``text.logprob_entry`` per token, when the request asked)
 * ``{"type": "end", "finish_reason", "usage", "speculation"}``  (final)
 
 Each request is timed and counted in the replica's Prometheus registry
@@ -30,7 +31,7 @@ from deployments.engine_loop import ACCEPTED, SCHEDULED, Aborted, EngineLoop, Fa
 from deployments.heartbeat import HeartbeatMixin, rss_bytes
 from deployments.metrics import ReplicaMetrics, RequestClock
 from deployments.reports import COUNTERS, budget_to_wire
-from deployments.text import Detokenizer, StopMatcher, encode_text
+from deployments.text import Detokenizer, StopMatcher, encode_text, logprob_entry
 from treespark.chat import chat_ids
 
 
@@ -51,9 +52,11 @@ class ReplicaCore(HeartbeatMixin):
     """The replica without Serve: engine loop, request handling, heartbeat. ``replica_id``
     names it to the controller; ``connect`` returns a controller handle (Ray in production)."""
 
-    def __init__(self, args: AppArgs, replica_id: str, connect: Callable[[], Any] | None = None) -> None:
+    def __init__(self, args: AppArgs, replica_id: str, connect: Callable[[], Any] | None = None,
+                 node_id: str | None = None) -> None:
         self.args = args
         self.replica_id = replica_id
+        self.node_id = node_id  # the Ray node, reported to the controller
         # The engine is built on the thread that runs it, so torch keeps one OpenMP
         # worker team (see deployments.engine_loop).
         self.loop = EngineLoop().start()
@@ -121,6 +124,7 @@ class ReplicaCore(HeartbeatMixin):
                 max_tokens=int(max_tokens),
                 stop_token_ids=stop_ids,
                 seed=req.get("seed"),
+                logprobs=req.get("logprobs"),
             )
         except ValueError as err:
             return _error(str(err))
@@ -184,7 +188,10 @@ class ReplicaCore(HeartbeatMixin):
                     if item.finished and not hit:
                         text += stops.flush()
                     if text or new:
-                        yield {"type": "delta", "text": text, "token_ids": new}
+                        delta = {"type": "delta", "text": text, "token_ids": new}
+                        if getattr(item, "logprobs", None) is not None:
+                            delta["logprobs"] = [logprob_entry(self.tokenizer, x) for x in item.logprobs]
+                        yield delta
                     if hit and not item.finished:
                         stopped_by_string = True
                         self.loop.abort(rid)
@@ -233,6 +240,8 @@ class ReplicaCore(HeartbeatMixin):
             "budget_source": self.budget_source,
             "controller_ok": self.controller_ok,
             "registrations": self.registrations,
+            "node_id": self.node_id,
+            "first_budget_s": self.first_budget_s,
             "heartbeats_ok": self.heartbeats_ok,
             "heartbeats_failed": self.heartbeats_failed,
             "last_heartbeat_error": self.last_heartbeat_error,

@@ -66,6 +66,8 @@ class ReplicaReport:
     kv_slots_in_use: int | None = None                      # engine KV rows holding a request
     rss_bytes: int | None = None                            # the replica process's resident memory
     metrics: tuple = ()     # the replica's Prometheus samples (deployments.metrics.ReplicaMetrics.snapshot)
+    node_id: str | None = None                              # the Ray node the replica runs on
+    first_budget_s: float | None = None                     # heartbeat start -> first budget from a controller
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:

@@ -64,17 +64,43 @@ def merge_usage(ends: list[dict[str, Any]]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_body(rid: str, chat: bool, model: str, choices: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """The non-streamed response, from each choice's whole text and ``end`` event."""
-    ends = [end for _, end in choices]
+def chat_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """Chat's ``logprobs``: one content entry per token (``text.logprob_entry`` items)."""
+    if entries is None:
+        return None
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e["top"]]} for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[dict[str, Any]] | None, offset: int = 0) -> dict[str, Any] | None:
+    """The completions ``logprobs`` (parallel lists, one entry per token); ``top_logprobs``
+    holds the likeliest tokens and the chosen one; ``text_offset`` counts from ``offset``."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top"]}, e["token"]: e["logprob"]}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def completion_body(rid: str, chat: bool, model: str,
+                    choices: list[tuple[str, dict[str, Any], list[dict[str, Any]] | None]]) -> dict[str, Any]:
+    """The non-streamed response, from each choice's whole text, ``end`` event and
+    log-prob entries (None when not asked)."""
+    ends = [end for _, end, _ in choices]
     base = {"id": rid, "created": int(time.time()), "model": model, "usage": merge_usage(ends),
             "speculation": merge_speculation(ends)}
     if chat:
-        out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": end["finish_reason"]} for i, (text, end) in enumerate(choices)]
+        out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": chat_logprobs(lps),
+                "finish_reason": end["finish_reason"]} for i, (text, end, lps) in enumerate(choices)]
         return {"object": "chat.completion", **base, "choices": out}
-    out = [{"index": i, "text": text, "logprobs": None, "finish_reason": end["finish_reason"]}
-           for i, (text, end) in enumerate(choices)]
+    out = [{"index": i, "text": text, "logprobs": completion_logprobs(lps), "finish_reason": end["finish_reason"]}
+           for i, (text, end, lps) in enumerate(choices)]
     return {"object": "text_completion", **base, "choices": out}
 
 
@@ -122,12 +148,17 @@ async def sse_stream(gens: list[Any], rid: str, chat: bool, include_usage: bool,
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(i: int, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    offsets = [0] * len(gens)   # completions' text_offset, per choice
+
+    def chunk(i: int, text: str | None, finish: str | None, role: bool = False,
+              lps: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+            c = {"index": i, "delta": delta, "logprobs": chat_logprobs(lps), "finish_reason": finish}
         else:
-            c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+            c = {"index": i, "text": text or "", "logprobs": completion_logprobs(lps, offsets[i]),
+                 "finish_reason": finish}
+            offsets[i] += sum(len(e["token"]) for e in lps or ())
         return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
 
     def error(what: str, detail: Any, code: str) -> str:
@@ -144,8 +175,8 @@ async def sse_stream(gens: list[Any], rid: str, chat: bool, include_usage: bool,
         try:
             async with contextlib.aclosing(_indexed(gens)) as events:
                 async for i, ev in events:
-                    if ev["type"] == "delta" and ev["text"]:
-                        yield sse(chunk(i, ev["text"], None))
+                    if ev["type"] == "delta" and (ev["text"] or ev.get("logprobs")):
+                        yield sse(chunk(i, ev["text"], None, lps=ev.get("logprobs")))
                     elif ev["type"] == "end":
                         ends[i] = ev
                         yield sse(chunk(i, None if chat else "", ev["finish_reason"]))

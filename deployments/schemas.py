@@ -69,14 +69,14 @@ _Prompt = (Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_
 class CompletionRequest(SamplingRequest):
     prompt: _Prompt = Field(description="Text, token ids, or a list of one text.")
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5, description="Not supported yet: only null.")
+    logprobs: int | None = Field(None, ge=0, le=5,
+                                 description="Each generated token's log-probability under the target, and those "
+                                             "of this many likeliest tokens.")
     echo: bool = Field(False, description="Only false is supported.")
     best_of: int | None = Field(None, ge=1, le=128, description="Only null or equal to n.")
     suffix: str | None = Field(None, description="Only null is supported.")
 
     def unsupported(self) -> str | None:
-        if self.logprobs is not None:
-            return "logprobs"
         if self.echo:
             return "echo"
         if self.best_of is not None and self.best_of != self.n:
@@ -102,17 +102,15 @@ class ChatMessage(_Req):
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = Field(False, description="Not supported yet: only false.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported yet: only null or 0.")
+    logprobs: bool = Field(False, description="Each generated token's log-probability under the target.")
+    top_logprobs: int | None = Field(None, ge=0, le=20,
+                                     description="With `logprobs`: the log-probabilities of this many likeliest tokens "
+                                                 "at each position.")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported: only null or empty.")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only null, \"none\" or \"auto\" (no tools).")
     response_format: dict[str, Any] | None = Field(None, description="Only null or {\"type\": \"text\"}.")
 
     def unsupported(self) -> str | None:
-        if self.logprobs:
-            return "logprobs"
-        if self.top_logprobs:
-            return "top_logprobs"
         if self.tools:
             return "tools"
         if self.tool_choice not in (None, "none", "auto"):
@@ -164,10 +162,19 @@ class SpeculationStats(BaseModel):
     accepted_per_round: float
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions form: one entry per generated token in each list."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: str | None
 
 
@@ -186,10 +193,27 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """One entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 
@@ -224,7 +248,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 

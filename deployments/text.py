@@ -99,3 +99,18 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.buffer = ("" if self.stopped else self.buffer), ""
         return out
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """One token on its own, special tokens included (a byte fragment may decode to U+FFFD)."""
+    return tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+
+def logprob_entry(tokenizer: Any, lp: Any) -> dict[str, Any]:
+    """A ``treespark.logprobs.TokenLogprob`` as plain data for the API: the token, its text,
+    its log-prob and the likeliest alternatives (``responses`` shapes the OpenAI forms)."""
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        return {"id": int(token_id), "token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
+
+    return {**one(lp.token_id, lp.logprob), "top": [one(t, v) for t, v in lp.top]}

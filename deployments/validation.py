@@ -69,6 +69,8 @@ def check_limits(req: SamplingRequest, args: AppArgs) -> JSONResponse | None:
     elif len(req.prompt) >= ctx:
         return error_response(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
                                    f"{len(req.prompt)}.", "prompt", "context_length_exceeded")
+    if isinstance(req, ChatRequest) and req.top_logprobs and not req.logprobs:
+        return error_response(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     if req.n > lim.max_n:
         return error_response(400, f"n must be <= {lim.max_n}", "n", "invalid_value")
     limit = min(ctx - 1, lim.max_tokens or ctx)
@@ -129,8 +131,10 @@ def engine_request(req: SamplingRequest) -> dict[str, Any] | JSONResponse:
         "stop": req.stop_list(),
         "stop_token_ids": list(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos,
+        "logprobs": req.logprobs,   # completions: None or how many alternatives
     }
     if isinstance(req, ChatRequest):
+        out["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
         out["max_tokens"] = req.max_completion_tokens or req.max_tokens
         out["messages"] = [{"role": m.role, "content": m.text()} for m in req.messages]
     elif isinstance(req.prompt, str):

@@ -178,6 +178,23 @@ def test_metrics_route_after_traffic(local_api):
     assert all(not math.isnan(v) for _, v in m["treespark:time_to_first_token_seconds_bucket"])
 
 
+def test_queue_time_from_the_real_engine():
+    """The real engine reports scheduling (``Engine.on_schedule``): one queue-time sample per
+    request, observed before its first token."""
+    from serving.inprocess import LocalApi
+
+    a = LocalApi(AppArgs(model="random", vocab_size=512, max_batch_size=2, max_context=128))
+    try:
+        for extra in ({}, {"stream": True}):
+            assert a.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, **extra}).status == 200
+        a.beat()
+        m = parse(a.get("/metrics").body)
+        assert value(m, "treespark:request_queue_time_seconds_count") == 2
+        assert value(m, "treespark:request_queue_time_seconds_sum") <= value(m, "treespark:time_to_first_token_seconds_sum")
+    finally:
+        a.close()
+
+
 # -- the Grafana dashboard ----------------------------------------------------------------------
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy/grafana/treespark.json"

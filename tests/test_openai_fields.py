@@ -1,5 +1,6 @@
-"""OpenAI fields: ``n`` > 1 (independent choices, seeds derived from the request's), a clear
-400 for a field we cannot honour, unknown fields ignored. In-process over the real
+"""OpenAI fields: ``n`` > 1 (independent choices, seeds derived from the request's),
+``logprobs`` / ``top_logprobs`` (one entry per generated token), a clear 400 for a field we
+cannot honour, unknown fields ignored. In-process over the real
 engine on the tiny random pair (``serving.inprocess``), and the official ``openai``
 client over ASGI."""
 
@@ -98,16 +99,12 @@ def test_n_bounds(api):
 
 
 @pytest.mark.parametrize("route,field,value", [
-    ("completions", "logprobs", 1),
-    ("completions", "logprobs", 0),
     ("completions", "echo", True),
     ("completions", "best_of", 3),
     ("completions", "suffix", "end"),
     ("completions", "presence_penalty", 0.5),
     ("completions", "frequency_penalty", -1.0),
     ("completions", "logit_bias", {"17": 5.0}),
-    ("chat", "logprobs", True),
-    ("chat", "top_logprobs", 2),
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat", "tool_choice", "required"),
     ("chat", "response_format", {"type": "json_object"}),
@@ -136,7 +133,7 @@ def test_defaults_and_unknown_fields_change_nothing(api, route, extra):
 
 
 def test_openai_client_n(api):
-    """The official client, over ASGI: n choices, and the 400 it raises for logprobs."""
+    """The official client, over ASGI: n choices, and the 400 it raises for tools."""
     import asyncio
 
     import openai
@@ -150,9 +147,89 @@ def test_openai_client_n(api):
         out = await client.completions.create(model=MODEL, prompt="abc", max_tokens=6, n=2, seed=3, temperature=1.0)
         with pytest.raises(openai.BadRequestError, match="not supported yet"):
             await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                                 max_tokens=4, logprobs=True)
+                                                 max_tokens=4, tools=[{"type": "function", "function": {"name": "f"}}])
         await http.aclose()
         return out
 
     out = api.loop.run_until_complete(asyncio.wait_for(run(), 60))
     assert [c.index for c in out.choices] == [0, 1] and out.usage.completion_tokens == 12
+
+
+def openai_client(api, fn):
+    """Run ``fn(client)`` with the official async client over ASGI."""
+    import asyncio
+
+    import openai
+
+    from deployments.api import app
+
+    async def run():
+        app.dependency_overrides[api._dep] = lambda: api.api
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        client = openai.AsyncOpenAI(api_key="none", base_url="http://test/v1", http_client=http, max_retries=0)
+        try:
+            return await fn(client)
+        finally:
+            await http.aclose()
+
+    return api.loop.run_until_complete(asyncio.wait_for(run(), 60))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_openai_client_chat_logprobs(api, temperature):
+    """One entry per generated token, streamed or not; the same numbers both ways."""
+    msgs = [{"role": "user", "content": "tell me"}]
+
+    async def both(client):
+        whole = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, logprobs=True,
+                                                     top_logprobs=3, temperature=temperature, seed=4)
+        stream = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, logprobs=True,
+                                                      top_logprobs=3, temperature=temperature, seed=4, stream=True,
+                                                      stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        return whole, chunks
+
+    whole, chunks = openai_client(api, both)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 12
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert e.logprob <= e.top_logprobs[0].logprob + 1e-6
+        if temperature == 0:
+            assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)   # greedy: the likeliest token
+    streamed = [e for c in chunks for ch in c.choices if ch.logprobs is not None for e in ch.logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+
+
+def test_openai_client_completion_logprobs(api):
+    async def both(client):
+        whole = await client.completions.create(model=MODEL, prompt="abc", max_tokens=10, logprobs=2,
+                                                temperature=0.0)
+        stream = await client.completions.create(model=MODEL, prompt="abc", max_tokens=10, logprobs=2,
+                                                 temperature=0.0, stream=True)
+        return whole, [c async for c in stream]
+
+    whole, chunks = openai_client(api, both)
+    lp = whole.choices[0].logprobs
+    n = whole.usage.completion_tokens
+    assert n == 10 and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert all(tok in top and len(top) <= 3 for tok, top in zip(lp.tokens, lp.top_logprobs, strict=True))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+
+def test_logprobs_do_not_change_the_text(api):
+    for send in (complete, chat):
+        plain = send(api, temperature=1.0, seed=9).json()["choices"][0]
+        with_lp = send(api, temperature=1.0, seed=9, **({"logprobs": 5} if send is complete else
+                                                        {"logprobs": True, "top_logprobs": 5})).json()["choices"][0]
+        key = "text" if send is complete else "message"
+        assert with_lp[key] == plain[key] and plain["logprobs"] is None and with_lp["logprobs"] is not None
+
+
+def test_top_logprobs_needs_logprobs(api):
+    r = chat(api, top_logprobs=2)
+    assert r.status == 400 and r.json()["error"]["param"] == "top_logprobs", r.body

@@ -15,7 +15,6 @@ from collections import Counter
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from pydantic import ValidationError
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
@@ -27,7 +26,7 @@ from schemathesis.checks import (
 
 from deployments.api import app
 from deployments.config import AppArgs, LimitArgs
-from deployments.schemas import ChatRequest, CompletionRequest
+from loadtests.fuzz_openapi import steer
 
 MODEL = "treespark-random"
 ARGS = AppArgs(model="random", engine_factory="serving.fake_engine:build_fake_engine", max_batch_size=4,
@@ -80,29 +79,12 @@ schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.N
 schema.config.checks.negative_data_rejection.expected_statuses += ["413"]
 
 
-UNHONOURED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "presence_penalty", "frequency_penalty",
-              "logit_bias", "tools", "tool_choice", "response_format")
-
-
 @schemathesis.hook
 def map_body(ctx, body):
     """A valid generation body is steered to the engine: the served model's name (another is
     a 404), no field we refuse as unsupported, n and max_tokens within the limits. Still
     valid, so positive cases stay positive; invalid (negative) bodies go as generated."""
-    model = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}.get(ctx.operation.path)
-    if model is None or not isinstance(body, dict):
-        return body
-    try:
-        model.model_validate(body)
-    except ValidationError:
-        return body
-    body = {k: v for k, v in body.items() if k not in UNHONOURED}
-    body["model"] = MODEL
-    body["n"] = min(body.get("n", 1), ARGS.limits.max_n)
-    body["max_tokens"] = min(body.get("max_tokens") or ARGS.limits.max_tokens, ARGS.limits.max_tokens)
-    if body.get("max_completion_tokens") is not None:
-        body["max_completion_tokens"] = min(body["max_completion_tokens"], ARGS.limits.max_tokens)
-    return body
+    return steer(ctx.operation.path, body, MODEL, ARGS.limits.max_n, ARGS.limits.max_tokens)
 
 
 @schema.parametrize()

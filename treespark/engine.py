@@ -38,6 +38,7 @@ from treespark.budget import Budget
 from treespark.calibration import Calibration
 from treespark.drafting import RoundDraft, RowDraft, WaveDrafter
 from treespark.kv import KVCache, StoreShape, bytes_per_token, device_kv_budget, rows_within
+from treespark.logprobs import Emitted, TokenLogprob, step_logprobs
 from treespark.models import ModelPair
 from treespark.params import RequestOutput, RequestStats, RoundStats, SamplingParams, StepStats
 from treespark.sampling import TorchSampler, sample_rows, target_probs_rows
@@ -129,6 +130,7 @@ class Engine:
         self.waves = WaveDrafter(markov.markov_w1.weight.detach(), markov.markov_w2.weight.detach(),
                                  self._d2t, self.transfers)
         self.on_step: Callable[[StepStats], None] | None = None
+        self.on_schedule: Callable[[str], None] | None = None  # a request id leaving the waiting queue
         self.vocab_size = self.runner.vocab_size
         self._waiting: deque[_Request] = deque()
         self._staging: _Request | None = None
@@ -206,6 +208,8 @@ class Engine:
                 return 0
             self._staging = self._waiting.popleft()
             self._staging.slot = self.kv.staging
+            if self.on_schedule is not None:
+                self.on_schedule(self._staging.id)
         req = self._staging
         start = req.prefilled
         end = min(len(req.prompt), start + self.config.prefill_chunk)
@@ -224,7 +228,11 @@ class Engine:
             self._staging = None
             assert out.logits is not None
             first = self._sample_first(req, out.logits[:, -1])
-            done = self._emit(req, [first], outputs, is_prefill=True)
+            lps = None
+            if req.params.logprobs is not None:
+                (lps,) = step_logprobs(out.logits[:, -1:], [Emitted(0, [0], [first], req.params.logprobs)],
+                                       self.transfers.fetch)
+            done = self._emit(req, [first], outputs, is_prefill=True, logprobs=lps)
             if done:
                 self.kv.free(req.slot)
             else:
@@ -268,7 +276,10 @@ class Engine:
         t_verify = time.perf_counter()
         logits, taps = self._verify_forward(batch, drafted.trees, lengths)
         results = self._accept(batch, drafted, logits)
-        outputs = self._commit(batch, drafted.trees, results, taps, lengths)
+        asked = [Emitted(i, [0, *r.path], list(r.tokens), req.params.logprobs)
+                 for i, (req, r) in enumerate(zip(batch, results, strict=True)) if req.params.logprobs is not None]
+        lps = dict(zip((e.row for e in asked), step_logprobs(logits, asked, self.transfers.fetch), strict=True))
+        outputs = self._commit(batch, drafted.trees, results, taps, lengths, lps)
         self.sync()
         t_end = time.perf_counter()
         if self.on_step is not None:
@@ -396,7 +407,8 @@ class Engine:
                             top_p, trees, drafted.q_rows, self._d2t, u[:, :-1].view(r, depth + 1, c), u[:, -1])
 
     def _commit(self, batch: list[_Request], trees: list[DraftTree], results: list[VerifyResult],
-                taps: torch.Tensor, lengths: list[int]) -> list[RequestOutput]:
+                taps: torch.Tensor, lengths: list[int],
+                logprobs: dict[int, list[TokenLogprob]]) -> list[RequestOutput]:
         """Emit the rounds' tokens, keep the accepted nodes' KV entries next to the
         committed context, feed their taps to the drafter, retire finished requests."""
         dev = self.device
@@ -406,7 +418,7 @@ class Engine:
             req.rounds.append(RoundStats(tree.size, tree.depth, tree.width, result.accepted,
                                          (req.budget or self.budget).theta))
             length = lengths[i]
-            if self._emit(req, list(result.tokens), outputs):
+            if self._emit(req, list(result.tokens), outputs, logprobs=logprobs.get(i)):
                 continue
             keep = [0, *result.path]
             self.kv.move_entries(req.slot, [length + s for s in keep], [length + j for j in range(len(keep))])
@@ -429,7 +441,7 @@ class Engine:
         return outputs
 
     def _emit(self, req: _Request, tokens: list[int], outputs: list[RequestOutput],
-              is_prefill: bool = False) -> bool:
+              is_prefill: bool = False, logprobs: list[TokenLogprob] | None = None) -> bool:
         """Append emitted tokens, applying stop tokens and max_tokens; True if finished."""
         reason = None
         room = req.params.max_tokens - len(req.output)
@@ -446,7 +458,8 @@ class Engine:
         finished = reason is not None
         if finished:
             self._ids.discard(req.id)
-        outputs.append(RequestOutput(req.id, tokens, finished, reason, req.stats() if finished else None))
+        lps = None if logprobs is None else tuple(logprobs[:len(tokens)])
+        outputs.append(RequestOutput(req.id, tokens, finished, reason, req.stats() if finished else None, lps))
         return finished
 
     def _release(self, req: _Request) -> None:

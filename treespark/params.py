@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from treespark.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from treespark.sampling import validate_temperature, validate_top_p
 
 
@@ -14,6 +15,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None           # None = a fresh random stream
+    logprobs: int | None = None       # None: none; k: each emitted token's log-prob and the k likeliest
 
     def __post_init__(self) -> None:
         validate_temperature(self.temperature)
@@ -22,6 +24,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
@@ -59,6 +64,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None          # "stop" | "length" | "abort"
     stats: RequestStats | None = None  # set when finished
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, when the request asked
 
 
 @dataclass(frozen=True)
