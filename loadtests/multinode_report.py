@@ -57,13 +57,7 @@ def plot_fault(timeline: Path, requests: Path, t_kill: float, png: Path) -> None
     axes[2].set_ylabel("goodput (tok/s)", fontsize=8)
     for ax in axes:
         ax.axvline(t_kill, color="red", ls="--", lw=1)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
-    axes[0].set_title("a worker node killed under load (red line)")
-    axes[-1].set_xlabel("time (s)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    _finish(fig, axes, "a worker node killed under load (red line)", png)
 
 
 def plot_ramp(timeline: Path, requests: Path, png: Path) -> None:
@@ -85,10 +79,15 @@ def plot_ramp(timeline: Path, requests: Path, png: Path) -> None:
     axes[2].plot(t, [sum(num(r.get("tokens_per_s")) for r in rs if r["replica"]) for rs in polls.values()],
                  label="tokens/s (replicas' reports)", alpha=0.6)
     axes[2].set_ylabel("goodput (tok/s)", fontsize=8)
+    _finish(fig, axes, "autoscaling 1 -> 3 -> 1 replicas on two worker nodes", png)
+
+
+def _finish(fig, axes, title: str, png: Path) -> None:
+    """Grid and legend on every panel, the title on top, time below; save and close."""
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
-    axes[0].set_title("autoscaling 1 -> 3 -> 1 replicas on two worker nodes")
+    axes[0].set_title(title)
     axes[-1].set_xlabel("time (s)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
