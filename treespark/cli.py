@@ -157,7 +157,8 @@ def cmd_cost_model(args) -> None:
 
         dev = pick_device(args.device)
         target = AutoModelForCausalLM.from_pretrained(
-            args.target, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).eval().to(dev)
+            args.target, use_safetensors=True,
+            dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).eval().to(dev)
         name = args.target
     elif args.pair == "default":
         from treespark.fetch import load_default_target
