@@ -1,0 +1,78 @@
+"""The engine's per-step allocation: how much each step drafts and verifies.
+
+The maths is ``treespark.pricing.allocate`` (numpy, no model); this is its engine side,
+two calls per decode step:
+
+* before drafting, ``drafting`` caps each row's drafting budget at the pad
+  ``plan_drafting`` finds worth drafting (drafting priced too) over the rows' last
+  candidates (a row without any: the last tree drafted); a pad of 0 is plain decoding,
+  no drafter call;
+* after drafting, ``cut`` hands every row's candidate scores to ``allocate`` with the
+  seconds drafting took, and cuts each tree to its share (``RoundDraft.trimmed``).
+
+Rows with a budget of their own (``Engine.add_request(budget=...)``) are left alone.
+The engine's budget is the drafting budget: its theta the floor price (the controller's),
+its node_cap and branch_cap the most that may be drafted. Nothing a step draws moves
+what that step drafts or how a T > 0 row is cut (both come from history), so the
+draft stays lossless.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from treespark.budget import Budget
+from treespark.drafting import RoundDraft
+from treespark.pricing.allocate import Allocation, DraftPlan, StepCosts, allocate, plan_drafting
+
+
+@dataclass
+class StepAllocator:
+    costs: StepCosts
+    last: Allocation | None = None
+    plan: DraftPlan | None = None
+    policy_s: float = 0.0                      # seconds of this step's two calls
+    _history: dict[str, list[float]] = field(default_factory=dict)   # each row's last candidates
+    _typical: list[float] | None = None                               # the last tree drafted
+
+    def drafting(self, ids: Sequence[str], budgets: Sequence[Budget], follows: Sequence[bool],
+                 floor: float) -> list[Budget]:
+        """Each row's drafting budget for this step: ``budgets[i]`` with its node_cap cut to
+        twice the planned pad (room to grow), or plain decoding where nothing pays."""
+        t0 = time.perf_counter()
+        forecasts = [self._history.get(i, self._typical) for i in ids]
+        if all(f is None for f in forecasts):
+            self.plan, self.policy_s = None, time.perf_counter() - t0
+            return list(budgets)
+        self.plan = plan_drafting([f or [] for f in forecasts], self.costs, floor=floor)
+        cap = 2 * self.plan.pad
+        out = [Budget(b.theta, min(b.node_cap, cap), b.branch_cap) if f and b.node_cap > cap else b
+               for b, f in zip(budgets, follows, strict=True)]
+        self.policy_s = time.perf_counter() - t0
+        return out
+
+    def cut(self, ids: Sequence[str], temperatures: Sequence[float], follows: Sequence[bool],
+            drafted: RoundDraft, floor: float) -> RoundDraft:
+        """``drafted`` cut for this step. ids / temperatures: the rows' requests;
+        follows[i]: row i runs under the engine's budget; floor: the price no verified
+        node may score below. The drafting already spent is priced from the table, not
+        the clock, so a seeded batch replays the same cuts."""
+        t0 = time.perf_counter()
+        sampled = [t > 0 for t in temperatures]
+        c = self.costs
+        draft_s = c.draft_base_s + c.draft_row_s * len(ids) + c.draft_node_s * sum(len(s) for s in drafted.scores)
+        alloc = allocate(drafted.scores, c, draft_s=draft_s, floor=floor, sampled=sampled,
+                         proxies=[self._history.get(i) for i in ids])
+        history = {i: s for i, s in zip(ids, drafted.scores, strict=True) if s}
+        self._history = {i: history.get(i, self._history.get(i)) for i in ids
+                         if i in history or i in self._history}
+        if history:
+            self._typical = max(history.values(), key=len)
+        counts = [c if f else t.size for c, f, t in zip(alloc.counts, follows, drafted.trees, strict=True)]
+        out = drafted if all(c >= t.size for c, t in zip(counts, drafted.trees, strict=True)) \
+            else drafted.trimmed(counts)
+        self.last = alloc
+        self.policy_s += time.perf_counter() - t0
+        return out
