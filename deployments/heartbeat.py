@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -128,10 +129,11 @@ class HeartbeatMixin:
         self.heartbeats_failed = 0
         self.last_heartbeat_error: str | None = None
         self.last_tree = TreeStats()
+        self.price_latency: deque[float] = deque(maxlen=64)
         self._connect = connect
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat_loop, name="treespark-heartbeat", daemon=True)
-        if connect is not None:
+        if connect is not None or not self.args.controller.enabled:
             self._hb.start()
 
     def _stop_heartbeat(self) -> None:
@@ -175,6 +177,10 @@ class HeartbeatMixin:
             "round_records": rounds[-2048:],
             "base_calibration": self.base_calibration,
             "metrics": self.metrics.snapshot(),
+            "step_costs": self.bundle.step_costs,
+            "price_latency_s": list(self.price_latency),
+            "policy_share": (sum(getattr(s, "policy_s", 0.0) for s in window) / max(sum(s.step_s for s in window), 1e-9)
+                             if window else 0.0),
         }
 
     def apply_budget(self, budget: Budget, source: str) -> None:
@@ -189,7 +195,10 @@ class HeartbeatMixin:
 
         report = self.make_report(dt)
         reply = ray.get(handle.report.remote(report), timeout=self.args.controller.rpc_timeout_s)
-        self.apply_budget(budget_from_wire(reply["budget"]), "controller")
+        budget = budget_from_wire(reply["budget"])
+        if budget != self.budget and reply.get("priced_at"):
+            self.price_latency.append(max(time.time() - float(reply["priced_at"]), 0.0))
+        self.apply_budget(budget, "controller")
         if reply.get("registered"):
             self.registrations += 1
         cal = reply.get("calibration")
@@ -203,6 +212,9 @@ class HeartbeatMixin:
         handle, last, retry_at = None, time.monotonic(), 0.0
         while not self._stop.wait(period):
             now = time.monotonic()
+            if self._connect is None:  # no controller (controller.enabled: false): price ourselves
+                self._use_local_policy()
+                continue
             if handle is None and now < retry_at:  # controller down: back off a little
                 self._use_local_policy()
                 continue

@@ -66,6 +66,9 @@ class ReplicaReport:
     kv_slots_in_use: int | None = None                      # engine KV rows holding a request
     rss_bytes: int | None = None                            # the replica process's resident memory
     metrics: tuple = ()     # the replica's Prometheus samples (deployments.metrics.ReplicaMetrics.snapshot)
+    step_costs: dict[str, Any] | None = None   # the replica's startup step-cost table (perstep), summarized
+    price_latency_s: tuple[float, ...] = ()    # controller price change -> applied here, recent ones
+    policy_share: float = 0.0                  # the per-step allocation's seconds over step seconds
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:
@@ -82,6 +85,7 @@ class ReplicaReport:
             "calibration": pair(d["calibration"]),
             "round_records": tuple((int(n), int(a)) for n, a in d["round_records"]),
             "base_calibration": pair(d["base_calibration"]),
+            "price_latency_s": tuple(float(x) for x in d.get("price_latency_s", ())),
         })
 
 
