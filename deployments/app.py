@@ -48,7 +48,7 @@ def build_app(args: AppArgs) -> Application:
         args = AppArgs.model_validate(args)
     wire = args.wire()
     replica = Replica.options(**replica_options(args)).bind(wire)
-    if ray.is_initialized() and args.controller.enabled:
+    if ray.is_initialized():
         controller = get_or_create_controller(wire)
         ray.get(controller.configure.remote(wire), timeout=30)
     return Api.bind(replica, wire)

@@ -169,7 +169,7 @@ class ControllerArgs(_Strict):
     heartbeat_s: float = Field(0.25, gt=0, le=0.5)  # replicas report (and pull their budget) this often
     heartbeat_timeout_s: float = Field(2.0, gt=0)  # a replica silent this long is dropped
     rpc_timeout_s: float = Field(1.0, gt=0)
-    enabled: bool = True  # False: no controller; each replica prices itself (its local policy)
+    pricing: bool = True  # False: the controller only observes; each replica prices itself (local policy)
     online_calibration: bool = True  # refit (a, b) from the replicas' pooled records and push it
     min_calibration_records: int = Field(2000, ge=10)
     calibration_prior_records: int = Field(2000, ge=0)  # online fit shrunk toward the stored one

@@ -133,7 +133,7 @@ class HeartbeatMixin:
         self._connect = connect
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat_loop, name="treespark-heartbeat", daemon=True)
-        if connect is not None or not self.args.controller.enabled:
+        if connect is not None:
             self._hb.start()
 
     def _stop_heartbeat(self) -> None:
@@ -195,12 +195,15 @@ class HeartbeatMixin:
 
         report = self.make_report(dt)
         reply = ray.get(handle.report.remote(report), timeout=self.args.controller.rpc_timeout_s)
+        if reply.get("registered"):
+            self.registrations += 1
+        if not self.args.controller.pricing:  # the controller observes; this replica prices itself
+            self._use_local_policy()
+            return reply
         budget = budget_from_wire(reply["budget"])
         if budget != self.budget and reply.get("priced_at"):
             self.price_latency.append(max(time.time() - float(reply["priced_at"]), 0.0))
         self.apply_budget(budget, "controller")
-        if reply.get("registered"):
-            self.registrations += 1
         cal = reply.get("calibration")
         if cal is not None and tuple(cal) != self.calibration:
             self.calibration = (float(cal[0]), float(cal[1]))
@@ -212,9 +215,6 @@ class HeartbeatMixin:
         handle, last, retry_at = None, time.monotonic(), 0.0
         while not self._stop.wait(period):
             now = time.monotonic()
-            if self._connect is None:  # no controller (controller.enabled: false): price ourselves
-                self._use_local_policy()
-                continue
             if handle is None and now < retry_at:  # controller down: back off a little
                 self._use_local_policy()
                 continue

@@ -27,8 +27,7 @@ class Replica:
         a = AppArgs.model_validate(args)
         ctx = serve.get_replica_context()
         rid = str(getattr(ctx.replica_id, "unique_id", ctx.replica_id))
-        connect = (lambda: get_or_create_controller(args)) if a.controller.enabled else None
-        self.core = ReplicaCore(a, rid, connect=connect)
+        self.core = ReplicaCore(a, rid, connect=lambda: get_or_create_controller(args))
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         async for event in self.core.generate(req):

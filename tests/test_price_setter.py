@@ -104,34 +104,43 @@ def test_the_default_configs_run_the_per_step_policy_and_the_ladder_stays():
         args = yaml.safe_load((ROOT / "configs" / name).read_text())["applications"][0]["args"]
         a = AppArgs.model_validate(args)
         assert a.policy.kind == "perstep" and isinstance(a.policy.build(a.max_batch_size), PerStepPolicy)
-        assert a.controller.enabled and a.controller.online_calibration
+        assert a.controller.pricing and a.controller.online_calibration
     ladder = AppArgs.model_validate({"policy": {"kind": "ladder"}})
     assert isinstance(ladder.policy.build(8), LadderPolicy)
-    local = AppArgs.model_validate({"policy": {"kind": "perstep"}, "controller": {"enabled": False}})
-    assert not local.controller.enabled
+    local = AppArgs.model_validate({"policy": {"kind": "perstep"}, "controller": {"pricing": False}})
+    assert not local.controller.pricing
 
 
-def test_a_replica_without_a_controller_prices_itself_from_its_own_queue():
-    """controller.enabled false: the heartbeat thread runs the local policy every beat."""
-    import threading
+def test_local_only_replicas_report_but_price_themselves(monkeypatch):
+    """controller.pricing false: the controller observes (status, metrics), the replica
+    runs its own policy; with pricing on, the controller's budget is applied and its
+    arrival timed."""
+    import ray
 
     from deployments.replica_core import ReplicaCore
 
-    args = AppArgs(model="random", engine_factory="serving.fake_engine:build_fake_engine", max_context=64,
-                   max_batch_size=2, policy={"kind": "perstep"},
-                   controller={"enabled": False, "heartbeat_s": 0.05})
-    core = ReplicaCore(args, "r0", connect=None)
-    try:
-        assert core._hb.is_alive() and core.budget_source == "local"
-        seen = threading.Event()
-        orig = core.apply_budget
+    class Handle:
+        def __init__(self, reply):
+            self.reply, self.reports = reply, []
+            self.report = self
 
-        def spy(budget, source):
-            orig(budget, source)
-            seen.set()
+        def remote(self, report):
+            self.reports.append(report)
+            return self.reply
 
-        core.apply_budget = spy
-        assert seen.wait(10)
-        assert core.budget == Budget(0.0, 32, 4)
-    finally:
-        core.shutdown()
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    priced = {"budget": {"theta": 0.4, "node_cap": 8, "branch_cap": 2}, "priced_at": 1.0,
+              "registered": True, "calibration": None}
+    for pricing, expect in ((False, Budget(0.0, 32, 4)), (True, Budget(0.4, 8, 2))):
+        args = AppArgs(model="random", engine_factory="serving.fake_engine:build_fake_engine", max_context=64,
+                       max_batch_size=2, policy={"kind": "perstep"}, controller={"pricing": pricing})
+        core = ReplicaCore(args, "r0", connect=None)
+        try:
+            h = Handle(priced)
+            core.heartbeat_once(h, 0.25)
+            assert len(h.reports) == 1 and core.registrations == 1
+            assert core.budget == expect
+            assert core.budget_source == ("controller" if pricing else "local")
+            assert (len(core.price_latency) == 1) is pricing
+        finally:
+            core.shutdown()
