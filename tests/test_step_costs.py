@@ -61,3 +61,10 @@ def test_the_replica_factory_installs_the_allocation_for_perstep():
     assert bundle.step_costs["measured_s"] > 0 and StepCostTable.from_json(bundle.step_costs["table"])
     ladder = build_engine(AppArgs(model="random", vocab_size=64, max_batch_size=2, max_context=64))
     assert ladder.engine.allocator is None and ladder.step_costs is None
+
+
+def test_one_slow_timing_is_pooled_not_carried_to_every_larger_cell():
+    from treespark.step_costs import isotonic
+
+    assert isotonic([1.0, 5.0, 2.0, 3.0, 4.0]) == [1.0, 10 / 3, 10 / 3, 10 / 3, 4.0]
+    assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]

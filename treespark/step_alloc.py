@@ -6,7 +6,8 @@ two calls per decode step:
 * before drafting, ``drafting`` caps each row's drafting budget at the pad
   ``plan_drafting`` finds worth drafting (drafting priced too) over the rows' last
   candidates (a row without any: the last tree drafted); a pad of 0 is plain decoding,
-  no drafter call;
+  no drafter call, but for a small probe every ``probe_every`` plain steps, so the
+  forecasts follow the traffic;
 * after drafting, ``cut`` hands every row's candidate scores to ``allocate`` with the
   seconds drafting took, and cuts each tree to its share (``RoundDraft.trimmed``).
 
@@ -34,6 +35,8 @@ class StepAllocator:
     last: Allocation | None = None
     plan: DraftPlan | None = None
     policy_s: float = 0.0                      # seconds of this step's two calls
+    probe_every: int = 32                      # plain steps between two probes (a 4-node draft)
+    _plain_steps: int = 0
     _history: dict[str, list[float]] = field(default_factory=dict)   # each row's last candidates
     _typical: list[float] | None = None                               # the last tree drafted
 
@@ -48,6 +51,9 @@ class StepAllocator:
             return list(budgets)
         self.plan = plan_drafting([f or [] for f in forecasts], self.costs, floor=floor)
         cap = 2 * self.plan.pad
+        self._plain_steps = self._plain_steps + 1 if cap == 0 else 0
+        if cap == 0 and self._plain_steps % self.probe_every == 0:
+            cap = 4   # the forecasts are only as new as the last draft: refresh them now and then
         out = [Budget(b.theta, min(b.node_cap, cap), b.branch_cap) if f and b.node_cap > cap else b
                for b, f in zip(budgets, follows, strict=True)]
         self.policy_s = time.perf_counter() - t0

@@ -42,7 +42,7 @@ from treespark.pricing.allocate import StepCosts
 from treespark.pricing.costmodel import CostModel, interp, monotone
 
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "step-costs"
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -105,25 +105,47 @@ def _grid(engine) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return bs, ks
 
 
-def measure_verify(engine, batch_sizes, tokens, *, deadline: float, repeats: int = 3,
+def isotonic(ys: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest to ``ys`` in least squares (pool adjacent
+    violators): one slow timing is averaged with its neighbours, not carried to every
+    larger cell as a running maximum would."""
+    blocks: list[list[float]] = []            # [sum, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
+def measure_verify(engine, batch_sizes, tokens, *, deadline: float, min_passes: int = 3, max_passes: int = 7,
                    context: int = 128, max_step_tokens: int = 256) -> CostModel:
-    """T(bs, k): each cell the median of ``repeats`` forwards; cells past ``deadline``
-    (a perf_counter time) or above ``max_step_tokens`` extrapolated along k."""
+    """T(bs, k): passes over the grid, each cell timed once per pass (a burst of load
+    from another process spoils one pass of a few cells, not every timing of one cell),
+    more passes while ``deadline`` (a perf_counter time) allows; each cell its median,
+    made non-decreasing in k and bs (``isotonic``). Cells above ``max_step_tokens`` are
+    extrapolated along k."""
     runner = engine.runner
     store = KVStore(runner.store_shape, max(batch_sizes), context + max(tokens) + 1, runner.device, runner.dtype)
     g = torch.Generator().manual_seed(0)
-    table: dict[tuple[int, int], float] = {}
-    for b in batch_sizes:                   # cheap cells first: a cut budget loses the dear ones
-        for k in tokens:
-            if (b * k > max_step_tokens and k > 2) or (time.perf_counter() > deadline and k > 2):
-                continue
-            table[(b, k)] = statistics.median(
-                time_forward(runner, store, b, k, context, 1, g, warmup=(r == 0)) for r in range(repeats))
+    cells = [(b, k) for b in batch_sizes for k in tokens if b * k <= max_step_tokens or k <= 2]
+    times: dict[tuple[int, int], list[float]] = {}
+    for p in range(max_passes):
+        if p >= min_passes and time.perf_counter() > deadline:
+            break
+        for b, k in cells:
+            times.setdefault((b, k), []).append(time_forward(runner, store, b, k, context, 1, g, warmup=p == 0))
+    table = {c: statistics.median(ts) for c, ts in times.items()}
     seconds = []
     for b in batch_sizes:
         have = [k for k in tokens if (b, k) in table]
-        xs, ys = have, [table[(b, k)] for k in have]
-        seconds.append(tuple(table.get((b, k), max(interp(xs, ys, k), ys[-1])) for k in tokens))
+        xs, ys = have, isotonic([table[(b, k)] for k in have])
+        seconds.append([max(interp(xs, ys, k), ys[-1]) if k > have[-1] else interp(xs, ys, k) for k in tokens])
+    for j in range(len(tokens)):                 # and along the batch
+        col = isotonic([row[j] for row in seconds])
+        for i, row in enumerate(seconds):
+            row[j] = col[i]
     return CostModel(tuple(batch_sizes), tuple(tokens), monotone(seconds), context=context,
                      pair=engine.pair.name, device=str(engine.device), threads=torch.get_num_threads(),
                      created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
