@@ -256,6 +256,7 @@ class ControllerState:
                     "calibration": e.report.calibration,
                     "step_costs": e.report.step_costs,
                     "price_latency_s": e.report.price_latency_s,
+                    "policy_share": e.report.policy_share,
                     **asdict(e.report.tree),
                 }
                 for rid, e in sorted(self.replicas.items())

@@ -98,7 +98,8 @@ def variant_config(config: Path, variant: str, out: Path) -> Path:
 TIMELINE_FIELDS = ["t", "wall", "users", "replicas", "active", "queued", "batch_size", "theta", "node_cap",
                    "branch_cap", "tree_size", "width", "depth", "accepted_per_round", "step_s",
                    "generation_tokens", "goodput_tok_s", "requests_done", "p50_e2e_s", "p99_e2e_s",
-                   "p50_ttft_s", "p99_ttft_s", "calib_ece_stored", "calib_ece_pushed"]
+                   "p50_ttft_s", "p99_ttft_s", "calib_ece_stored", "calib_ece_pushed", "policy_share",
+                   "price_latency_max_s"]
 
 
 def speculation_row(status: dict) -> dict:
@@ -128,6 +129,8 @@ def speculation_row(status: dict) -> dict:
         "accepted_per_round": wmean("accepted_per_round"),
         "step_s": wmean("step_s"),
         "generation_tokens": status.get("counters", {}).get("generation_tokens", 0.0),
+        "policy_share": wmean("policy_share") if all("policy_share" in r for r in reps) else "",
+        "price_latency_max_s": max((x for r in reps for x in r.get("price_latency_s") or ()), default=""),
         "calib_ece_stored": cal.get("ece_stored", ""),
         "calib_ece_pushed": cal.get("ece_pushed", ""),
     }
