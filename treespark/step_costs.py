@@ -119,11 +119,12 @@ def isotonic(ys: list[float]) -> list[float]:
     return [s / c for s, c in blocks for _ in range(int(c))]
 
 
-def measure_verify(engine, batch_sizes, tokens, *, deadline: float, min_passes: int = 3, max_passes: int = 7,
-                   context: int = 128, max_step_tokens: int = 256) -> CostModel:
+def measure_verify(engine, batch_sizes, tokens, *, deadline: float, max_passes: int = 7,
+                   context: int = 128, max_step_tokens: int = 128) -> CostModel:
     """T(bs, k): passes over the grid, each cell timed once per pass (a burst of load
     from another process spoils one pass of a few cells, not every timing of one cell),
-    more passes while ``deadline`` (a perf_counter time) allows; each cell its median,
+    more passes while ``deadline`` (a perf_counter time) allows (the first always runs
+    whole; later ones stop at the deadline, cell by cell); each cell its median,
     made non-decreasing in k and bs (``isotonic``). Cells above ``max_step_tokens`` are
     extrapolated along k."""
     runner = engine.runner
@@ -132,9 +133,9 @@ def measure_verify(engine, batch_sizes, tokens, *, deadline: float, min_passes: 
     cells = [(b, k) for b in batch_sizes for k in tokens if b * k <= max_step_tokens or k <= 2]
     times: dict[tuple[int, int], list[float]] = {}
     for p in range(max_passes):
-        if p >= min_passes and time.perf_counter() > deadline:
-            break
         for b, k in cells:
+            if p and time.perf_counter() > deadline:
+                break
             times.setdefault((b, k), []).append(time_forward(runner, store, b, k, context, 1, g, warmup=p == 0))
     table = {c: statistics.median(ts) for c, ts in times.items()}
     seconds = []
