@@ -12,7 +12,8 @@ per-step allocation (``treespark.step_alloc``) prices every step on.
      ``max_step_tokens`` are extrapolated along k);
    * drafting and host costs, from real engine steps on a few synthetic requests under
      fixed budgets: ``draft_s = base + row * bs + node * nodes`` by least squares, and
-     the host seconds per verified node beyond the forward (``verify_s - T``);
+     the host seconds per verified draft node beyond the forward (the slope of
+     ``verify_s - T`` on the nodes);
 3. stores it (a ``filelock`` guards the cache file: two replicas starting together on
    one machine measure once each at worst, and never leave a torn file).
 """
@@ -184,9 +185,15 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float,
         y = np.array([s.draft_s for s in drafting])
         c, *_ = np.linalg.lstsq(x, y, rcond=None)
         base, row, node = (max(float(v), 0.0) for v in c)
-    host = [max(s.verify_s - verify.time(s.batch_size, max(s.tree_sizes) + 1), 0.0) / s.tokens_verified
-            for s in decode if s.tokens_verified]
-    return base, row, node, (statistics.median(host) if host else 0.0)
+    # host seconds per verified draft node: the slope of (verify stage - forward) on the
+    # draft nodes (a plain step's host work is per step, not per node)
+    host = 0.0
+    pts = [(sum(s.tree_sizes), s.verify_s - verify.time(s.batch_size, max(s.tree_sizes) + 1)) for s in decode]
+    if len({n for n, _ in pts}) > 1:
+        x = np.array([[1.0, n] for n, _ in pts])
+        c, *_ = np.linalg.lstsq(x, np.array([r for _, r in pts]), rcond=None)
+        host = max(float(c[1]), 0.0)
+    return base, row, node, host
 
 
 def startup_step_costs(engine, *, time_budget_s: float = 20.0, cache_dir: Path | None = CACHE_DIR) -> StepCostTable:
