@@ -39,6 +39,7 @@ def test_no_queue_no_floor_and_the_floor_rises_with_the_queue():
     floors = [p.floor(LoadSnapshot(2, 16, q)) for q in (2, 8, 16, 64)]
     assert 0 < floors[0] < floors[1] < floors[2] < floors[3] <= p.max_floor
     assert p.floor(LoadSnapshot(2, 16, 2, queue_growth=4.0)) > floors[0]   # a growing queue: dearer still
+    assert p.floor(LoadSnapshot(2, 6, 2, queue_growth=4.0)) == 0.0        # arrivals that fit the batches: free
     assert p.floor(LoadSnapshot(1, 8, 10_000)) == p.max_floor
 
 

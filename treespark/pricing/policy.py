@@ -232,7 +232,8 @@ class PerStepPolicy:
         r = max(load.replicas, 1)
         batch = float(self.max_batch or 1)
         waiting = max(load.load_per_replica - batch, 0.0) if self.max_batch else load.queued / r
-        p = self.queue_weight * waiting / batch + self.trend_weight * max(load.queue_growth, 0.0) / r / batch
+        growth = max(load.queue_growth, 0.0) if waiting > 0 else 0.0   # a queue building beyond the batches
+        p = self.queue_weight * waiting / batch + self.trend_weight * growth / r / batch
         return min(p / (1.0 + p), self.max_floor)
 
     def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:
