@@ -4,8 +4,9 @@ The maths is ``treespark.pricing.allocate`` (numpy, no model); this is its engin
 two calls per decode step:
 
 * before drafting, ``drafting`` caps each row's drafting budget at the pad
-  ``plan_drafting`` finds worth drafting (drafting priced too) over the rows' last
-  candidates (a row without any: the last tree drafted); a pad of 0 is plain decoding,
+  ``plan_drafting`` finds worth drafting (drafting priced too) for rows whose trees
+  score like the replica's recent ones (a running mean, rank by rank, of the drafted
+  trees' scores: what a tree is worth here, not one round's luck); a pad of 0 is plain decoding,
   no drafter call, but for a small probe every ``probe_every`` plain steps, so the
   forecasts follow the traffic;
 * after drafting, ``cut`` hands every row's candidate scores to ``allocate`` with the
@@ -37,19 +38,19 @@ class StepAllocator:
     policy_s: float = 0.0                      # seconds of this step's two calls
     probe_every: int = 32                      # plain steps between two probes (a 4-node draft)
     _plain_steps: int = 0
-    _history: dict[str, list[float]] = field(default_factory=dict)   # each row's last candidates
-    _typical: list[float] | None = None                               # the last tree drafted
+    profile_decay: float = 0.9                 # weight of the past in the per-rank mean of drafted trees
+    _history: dict[str, list[float]] = field(default_factory=dict)   # each T > 0 row's last candidates
+    _profile: list[float] | None = None        # drafted trees' scores by rank (best first), a running mean
 
     def drafting(self, ids: Sequence[str], budgets: Sequence[Budget], follows: Sequence[bool],
                  floor: float) -> list[Budget]:
         """Each row's drafting budget for this step: ``budgets[i]`` with its node_cap cut to
         twice the planned pad (room to grow), or plain decoding where nothing pays."""
         t0 = time.perf_counter()
-        forecasts = [self._history.get(i, self._typical) for i in ids]
-        if all(f is None for f in forecasts):
+        if self._profile is None:
             self.plan, self.policy_s = None, time.perf_counter() - t0
             return list(budgets)
-        self.plan = plan_drafting([f or [] for f in forecasts], self.costs, floor=floor)
+        self.plan = plan_drafting([self._profile] * len(ids), self.costs, floor=floor)
         cap = 2 * self.plan.pad
         self._plain_steps = self._plain_steps + 1 if cap == 0 else 0
         if cap == 0 and self._plain_steps % self.probe_every == 0:
@@ -74,8 +75,12 @@ class StepAllocator:
         history = {i: s for i, s in zip(ids, drafted.scores, strict=True) if s}
         self._history = {i: history.get(i, self._history.get(i)) for i in ids
                          if i in history or i in self._history}
-        if history:
-            self._typical = max(history.values(), key=len)
+        n = self.costs.max_nodes
+        for s in drafted.scores:
+            ranked = sorted(s, reverse=True)[:n]
+            ranked += [0.0] * (n - len(ranked))
+            self._profile = ranked if self._profile is None else \
+                [self.profile_decay * p + (1 - self.profile_decay) * x for p, x in zip(self._profile, ranked, strict=True)]
         counts = [c if f else t.size for c, f, t in zip(alloc.counts, follows, drafted.trees, strict=True)]
         out = drafted if all(c >= t.size for c, t in zip(counts, drafted.trees, strict=True)) \
             else drafted.trimmed(counts)
