@@ -16,7 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from treespark.budget import Budget
 from treespark.pricing.costmodel import AcceptanceProfile, CostModel
-from treespark.pricing.policy import BudgetPolicy, CostModelPolicy, FixedPolicy, LadderPolicy
+from treespark.pricing.policy import (
+    BudgetPolicy,
+    CostModelPolicy,
+    FixedPolicy,
+    LadderPolicy,
+    PerStepPolicy,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,13 +49,17 @@ def _default_ladder_budgets() -> list[BudgetArgs]:
 
 
 class PolicyArgs(_Strict):
-    """``ladder``: ``budgets[i]`` while load per replica <= ``thresholds[i]``, the last
+    """``perstep``: every engine allocates every step's draft nodes on its own step-cost
+    table, measured at startup in at most ``profile_s`` seconds (or read from the cache
+    when ``cost_cache``), under a floor price the controller raises when the cluster
+    queues (``treespark.pricing.policy.PerStepPolicy``); ``max_nodes`` / ``max_branch``
+    bound what is drafted. ``ladder``: ``budgets[i]`` while load per replica <= ``thresholds[i]``, the last
     budget beyond; ``fixed``: always ``budget`` (baselines); ``costmodel``: theta priced
     from a measured ``treespark cost-model`` JSON (``cost_model``: a path, relative paths
     from the repository root, or the JSON object itself) and the acceptance per tree size
     (a saturating prior ``prior_ceiling * (1 - exp(-n / prior_scale))`` refined online)."""
 
-    kind: Literal["ladder", "fixed", "costmodel"] = "ladder"
+    kind: Literal["perstep", "ladder", "fixed", "costmodel"] = "ladder"
     thresholds: list[float] = Field(default_factory=lambda: [r.max_load for r in LadderPolicy().rungs[:-1]])
     budgets: list[BudgetArgs] = Field(default_factory=_default_ladder_budgets)
     budget: BudgetArgs | None = None
@@ -62,6 +72,10 @@ class PolicyArgs(_Strict):
     prior_weight: float = Field(200.0, ge=0)
     min_gain: float = Field(1.0, ge=0)
     draft_node_s: float = Field(0.0, ge=0)  # drafting s/node until learned online
+    trend_weight: float = Field(1.0, ge=0)   # perstep: pressure per request/s of queue growth
+    max_floor: float = Field(0.95, ge=0, le=1)
+    profile_s: float = Field(20.0, gt=0)     # perstep: the startup measurement's time budget
+    cost_cache: bool = True                  # perstep: reuse a table cached for this hardware + model
 
     @model_validator(mode="after")
     def _check(self) -> PolicyArgs:
@@ -88,6 +102,10 @@ class PolicyArgs(_Strict):
                                    prior_weight=self.prior_weight, min_gain=self.min_gain,
                                    draft_node_s=self.draft_node_s,
                                    max_batch=max_batch)
+        if self.kind == "perstep":
+            return PerStepPolicy(max_nodes=self.max_nodes, max_branch=self.max_branch, max_batch=max_batch,
+                                 queue_weight=self.queue_weight, trend_weight=self.trend_weight,
+                                 max_floor=self.max_floor)
         if self.kind == "fixed":
             if self.budget is None:
                 raise ValueError("policy kind 'fixed' needs 'budget'")
@@ -155,7 +173,8 @@ class ControllerArgs(_Strict):
     heartbeat_s: float = Field(0.25, gt=0, le=0.5)  # replicas report (and pull their budget) this often
     heartbeat_timeout_s: float = Field(2.0, gt=0)  # a replica silent this long is dropped
     rpc_timeout_s: float = Field(1.0, gt=0)
-    online_calibration: bool = False  # refit (a, b) from serving records and push it
+    pricing: bool = True  # False: the controller only observes; each replica prices itself (local policy)
+    online_calibration: bool = True  # refit (a, b) from the replicas' pooled records and push it
     min_calibration_records: int = Field(2000, ge=10)
     calibration_prior_records: int = Field(2000, ge=0)  # online fit shrunk toward the stored one
 
@@ -195,7 +214,7 @@ class AppArgs(_Strict):
     def _caps_fit_the_engines(self) -> AppArgs:
         """A budget the engines would clip is a configuration error, not a silent change."""
         p, cap = self.policy, self.max_tree_nodes
-        named = {"costmodel": [("policy.max_nodes", p.max_nodes)],
+        named = {"costmodel": [("policy.max_nodes", p.max_nodes)], "perstep": [("policy.max_nodes", p.max_nodes)],
                  "fixed": [("policy.budget.node_cap", p.budget.node_cap if p.budget else 0)],
                  "ladder": [(f"policy.budgets[{i}].node_cap", b.node_cap) for i, b in enumerate(p.budgets)]}
         for name, n in named[p.kind]:

@@ -21,6 +21,7 @@ Replicas report every heartbeat; the state
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -42,9 +43,10 @@ from treespark.pricing.policy import BudgetPolicy, LoadSnapshot
 
 
 def aggregate_load(reports: Iterable[ReplicaReport], acceptance: AcceptanceStats | None = None,
-                   draft_node_s: float | None = None) -> LoadSnapshot:
+                   draft_node_s: float | None = None, queue_growth: float = 0.0) -> LoadSnapshot:
     """Cluster load: replicas, sums of active and queued requests; ``acceptance`` (the
-    controller's recent per-round records) and ``draft_node_s`` pass through to the policy."""
+    controller's recent per-round records), ``draft_node_s`` and ``queue_growth`` pass
+    through to the policy."""
     reports = list(reports)
     return LoadSnapshot(
         replicas=len(reports),
@@ -52,7 +54,26 @@ def aggregate_load(reports: Iterable[ReplicaReport], acceptance: AcceptanceStats
         queued=sum(r.queued for r in reports),
         acceptance=acceptance,
         draft_node_s=draft_node_s,
+        queue_growth=queue_growth,
     )
+
+
+def queue_growth(history: Iterable[tuple[float, int]], window_s: float = 2.0) -> float:
+    """Requests per second the cluster queue grew over the last ``window_s`` (least-squares
+    slope of (time, queued); 0 with fewer than 3 points or a flat or shrinking queue)."""
+    h = list(history)
+    if not h:
+        return 0.0
+    h = [(t, q) for t, q in h if t >= h[-1][0] - window_s]
+    if len(h) < 3:
+        return 0.0
+    ts = [t for t, _ in h]
+    qs = [float(q) for _, q in h]
+    mt, mq = sum(ts) / len(ts), sum(qs) / len(qs)
+    var = sum((t - mt) ** 2 for t in ts)
+    if var <= 0:
+        return 0.0
+    return max(sum((t - mt) * (q - mq) for t, q in zip(ts, qs, strict=True)) / var, 0.0)
 
 
 def assign_budgets(
@@ -72,6 +93,7 @@ class _Entry:
     registered_at: float
     budget: Budget
     version: int = 0
+    priced_at: float = 0.0      # wall time of the last budget change (replicas time its arrival)
 
 
 @dataclass
@@ -80,7 +102,7 @@ class ControllerState:
 
     policy: BudgetPolicy
     heartbeat_timeout_s: float = 2.0
-    online_calibration: bool = False
+    online_calibration: bool = True
     min_calibration_records: int = 2000
     calibration_prior_records: int = 2000   # the stored fit counts as this many records
     clock: Callable[[], float] = time.monotonic
@@ -94,6 +116,9 @@ class ControllerState:
     rounds: RoundWindow = field(default_factory=RoundWindow)
     draft_points: deque = field(default_factory=lambda: deque(maxlen=400))
     draft_node_s: float | None = None
+    queue_history: deque = field(default_factory=lambda: deque(maxlen=256))   # (time, cluster queued)
+    drift_tolerance: float = 0.1     # recent acceptance this far from the pool's: refit on the recent alone
+    calibration_guard: str = ""      # why the last refit was not pushed ("" when it was)
     registrations: int = 0
     dropped: int = 0
     started_at: float = field(default_factory=time.time)
@@ -110,6 +135,7 @@ class ControllerState:
             entry = _Entry(report, now, now, budget_from_wire(report.budget))
             self.replicas[report.replica_id] = entry
         entry.report, entry.last_seen = report, now
+        self.queue_history.append((now, sum(e.report.queued for e in self.replicas.values())))
         self.records.extend(report.calibration_records)
         self._records_since_fit += len(report.calibration_records)
         self.rounds.extend(report.round_records)
@@ -119,8 +145,10 @@ class ControllerState:
             self.draft_node_s = fit_draft_cost(self.draft_points)
         self._refit()
         self.reassign()
+        e = self.replicas[report.replica_id]
         return {
-            "budget": budget_to_wire(self.replicas[report.replica_id].budget),
+            "budget": budget_to_wire(e.budget),
+            "priced_at": e.priced_at,
             "registered": registered,
             "calibration": self.calibration if self.online_calibration else None,
         }
@@ -139,7 +167,8 @@ class ControllerState:
         return gone
 
     def load(self) -> LoadSnapshot:
-        return aggregate_load((e.report for e in self.replicas.values()), self.rounds.stats(), self.draft_node_s)
+        return aggregate_load((e.report for e in self.replicas.values()), self.rounds.stats(), self.draft_node_s,
+                              queue_growth(self.queue_history))
 
     def set_override(self, budget: Budget | None) -> None:
         self.override = budget
@@ -151,7 +180,7 @@ class ControllerState:
         for rid, b in budgets.items():
             e = self.replicas[rid]
             if b != e.budget:
-                e.budget, e.version = b, e.version + 1
+                e.budget, e.version, e.priced_at = b, e.version + 1, time.time()
 
     def base_calibration(self) -> tuple[float, float]:
         """The stored calibration the replicas started from ((1, 0) if none reported)."""
@@ -161,20 +190,37 @@ class ControllerState:
         return (1.0, 0.0)
 
     def _refit(self) -> None:
-        if self.online_calibration and len(self.records) >= self.min_calibration_records and self._records_since_fit >= self.min_calibration_records // 4:
-            recent = list(self.records)[-5000:]  # keeps a refit well under a heartbeat
-            base = self.base_calibration()
-            fit = fit_ab(recent)
-            self.calibration = shrink_calibration(fit, base, len(self.records), self.calibration_prior_records)
-            self.calibration_report = {
-                "records": len(recent),
-                "ece_stored": ece_on_records(recent, *base),
-                "ece_pushed": ece_on_records(recent, *self.calibration),
-                "ece_fit": ece_on_records(recent, *fit),
-                "a": self.calibration[0],
-                "b": self.calibration[1],
-            }
-            self._records_since_fit = 0
+        """Refit (a, b) on the pooled records, with guards: none before
+        ``min_calibration_records``; if the newest quarter's acceptance has drifted from
+        the pool's by more than ``drift_tolerance``, the pool is cut to the newest (the
+        drafter or the traffic changed); a fit that calibrates the records no better than
+        the stored map is not pushed (the pushed map is the fit shrunk toward the stored one
+        by ``calibration_prior_records``)."""
+        if not (self.online_calibration and len(self.records) >= self.min_calibration_records
+                and self._records_since_fit >= self.min_calibration_records // 4):
+            return
+        recent = list(self.records)[-5000:]  # keeps a refit well under a heartbeat
+        newest = recent[-max(len(recent) // 4, 1):]
+        pooled_rate = sum(r[1] for r in recent) / len(recent)
+        newest_rate = sum(r[1] for r in newest) / len(newest)
+        noise = 3.0 * math.sqrt(max(pooled_rate * (1 - pooled_rate), 1e-6) / len(newest))
+        drift = abs(newest_rate - pooled_rate) > max(self.drift_tolerance, noise)
+        if drift:
+            self.records = deque(newest, maxlen=self.records.maxlen)
+            recent = newest
+        base = self.base_calibration()
+        fit = fit_ab(recent)
+        pushed = shrink_calibration(fit, base, len(self.records), self.calibration_prior_records)
+        ece_stored, ece_fit = ece_on_records(recent, *base), ece_on_records(recent, *fit)
+        self._records_since_fit = 0
+        self.calibration_report = {"records": len(recent), "ece_stored": ece_stored,
+                                   "ece_pushed": ece_on_records(recent, *pushed), "ece_fit": ece_fit,
+                                   "a": pushed[0], "b": pushed[1], "drift": drift}
+        if ece_fit > ece_stored:
+            self.calibration_guard = "no better than the stored map"
+            return
+        self.calibration_guard = ""
+        self.calibration = pushed
 
     def _acceptance_status(self) -> dict[str, Any]:
         st = self.rounds.stats()
@@ -210,6 +256,9 @@ class ControllerState:
                     "calibration": e.report.calibration,
                     "node_id": e.report.node_id,
                     "first_budget_s": e.report.first_budget_s,
+                    "step_costs": e.report.step_costs,
+                    "price_latency_s": e.report.price_latency_s,
+                    "policy_share": e.report.policy_share,
                     **asdict(e.report.tree),
                 }
                 for rid, e in sorted(self.replicas.items())
@@ -222,9 +271,11 @@ class ControllerState:
                 "online": self.online_calibration,
                 "fitted": self.calibration,
                 "report": self.calibration_report,
+                "guard": self.calibration_guard,
             },
             "acceptance": self._acceptance_status(),
             "draft_node_s": self.draft_node_s,
+            "queue_growth": queue_growth(self.queue_history),
             "registrations": self.registrations,
             "dropped": self.dropped,
             "uptime_s": time.time() - self.started_at,

@@ -24,6 +24,7 @@ class EngineBundle:
     tokenizer: Any
     make_params: Callable[..., Any]
     eos_token_ids: tuple[int, ...] = ()
+    step_costs: dict[str, Any] | None = None   # perstep: the startup table's summary (reported to the controller)
 
 
 def load_model_pair(args: AppArgs) -> Any:
@@ -47,5 +48,25 @@ def build_engine(args: AppArgs) -> EngineBundle:
                                         max_tree_nodes=args.max_tree_nodes,
                                         kv_memory_fraction=args.kv_memory_fraction))
     tok = pair.tokenizer if pair.tokenizer is not None else ByteTokenizer(engine.vocab_size)
+    step_costs = None
+    if args.policy.kind == "perstep":
+        step_costs = install_allocator(engine, args)
     return EngineBundle(engine=engine, tokenizer=tok, make_params=SamplingParams,
-                        eos_token_ids=pair.stop_token_ids)
+                        eos_token_ids=pair.stop_token_ids, step_costs=step_costs)
+
+
+def install_allocator(engine: Any, args: AppArgs) -> dict[str, Any]:
+    """The per-step allocation on ``engine``, priced on the replica's own step-cost table
+    (measured now, before any traffic, or read from the cache); returns its summary."""
+    from treespark.step_alloc import StepAllocator
+    from treespark.step_costs import CACHE_DIR, startup_step_costs
+
+    table = startup_step_costs(engine, time_budget_s=args.policy.profile_s,
+                               cache_dir=CACHE_DIR if args.policy.cost_cache else None)
+    engine.set_allocator(StepAllocator(table.step_costs(args.max_tree_nodes)))
+    v = table.verify
+    return {"fingerprint": table.fingerprint, "source": table.source, "measured_s": table.measured_s,
+            "device": v.device, "threads": v.threads, "verify_1x1_s": v.time(1, 1),
+            "verify_max_batch_x1_s": v.time(v.batch_sizes[-1], 1), "draft_base_s": table.draft_base_s,
+            "draft_row_s": table.draft_row_s, "draft_node_s": table.draft_node_s,
+            "host_node_s": table.host_node_s, "table": table.to_json()}

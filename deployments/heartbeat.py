@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -131,6 +132,7 @@ class HeartbeatMixin:
         self.last_tree = TreeStats()
         self._hb_started = time.monotonic()
         self.first_budget_s: float | None = None   # until the first budget from a controller
+        self.price_latency: deque[float] = deque(maxlen=64)
         self._connect = connect
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat_loop, name="treespark-heartbeat", daemon=True)
@@ -180,6 +182,10 @@ class HeartbeatMixin:
             "metrics": self.metrics.snapshot(),
             "node_id": self.node_id,
             "first_budget_s": self.first_budget_s,
+            "step_costs": self.bundle.step_costs,
+            "price_latency_s": list(self.price_latency),
+            "policy_share": (sum(getattr(s, "policy_s", 0.0) for s in window) / max(sum(s.step_s for s in window), 1e-9)
+                             if window else 0.0),
         }
 
     def apply_budget(self, budget: Budget, source: str) -> None:
@@ -194,11 +200,17 @@ class HeartbeatMixin:
 
         report = self.make_report(dt)
         reply = ray.get(handle.report.remote(report), timeout=self.args.controller.rpc_timeout_s)
-        self.apply_budget(budget_from_wire(reply["budget"]), "controller")
-        if self.first_budget_s is None:
-            self.first_budget_s = time.monotonic() - self._hb_started
         if reply.get("registered"):
             self.registrations += 1
+        if not self.args.controller.pricing:  # the controller observes; this replica prices itself
+            self._use_local_policy()
+            return reply
+        budget = budget_from_wire(reply["budget"])
+        if budget != self.budget and reply.get("priced_at"):
+            self.price_latency.append(max(time.time() - float(reply["priced_at"]), 0.0))
+        self.apply_budget(budget, "controller")
+        if self.first_budget_s is None:
+            self.first_budget_s = time.monotonic() - self._hb_started
         cal = reply.get("calibration")
         if cal is not None and tuple(cal) != self.calibration:
             self.calibration = (float(cal[0]), float(cal[1]))

@@ -68,6 +68,9 @@ class ReplicaReport:
     metrics: tuple = ()     # the replica's Prometheus samples (deployments.metrics.ReplicaMetrics.snapshot)
     node_id: str | None = None                              # the Ray node the replica runs on
     first_budget_s: float | None = None                     # heartbeat start -> first budget from a controller
+    step_costs: dict[str, Any] | None = None   # the replica's startup step-cost table (perstep), summarized
+    price_latency_s: tuple[float, ...] = ()    # controller price change -> applied here, recent ones
+    policy_share: float = 0.0                  # the per-step allocation's seconds over step seconds
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:
@@ -84,6 +87,7 @@ class ReplicaReport:
             "calibration": pair(d["calibration"]),
             "round_records": tuple((int(n), int(a)) for n, a in d["round_records"]),
             "base_calibration": pair(d["base_calibration"]),
+            "price_latency_s": tuple(float(x) for x in d.get("price_latency_s", ())),
         })
 
 

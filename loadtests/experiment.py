@@ -7,9 +7,11 @@ Two experiments, one runner:
                (users, theta, tree size and width, accepted tokens per round, goodput,
                p50/p99 latency over time) and ``timeline.png``;
 * ``compare``  goodput side by side: for each policy (``adaptive`` = the configured
-               policy; fixed baselines forced through ``POST /v1/speculation/override``)
-               and each concurrency level, a constant-users Locust run; writes
-               ``compare.csv``, ``compare.md`` and ``compare.png``.
+               policy; ``perstep``, ``perstep-local`` and ``ladder``: service variants of
+               the config; fixed baselines forced through ``POST /v1/speculation/override``
+               on the ladder variant), each concurrency level and each of ``--runs`` runs,
+               a constant-users Locust run; writes ``compare.csv``, ``compare.md``
+               (medians and spreads) and ``compare.png``.
 
 The service is started with ``serve run CONFIG`` (own process group, stopped with
 SIGINT; ``--port`` rewrites the config's port) unless ``--url`` points at a running
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 import requests
+import yaml
 
 from loadtests.common import (
     LoadArgs,
@@ -51,6 +54,43 @@ BASELINES: dict[str, dict | None] = {
     "tree": {"theta": 0.02, "node_cap": 32, "branch_cap": 4},
     "off": {"theta": 0.0, "node_cap": 0, "branch_cap": 1},
 }
+# more fixed budgets, to find the best fixed chain and tree
+BASELINES.update({
+    "chain2": {"theta": 0.0, "node_cap": 2, "branch_cap": 1},
+    "tree8": {"theta": 0.0, "node_cap": 8, "branch_cap": 2},
+})
+# policies that need their own service: the config's ``policy``/``controller`` rewritten
+# (``compare`` starts one service per variant and run, with ``--config``)
+VARIANTS: dict[str, dict] = {
+    "perstep": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": 4}},
+    "perstep-local": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": 4},
+                      "controller": {"pricing": False}},
+    "ladder": {"policy": {"kind": "ladder"}},
+}
+POLICIES = list(BASELINES) + [v for v in VARIANTS if v != "ladder"] + ["ladder"]
+
+
+def variant_of(policy: str) -> str:
+    """The service a policy runs on: its own variant, the ladder service for the fixed
+    baselines (no per-step allocation there: an override budget is what is verified),
+    or the config as given (``adaptive``)."""
+    if policy in VARIANTS:
+        return policy
+    return "config" if policy == "adaptive" else "ladder"
+
+
+def variant_config(config: Path, variant: str, out: Path) -> Path:
+    """``config`` with the variant's ``args`` keys replaced (``controller`` merged)."""
+    if variant == "config":
+        return config
+    cfg = yaml.safe_load(config.read_text())
+    args = cfg["applications"][0]["args"]
+    for k, v in VARIANTS[variant].items():
+        args[k] = {**args.get(k, {}), **v} if k == "controller" else v
+    path = out / "raw" / f"config-{variant}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
 
 
 # -- polling ----------------------------------------------------------------------------------
@@ -58,7 +98,8 @@ BASELINES: dict[str, dict | None] = {
 TIMELINE_FIELDS = ["t", "wall", "users", "replicas", "active", "queued", "batch_size", "theta", "node_cap",
                    "branch_cap", "tree_size", "width", "depth", "accepted_per_round", "step_s",
                    "generation_tokens", "goodput_tok_s", "requests_done", "p50_e2e_s", "p99_e2e_s",
-                   "p50_ttft_s", "p99_ttft_s", "calib_ece_stored", "calib_ece_pushed"]
+                   "p50_ttft_s", "p99_ttft_s", "calib_ece_stored", "calib_ece_pushed", "policy_share",
+                   "price_latency_max_s"]
 
 
 def speculation_row(status: dict) -> dict:
@@ -88,6 +129,8 @@ def speculation_row(status: dict) -> dict:
         "accepted_per_round": wmean("accepted_per_round"),
         "step_s": wmean("step_s"),
         "generation_tokens": status.get("counters", {}).get("generation_tokens", 0.0),
+        "policy_share": wmean("policy_share") if all("policy_share" in r for r in reps) else "",
+        "price_latency_max_s": max((x for r in reps for x in r.get("price_latency_s") or ()), default=""),
         "calib_ece_stored": cal.get("ece_stored", ""),
         "calib_ece_pushed": cal.get("ece_pushed", ""),
     }
@@ -192,7 +235,7 @@ def experiment_ramp(url: str, args) -> Path:
     return path
 
 
-COMPARE_FIELDS = ["policy", "users", "goodput_tok_s", "tokens", "seconds", "requests", "errors", "p50_e2e_s",
+COMPARE_FIELDS = ["policy", "run", "users", "goodput_tok_s", "tokens", "seconds", "requests", "errors", "p50_e2e_s",
                   "p99_e2e_s", "p50_ttft_s", "p99_ttft_s", "tree_size", "width", "accepted_per_round",
                   "theta", "batch_size"]
 
@@ -205,39 +248,66 @@ def compare_order(levels, policies) -> list[tuple[int, str]]:
     return [(users, policy) for users in levels for policy in policies]
 
 
-def experiment_compare(url: str, args) -> Path:
-    rows = []
-    for users, policy in compare_order(args.levels, args.policies):
-        set_override(url, BASELINES[policy])
-        wait_idle(url)
-        name = f"cmp-{policy}-u{users}"
-        tl = run_shape(url, f"const:{users}:{args.warmup + args.duration}", args.out, name, args.load)
-        t0 = tl[0]["wall"] if tl else 0.0
-        win = [r for r in tl if args.warmup <= r["wall"] - t0 <= args.warmup + args.duration]
-        recs = [r for r in read_records(args.out / "raw" / f"{name}-records.jsonl")
-                if win and win[0]["wall"] <= r["t1"] <= win[-1]["wall"]]
-        ok = [r for r in recs if r.get("ok")]
-        secs = win[-1]["wall"] - win[0]["wall"] if len(win) > 1 else float("nan")
-        toks = win[-1]["generation_tokens"] - win[0]["generation_tokens"] if len(win) > 1 else 0.0
-        busy = [r for r in win if r["batch_size"]]
+def measure_run(url: str, args, policy: str, users: int, run: int) -> dict:
+    """One constant-users run of ``policy`` (its override set first); the measured row."""
+    set_override(url, BASELINES.get(policy))
+    wait_idle(url)
+    name = f"cmp-{policy}-u{users}-r{run}"
+    tl = run_shape(url, f"const:{users}:{args.warmup + args.duration}", args.out, name, args.load)
+    t0 = tl[0]["wall"] if tl else 0.0
+    win = [r for r in tl if args.warmup <= r["wall"] - t0 <= args.warmup + args.duration]
+    recs = [r for r in read_records(args.out / "raw" / f"{name}-records.jsonl")
+            if win and win[0]["wall"] <= r["t1"] <= win[-1]["wall"]]
+    ok = [r for r in recs if r.get("ok")]
+    secs = win[-1]["wall"] - win[0]["wall"] if len(win) > 1 else float("nan")
+    toks = win[-1]["generation_tokens"] - win[0]["generation_tokens"] if len(win) > 1 else 0.0
+    busy = [r for r in win if r["batch_size"]]
 
-        def mean(key: str, src=busy) -> float | str:
-            vals = [r[key] for r in src if r[key] != "" and r[key] == r[key]]
-            return sum(vals) / len(vals) if vals else ""
+    def mean(key: str, src=busy) -> float | str:
+        vals = [r[key] for r in src if r[key] != "" and r[key] == r[key]]
+        return sum(vals) / len(vals) if vals else ""
 
-        e2e = [r["t1"] - r["t0"] for r in ok]
-        ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
-        row = {"policy": policy, "users": users, "goodput_tok_s": toks / secs if secs == secs and secs else 0.0,
-               "tokens": toks, "seconds": secs, "requests": len(ok), "errors": len(recs) - len(ok),
-               "p50_e2e_s": percentile(e2e, 0.5), "p99_e2e_s": percentile(e2e, 0.99),
-               "p50_ttft_s": percentile(ttft, 0.5), "p99_ttft_s": percentile(ttft, 0.99),
-               "tree_size": mean("tree_size"), "width": mean("width"),
-               "accepted_per_round": mean("accepted_per_round"), "theta": mean("theta"),
-               "batch_size": mean("batch_size")}
-        log(f"{policy:>8} u={users:<3} goodput {row['goodput_tok_s']:.1f} tok/s  tree {row['tree_size']}")
-        rows.append(row)
-        write_csv(args.out / "compare.csv", rows, COMPARE_FIELDS)
-    set_override(url, None)
+    e2e = [r["t1"] - r["t0"] for r in ok]
+    ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
+    row = {"policy": policy, "run": run, "users": users,
+           "goodput_tok_s": toks / secs if secs == secs and secs else 0.0,
+           "tokens": toks, "seconds": secs, "requests": len(ok), "errors": len(recs) - len(ok),
+           "p50_e2e_s": percentile(e2e, 0.5), "p99_e2e_s": percentile(e2e, 0.99),
+           "p50_ttft_s": percentile(ttft, 0.5), "p99_ttft_s": percentile(ttft, 0.99),
+           "tree_size": mean("tree_size"), "width": mean("width"),
+           "accepted_per_round": mean("accepted_per_round"), "theta": mean("theta"),
+           "batch_size": mean("batch_size")}
+    log(f"{policy:>13} u={users:<3} run {run}: goodput {row['goodput_tok_s']:.1f} tok/s  tree {row['tree_size']}")
+    return row
+
+
+def compare_plan(levels, policies, runs: int) -> list[tuple[int, str, list[tuple[int, str]]]]:
+    """(run, variant, [(users, policy)]) in the order they happen: run by run, each
+    variant's service once per run, its levels in order with every policy at one level
+    before the next (the service drifts over a long comparison: a run measured last came
+    out 10 % faster than the same policy measured first, so no policy may always go last)."""
+    out = []
+    for run in range(1, runs + 1):
+        variants = list(dict.fromkeys(variant_of(p) for p in policies))
+        if run % 2 == 0:
+            variants.reverse()
+        for v in variants:
+            out.append((run, v, [(u, p) for u in levels for p in policies if variant_of(p) == v]))
+    return out
+
+
+def experiment_compare(url: str | None, args) -> Path:
+    """``url``: one running service for every policy (overrides only); None: ``--config``
+    started per variant and run (``compare_plan``)."""
+    rows: list[dict] = []
+    for run, variant, cells in compare_plan(args.levels, args.policies, args.runs):
+        with contextlib.ExitStack() as stack:
+            u = url or stack.enter_context(serve_process(variant_config(args.config, variant, args.out),
+                                                         args.out, args.port, args.ready_timeout))
+            for users, policy in cells:
+                rows.append(measure_run(u, args, policy, users, run))
+                write_csv(args.out / "compare.csv", rows, COMPARE_FIELDS)
+            set_override(u, None)
     from loadtests.report import compare_table, plot_compare
 
     path = args.out / "compare.csv"
@@ -259,7 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("runs/load"))
     p.add_argument("--shape", default="ramp:1,2,4,8,16:30", help="ramp: a loadtests.shapes spec")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16], help="compare: users")
-    p.add_argument("--policies", nargs="+", default=list(BASELINES), choices=list(BASELINES))
+    p.add_argument("--policies", nargs="+", default=["adaptive", "chain", "tree", "off"], choices=POLICIES,
+                   help="compare: policies; perstep, perstep-local and ladder each start a service "
+                        "variant of --config (chain*, tree*, off run on the ladder variant)")
+    p.add_argument("--runs", type=int, default=1, help="compare: runs of every cell (median and spread)")
     p.add_argument("--duration", type=float, default=40.0, help="compare: measured seconds per run")
     p.add_argument("--warmup", type=float, default=10.0, help="compare: seconds before measuring")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -275,18 +348,22 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.load = LoadArgs(args.max_tokens, args.temperature, not args.no_stream, chat=args.chat)
-    with contextlib.ExitStack() as stack:
-        if args.url:
-            url = args.url.rstrip("/")
-            wait_healthy(url, args.ready_timeout)
-        else:
-            url = stack.enter_context(serve_process(args.config, args.out, args.port, args.ready_timeout))
-        set_override(url, None)
-        if args.experiment in ("ramp", "both"):
+    variants = {variant_of(p) for p in args.policies} if args.experiment != "ramp" else set()
+    if args.url and variants - {"config", "ladder"}:
+        raise SystemExit("perstep / perstep-local / ladder need --config (they start their own services)")
+    if args.experiment in ("ramp", "both"):
+        with contextlib.ExitStack() as stack:
+            if args.url:
+                url = args.url.rstrip("/")
+                wait_healthy(url, args.ready_timeout)
+            else:
+                url = stack.enter_context(serve_process(args.config, args.out, args.port, args.ready_timeout))
+            set_override(url, None)
             experiment_ramp(url, args)
-        if args.experiment in ("compare", "both"):
-            experiment_compare(url, args)
-
+    if args.experiment in ("compare", "both"):
+        if args.url:
+            wait_healthy(args.url.rstrip("/"), args.ready_timeout)
+        experiment_compare(args.url.rstrip("/") if args.url else None, args)
 
 if __name__ == "__main__":
     main()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -127,43 +128,71 @@ def ramp_summary(csv_path: Path, settle_s: float = 8.0) -> str:
 
 
 def _compare_grid(rows: list[dict]) -> tuple[list[str], list[int], dict[tuple[str, int], dict]]:
+    """Per (policy, users): the median run's row, with ``spread`` (max - min goodput over
+    the runs, 0 for one run) and ``runs``."""
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     users = sorted({int(r["users"]) for r in rows})
-    return policies, users, {(r["policy"], int(r["users"])): r for r in rows}
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["policy"], int(r["users"])), []).append(r)
+    grid = {}
+    for k, rs in groups.items():
+        g = sorted(rs, key=lambda r: num(r["goodput_tok_s"]))
+        vals = [num(r["goodput_tok_s"]) for r in g]
+        grid[k] = {**g[(len(g) - 1) // 2], "goodput_tok_s": statistics.median(vals),
+                   "spread": max(vals) - min(vals), "runs": len(g)}
+    return policies, users, grid
 
 
 def compare_table(csv_path: Path) -> str:
+    """Goodput per policy and users (median of the runs, +- half the spread), and the
+    subject's (``perstep``, else ``adaptive``) ratios to the best other policy, to the
+    ladder and to off."""
     policies, users, grid = _compare_grid(read_rows(csv_path))
-    fixed = [p for p in policies if p != "adaptive"]
+    subject = "perstep" if "perstep" in policies else "adaptive"
+    others = [p for p in policies if p != subject]
     head = ["users"] + [f"{p} tok/s" for p in policies]
-    if "adaptive" in policies and fixed:
-        head += ["adaptive / best fixed", "adaptive / off" if "off" in policies else "-"]
+    if subject in policies and others:
+        head += [f"{subject} / best other", f"{subject} / ladder" if "ladder" in policies else "-",
+                 f"{subject} - off (off spread)" if "off" in policies else "-"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ratios = []
     for u in users:
-        g = {p: num(grid[(p, u)]["goodput_tok_s"]) if (p, u) in grid else math.nan for p in policies}
+        g = {p: grid[(p, u)]["goodput_tok_s"] if (p, u) in grid else math.nan for p in policies}
         cells = [str(u)]
         for p in policies:
             r = grid.get((p, u))
-            cells.append("" if r is None else f"{g[p]:.1f} (tree {num(r['tree_size']):.1f})")
-        if "adaptive" in policies and fixed:
-            best = max((g[p] for p in fixed if not math.isnan(g[p])), default=math.nan)
-            cells.append(f"{g['adaptive'] / best:.2f}" if best else "")
-            cells.append(f"{g['adaptive'] / g['off']:.2f}" if "off" in policies and g["off"] else "-")
+            cells.append("" if r is None else
+                         f"{g[p]:.1f} ±{r['spread'] / 2:.1f} (tree {num(r['tree_size']):.1f})")
+        if subject in policies and others:
+            best = max((g[p] for p in others if not math.isnan(g[p])), default=math.nan)
+            ratios.append(g[subject] / best if best else math.nan)
+            cells.append(f"{ratios[-1]:.2f}" if best else "")
+            cells.append(f"{g[subject] / g['ladder']:.2f}" if "ladder" in policies and g["ladder"] else "-")
+            cells.append(f"{g[subject] - g['off']:+.1f} ({grid[('off', u)]['spread']:.1f})"
+                         if (("off", u) in grid and (subject, u) in grid) else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    good = [x for x in ratios if x == x and x > 0]
+    if good:
+        runs = max(r["runs"] for r in grid.values())
+        lines += ["", f"{subject} / best other, geometric mean over the levels: "
+                  f"{math.exp(sum(map(math.log, good)) / len(good)):.3f}; lowest {min(good):.3f} "
+                  f"(medians of {runs} run(s) per cell)"]
     return "\n".join(lines)
 
 
 def plot_compare(csv_path: Path, png_path: Path, title: str = "") -> None:
     policies, users, grid = _compare_grid(read_rows(csv_path))
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     w = 0.8 / max(len(policies), 1)
     for i, p in enumerate(policies):
-        ys = [num(grid[(p, u)]["goodput_tok_s"]) if (p, u) in grid else 0 for u in users]
-        ax.bar([j + i * w for j in range(len(users))], ys, w, label=p)
+        ys = [grid[(p, u)]["goodput_tok_s"] if (p, u) in grid else 0 for u in users]
+        err = [grid[(p, u)]["spread"] / 2 if (p, u) in grid else 0 for u in users]
+        ax.bar([j + i * w for j in range(len(users))], ys, w, yerr=err, capsize=2, label=p)
     ax.set_xticks([j + w * (len(policies) - 1) / 2 for j in range(len(users))], [str(u) for u in users])
     ax.set_xlabel("concurrent users")
-    ax.set_ylabel("goodput (tokens/s)")
-    ax.legend()
+    ax.set_ylabel("goodput (tokens/s), median of runs")
+    ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(title or "goodput by policy and concurrency")
     fig.tight_layout()

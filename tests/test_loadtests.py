@@ -4,6 +4,7 @@
 import csv
 import json
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -77,13 +78,18 @@ def test_timeline_goodput_latency_and_report(tmp_path):
 def test_compare_table(tmp_path):
     path = tmp_path / "compare.csv"
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["policy", "users", "goodput_tok_s", "tree_size"])
+        w = csv.DictWriter(f, fieldnames=["policy", "run", "users", "goodput_tok_s", "tree_size"])
         w.writeheader()
-        for p, g in (("adaptive", [10, 30]), ("chain", [9, 32]), ("off", [6, 29])):
-            for u, x in zip((1, 16), g, strict=True):
-                w.writerow({"policy": p, "users": u, "goodput_tok_s": x, "tree_size": 1})
+        for p, g in (("perstep", [[10, 11, 12], [30, 30, 30]]), ("ladder", [[9, 9, 9], [28, 28, 28]]),
+                     ("off", [[6, 5, 7], [29, 31, 30]])):
+            for u, xs in zip((1, 16), g, strict=True):
+                for run, x in enumerate(xs, 1):
+                    w.writerow({"policy": p, "run": run, "users": u, "goodput_tok_s": x, "tree_size": 1})
     table = compare_table(path)
-    assert "| 1 | 10.0 (tree 1.0) | 9.0 (tree 1.0) | 6.0 (tree 1.0) | 1.11 | 1.67 |" in table
+    # medians of three runs, +- half their spread; ratios to the best other, the ladder; minus off (its spread)
+    assert "| 1 | 11.0 ±1.0 (tree 1.0) | 9.0 ±0.0 (tree 1.0) | 6.0 ±1.0 (tree 1.0) | 1.22 | 1.22 | +5.0 (2.0) |" in table
+    assert "| 16 | 30.0 ±0.0 (tree 1.0) | 28.0 ±0.0 (tree 1.0) | 30.0 ±1.0 (tree 1.0) | 1.00 | 1.07 | +0.0 (2.0) |" in table
+    assert "geometric mean over the levels: 1.106; lowest 1.000 (medians of 3 run(s) per cell)" in table
     plot_compare(path, tmp_path / "compare.png")
 
 
@@ -110,7 +116,24 @@ def test_short_locust_run_against_the_service(tmp_path):
 
 
 def test_compare_runs_every_policy_at_a_level_before_the_next_level():
-    from loadtests.experiment import compare_order
+    from loadtests.experiment import compare_plan, variant_of
 
-    order = compare_order([1, 4], ["adaptive", "chain", "off"])
-    assert order == [(1, "adaptive"), (1, "chain"), (1, "off"), (4, "adaptive"), (4, "chain"), (4, "off")]
+    plan = compare_plan([1, 4], ["perstep", "ladder", "chain", "off"], runs=2)
+    assert [(r, v) for r, v, _ in plan] == [(1, "perstep"), (1, "ladder"), (2, "ladder"), (2, "perstep")]
+    assert plan[1][2] == [(1, "ladder"), (1, "chain"), (1, "off"), (4, "ladder"), (4, "chain"), (4, "off")]
+    assert variant_of("tree8") == "ladder" and variant_of("adaptive") == "config"
+
+
+def test_variant_configs_rewrite_the_policy_and_the_controller(tmp_path):
+    import yaml
+
+    from deployments.config import AppArgs
+    from loadtests.experiment import variant_config
+
+    base = Path(__file__).resolve().parents[1] / "configs" / "load-default.yaml"
+    for variant, kind, pricing in (("perstep", "perstep", True), ("perstep-local", "perstep", False),
+                                   ("ladder", "ladder", True)):
+        cfg = yaml.safe_load(variant_config(base, variant, tmp_path).read_text())
+        a = AppArgs.model_validate(cfg["applications"][0]["args"])
+        assert a.policy.kind == kind and a.controller.pricing is pricing
+        assert a.controller.heartbeat_s == 0.25   # the rest of the controller section kept

@@ -47,6 +47,16 @@ def test_overload_adaptive_turns_off_and_keeps_up_with_plain():
 def test_sweep_table():
     base = SimConfig(duration_s=40, warmup_s=5, max_tokens=16)
     rows = sweep(COST, TRACES, [1, 2], [1.0], base, PRIOR, log=lambda m: None)
-    assert len(rows) == 8 and {r["policy"] for r in rows} == {"adaptive", "chain", "tree", "off"}
+    assert len(rows) == 10 and {r["policy"] for r in rows} == {"perstep", "adaptive", "chain", "tree", "off"}
     table = sweep_table(rows)
-    assert table.count("\n") == 3 and "adaptive / best fixed" in table
+    assert table.count("\n") == 3 and "perstep / best other" in table
+
+
+def test_the_per_step_policy_grows_trees_light_and_goes_plain_in_overload():
+    pols = baseline_policies(COST, 16, PRIOR, draft_node_s=0.00015)
+    light = simulate(pols["perstep"], COST, TRACES, SimConfig(rate=0.2, duration_s=200, warmup_s=20, max_tokens=32))
+    assert light.mean_tree_size >= 4
+    cfg = SimConfig(rate=20.0, duration_s=60, warmup_s=10, max_tokens=32)
+    heavy = simulate(pols["perstep"], COST, TRACES, cfg)
+    off = simulate(FixedPolicy(Budget.off()), COST, TRACES, cfg)
+    assert heavy.mean_tree_size < 1 and heavy.goodput_tok_s >= 0.97 * off.goodput_tok_s

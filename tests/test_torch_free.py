@@ -29,6 +29,7 @@ def test_importing_the_control_plane_loads_no_torch():
         import deployments.validation
         import treespark.budget, treespark.calibration, treespark.chat
         import treespark.pricing.costmodel, treespark.pricing.estimators, treespark.pricing.policy
+        import treespark.pricing.allocate
     """)) == []
 
 

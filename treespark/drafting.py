@@ -95,6 +95,27 @@ def score_parents(
     return packed, rows_s
 
 
+def best_nodes(scores: list[float], count: int) -> list[int]:
+    """The root and the ``count`` best draft nodes by (score desc, index), in node order
+    (``scores[j]`` is node ``j + 1``'s)."""
+    if count >= len(scores):
+        return list(range(len(scores) + 1))
+    best = sorted(range(len(scores)), key=lambda j: (-scores[j], j))[:count]
+    return [0, *sorted(j + 1 for j in best)]
+
+
+def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """``tree`` restricted to the nodes ``keep`` (node order, root first, each with its parent)."""
+    index = {0: 0}
+    cut = DraftTree.root_only(tree.tokens[0])
+    for n in keep[1:]:
+        assert tree.parents[n] in index, "a cut tree keeps every kept node's parent"
+        index[n] = cut.add(index[tree.parents[n]], tree.tokens[n], q=tree.q[n], survival=tree.survival[n])
+    cut.draft_to_target = tree.draft_to_target
+    cut.child_q = {index[n]: q for n, q in tree.child_q.items() if n in index and cut.children[index[n]]}
+    return cut
+
+
 @dataclass
 class RoundDraft:
     """A round's trees, and what verification needs of the drafting on the device."""
@@ -104,7 +125,24 @@ class RoundDraft:
     # per tree, per node: the row of q_rows its children were drawn from (-1: none)
     q_row_of: list[list[int]] = field(default_factory=list)
     draft_ids: list[list[int]] = field(default_factory=list)  # per tree, per node: its draft index
+    # per tree, per draft node (node 1 first): its score (``treespark.select``), known before its draw
+    scores: list[list[float]] = field(default_factory=list)
     waves: int = 0
+
+    def trimmed(self, counts: list[int]) -> RoundDraft:
+        """Each tree cut to its ``counts[i]`` best nodes by (score desc, index): a
+        prefix-closed set (scores never rise to a child or a later sibling), so each
+        cut tree is a tree, verified exactly like a smaller budget's draft."""
+        out = RoundDraft(trees=[], q_rows=self.q_rows, waves=self.waves)
+        for i, (tree, c) in enumerate(zip(self.trees, counts, strict=True)):
+            sc = self.scores[i]
+            keep = best_nodes(sc, c)
+            cut = subtree(tree, keep)
+            out.trees.append(cut)
+            out.q_row_of.append([self.q_row_of[i][n] for n in keep])
+            out.draft_ids.append([self.draft_ids[i][n] for n in keep])
+            out.scores.append([sc[n - 1] for n in keep[1:]])
+        return out
 
 
 @dataclass(frozen=True)
@@ -176,6 +214,7 @@ class WaveDrafter:
             out.trees.append(tree)
             out.q_row_of.append([q_row.get((b, c), -1) for c in keep])
             out.draft_ids.append([bl.nodes[c].draft_id for c in keep])
+            out.scores.append([bl.nodes[c].score for c in keep[1:]])
         if chunks:
             out.q_rows = torch.cat(chunks)
         return out

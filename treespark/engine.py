@@ -42,6 +42,7 @@ from treespark.logprobs import Emitted, TokenLogprob, step_logprobs
 from treespark.models import ModelPair
 from treespark.params import RequestOutput, RequestStats, RoundStats, SamplingParams, StepStats
 from treespark.sampling import TorchSampler, sample_rows, target_probs_rows
+from treespark.step_alloc import StepAllocator
 from treespark.target import TargetRunner
 from treespark.transfer import HostTransfers
 from treespark.tree import DraftTree
@@ -131,6 +132,7 @@ class Engine:
                                  self._d2t, self.transfers)
         self.on_step: Callable[[StepStats], None] | None = None
         self.on_schedule: Callable[[str], None] | None = None  # a request id leaving the waiting queue
+        self.allocator: StepAllocator | None = None  # per-step allocation (``treespark.step_alloc``)
         self.vocab_size = self.runner.vocab_size
         self._waiting: deque[_Request] = deque()
         self._staging: _Request | None = None
@@ -175,6 +177,10 @@ class Engine:
 
     def set_budget(self, budget: Budget) -> None:
         self.budget = budget
+
+    def set_allocator(self, allocator: StepAllocator | None) -> None:
+        """Price every step's trees (None: verify what the budget drafts)."""
+        self.allocator = allocator
 
     def set_calibration(self, a: float, b: float) -> None:
         """New (a, b) of the T = 0 map (an online refit); the sibling offsets and the
@@ -271,8 +277,16 @@ class Engine:
         lengths = [self.kv.lengths[r.slot] for r in batch]
         t_draft = time.perf_counter()
         budgets = [self._row_budget(r) for r in batch]
+        if self.allocator is not None:
+            budgets = self.allocator.drafting([r.id for r in batch], budgets, [r.budget is None for r in batch],
+                                              self.budget.theta)
         drafted = self._draft(batch, budgets, lengths)
         self.sync()
+        policy_s = 0.0 if self.allocator is None else self.allocator.policy_s
+        if self.allocator is not None and drafted.waves:
+            drafted = self.allocator.cut([r.id for r in batch], [r.params.temperature for r in batch],
+                                         [r.budget is None for r in batch], drafted, self.budget.theta)
+            policy_s = self.allocator.policy_s
         t_verify = time.perf_counter()
         logits, taps = self._verify_forward(batch, drafted.trees, lengths)
         results = self._accept(batch, drafted, logits)
@@ -305,6 +319,7 @@ class Engine:
                 draft_waves=drafted.waves,
                 host_syncs=syncs,
                 host_elements=elements,
+                policy_s=policy_s,
             ))
         return outputs
 

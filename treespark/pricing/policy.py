@@ -44,7 +44,9 @@ class LoadSnapshot:
     * ``acceptance``    recent rounds per tree size and the draft tokens they accepted
                         (None when unknown): what a tree of n nodes buys right now;
     * ``draft_node_s``  drafting seconds per draft node, fitted from the replicas' draft
-                        times (None when unknown).
+                        times (None when unknown);
+    * ``queue_growth``  how fast the cluster's queue grows, requests per second (0 when
+                        flat, shrinking or unknown).
     """
 
     replicas: int
@@ -52,6 +54,7 @@ class LoadSnapshot:
     queued: int
     acceptance: AcceptanceStats | None = None
     draft_node_s: float | None = None
+    queue_growth: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("replicas", "active", "queued"):
@@ -194,3 +197,44 @@ class CostModelPolicy:
         if p.nodes == 0:
             return Budget(theta=max(p.theta, 1.0), node_cap=0, branch_cap=1)
         return Budget(theta=p.theta, node_cap=p.nodes, branch_cap=p.branch_cap)
+
+
+@dataclass(frozen=True)
+class PerStepPolicy:
+    """The engines allocate every step on their own cost tables (``treespark.step_alloc``);
+    the cluster sets the *floor price*: the least score a verified node must have.
+
+    With no queue the floor is 0 and the engines' allocation alone decides. Requests
+    waiting beyond the batches (``w`` per replica, over ``max_batch`` rows) or a queue
+    that keeps growing (``g`` requests per second) put pressure on the cluster,
+
+        p = queue_weight * w / max_batch + trend_weight * g / max_batch,
+
+    and the floor ``p / (1 + p)`` (at most ``max_floor``) makes every step verify only
+    nodes likely to pay, so admission wins over speculation. The budget a replica gets is
+    its drafting budget: ``theta`` = the floor, ``node_cap`` / ``branch_cap`` the most
+    that may be drafted (the engine drafts less when its plan says so)."""
+
+    max_nodes: int = 32
+    max_branch: int = 4
+    max_batch: int | None = None
+    queue_weight: float = 1.0
+    trend_weight: float = 1.0
+    max_floor: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 0 or self.max_branch < 1:
+            raise ValueError("PerStepPolicy needs max_nodes >= 0 and max_branch >= 1")
+        if self.queue_weight < 0 or self.trend_weight < 0 or not 0 <= self.max_floor <= 1:
+            raise ValueError("PerStepPolicy weights must be >= 0 and max_floor in [0, 1]")
+
+    def floor(self, load: LoadSnapshot) -> float:
+        r = max(load.replicas, 1)
+        batch = float(self.max_batch or 1)
+        waiting = max(load.load_per_replica - batch, 0.0) if self.max_batch else load.queued / r
+        growth = max(load.queue_growth, 0.0) if waiting > 0 else 0.0   # a queue building beyond the batches
+        p = self.queue_weight * waiting / batch + self.trend_weight * growth / r / batch
+        return min(p / (1.0 + p), self.max_floor)
+
+    def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:
+        return Budget(theta=self.floor(load), node_cap=self.max_nodes, branch_cap=self.max_branch)
