@@ -30,39 +30,35 @@ from treespark.transfer import HostTransfers
 from treespark.tree import DraftTree
 
 
-def normalized(probs: torch.Tensor) -> torch.Tensor:
-    """[..., Vd] float32 probabilities -> float64, summing to 1: the q tokens are drawn from
-    and verified against (one function, so both sides see the same numbers)."""
-    q = probs.to(torch.float64)
-    return q / q.sum(-1, keepdim=True)
-
-
-def draw_without_replacement(q: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_without_replacement(c: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequential draws without replacement by inverse CDF.
 
-    q: [S, Vd] float64 rows summing to 1; u: [S, k] uniforms in [0, 1).
-    Draw j finds u_j * (mass left) in the cumulative q with the drawn tokens' intervals
-    skipped. Returns ids [S, k] and their q [S, k] (0 where a row ran out of support)."""
-    s, vd = q.shape
-    c = q.cumsum(-1)
+    c: [S, Vd] float64 cumulative sums of the drawing weights (not normalised: its last
+    column is the total); u: [S, k] uniforms in [0, 1). Token x owns the interval
+    [c[x-1], c[x]); draw j finds u_j * (mass left) with the drawn tokens' intervals
+    skipped. Returns ids [S, k] and their probabilities (interval / total) [S, k],
+    0 where a row ran out of support."""
+    s, vd = c.shape
+    total = c[:, -1]
     ids: list[torch.Tensor] = []
-    qs: list[torch.Tensor] = []
-    mass = torch.zeros(s, dtype=q.dtype, device=q.device)
+    widths: list[torch.Tensor] = []
+    mass = torch.zeros(s, dtype=c.dtype, device=c.device)
     for j in range(u.shape[1]):
-        t = u[:, j] * (1.0 - mass)
+        t = u[:, j] * (total - mass)
         if ids:
-            prev, qprev = torch.stack(ids, 1), torch.stack(qs, 1)       # [S, j]
+            prev, wprev = torch.stack(ids, 1), torch.stack(widths, 1)  # [S, j]
             order = prev.argsort(1)
-            prev, qprev = prev.gather(1, order), qprev.gather(1, order)
-            start = c.gather(1, prev) - qprev                            # each drawn token's interval start
+            prev, wprev = prev.gather(1, order), wprev.gather(1, order)
+            start = c.gather(1, prev) - wprev                            # each drawn token's interval start
             for i in range(j):                                           # ascending: skip what lies before t
-                t = torch.where(start[:, i] <= t, t + qprev[:, i], t)
+                t = torch.where(start[:, i] <= t, t + wprev[:, i], t)
         x = torch.searchsorted(c, t[:, None], right=True)[:, 0].clamp(max=vd - 1)
-        qx = q.gather(1, x[:, None])[:, 0]
+        below = torch.where(x > 0, c.gather(1, (x - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+        w = c.gather(1, x[:, None])[:, 0] - below
         ids.append(x)
-        qs.append(qx)
-        mass = mass + qx
-    return torch.stack(ids, 1), torch.stack(qs, 1)
+        widths.append(w)
+        mass = mass + w
+    return torch.stack(ids, 1), torch.stack(widths, 1) / total[:, None]
 
 
 @torch.no_grad()
@@ -76,10 +72,12 @@ def score_parents(
     temperature: torch.Tensor,  # [P] T (1 for T = 0, which ranks at T = 1)
     sampled: torch.Tensor,    # [S] indices (into P) of the parents drawn at T > 0
     uniforms: torch.Tensor,   # [S, k] float64
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Score one wave's parents. Returns (packed [P, 2M + 2k] float64, q rows [S, Vd]
-    float32 of the sampled parents): packed holds the top-M q, their indices, then
-    the k drawn indices and their q (zeros for T = 0 parents)."""
+    float32 and their float64 totals [S] for the sampled parents): packed holds the
+    top-M q, their indices, then the k drawn indices and their q (zeros for T = 0
+    parents). The q that tokens are drawn from, and verified against, is a row over
+    its total (one cumulative sum in float64, taken while converting)."""
     k = uniforms.shape[1]
     logits = base[rows, depths - 1].float() + linear(w1[parents], w2).float()  # CPU: the fast layout
     # shift first: a tiny temperature then gives -inf (not NaN) off the argmax
@@ -88,11 +86,14 @@ def score_parents(
     top = probs.topk(m, dim=-1)
     drawn = torch.zeros(probs.shape[0], 2 * k, dtype=torch.float64, device=probs.device)
     rows_s = probs[sampled]
+    totals = torch.zeros(0, dtype=torch.float64, device=probs.device)
     if sampled.numel():
-        ids, qx = draw_without_replacement(normalized(rows_s), uniforms)
+        c = torch.cumsum(rows_s, -1, dtype=torch.float64)
+        ids, qx = draw_without_replacement(c, uniforms)
+        totals = c[:, -1]
         drawn[sampled] = torch.cat([ids.to(torch.float64), qx], dim=1)
     packed = torch.cat([top.values.to(torch.float64), top.indices.to(torch.float64), drawn], dim=1)
-    return packed, rows_s
+    return packed, rows_s, totals
 
 
 def best_nodes(scores: list[float], count: int) -> list[int]:
@@ -121,7 +122,8 @@ class RoundDraft:
     """A round's trees, and what verification needs of the drafting on the device."""
 
     trees: list[DraftTree]
-    q_rows: torch.Tensor | None = None   # [R, Vd] float32: the drawing distributions of T > 0 parents
+    q_rows: torch.Tensor | None = None   # [R, Vd] float32: the drawing weights of T > 0 parents
+    q_totals: torch.Tensor | None = None  # [R] float64: each row's total (q = row / total)
     # per tree, per node: the row of q_rows its children were drawn from (-1: none)
     q_row_of: list[list[int]] = field(default_factory=list)
     draft_ids: list[list[int]] = field(default_factory=list)  # per tree, per node: its draft index
@@ -172,6 +174,7 @@ class WaveDrafter:
         out = RoundDraft(trees=[])
         q_row: dict[tuple[int, int], int] = {}
         chunks: list[torch.Tensor] = []
+        total_chunks: list[torch.Tensor] = []
         n_rows = 0
         dev = self.w2.device
         while base is not None:
@@ -189,13 +192,14 @@ class WaveDrafter:
                                   rows[b].temperature if rows[b].temperature > 0 else 1.0]
                                  for b, n in opens], dtype=torch.float64)
             dev_host = host.to(dev)
-            packed, q_rows = score_parents(
+            packed, q_rows, totals = score_parents(
                 base, self.w1, self.w2, dev_host[:, 0].long(), dev_host[:, 1].long(),
                 dev_host[:, 2].long(), dev_host[:, 3].float().clamp(min=1e-30),  # fp32 keeps it > 0
                 torch.tensor(sampled, dtype=torch.long, device=dev),
                 torch.tensor(u, dtype=torch.float64, device=dev).view(len(sampled), k))
             if sampled:
                 chunks.append(q_rows)
+                total_chunks.append(totals)
                 for j, i in enumerate(sampled):
                     q_row[opens[i]] = n_rows + j
                 n_rows += len(sampled)
@@ -216,5 +220,5 @@ class WaveDrafter:
             out.draft_ids.append([bl.nodes[c].draft_id for c in keep])
             out.scores.append([bl.nodes[c].score for c in keep[1:]])
         if chunks:
-            out.q_rows = torch.cat(chunks)
+            out.q_rows, out.q_totals = torch.cat(chunks), torch.cat(total_chunks)
         return out

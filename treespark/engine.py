@@ -419,7 +419,7 @@ class Engine:
             top_p = torch.tensor([p.top_p for p in params], device=dev)
         u = u.to(dev)
         return walk_sampled(logits[sampled], torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev),
-                            top_p, trees, drafted.q_rows, self._d2t, u[:, :-1].view(r, depth + 1, c), u[:, -1])
+                            top_p, trees, drafted.q_rows, drafted.q_totals, self._d2t, u[:, :-1].view(r, depth + 1, c), u[:, -1])
 
     def _commit(self, batch: list[_Request], trees: list[DraftTree], results: list[VerifyResult],
                 taps: torch.Tensor, lengths: list[int],

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from treespark.drafting import normalized
 from treespark.sampling import sample_rows, target_probs_rows
 from treespark.tree import DraftTree
 
@@ -62,7 +61,8 @@ def walk_sampled(
     temperature: torch.Tensor,   # [R]
     top_p: torch.Tensor | None,  # [R] (None: 1 for every row)
     trees: SampledTrees,
-    q_rows: torch.Tensor,        # [Q, Vd] float32 drafting distributions
+    q_rows: torch.Tensor,        # [Q, Vd] float32 drafting weights
+    q_totals: torch.Tensor,      # [Q] float64 their totals: q = row / total, as drawn
     draft_to_target: torch.Tensor | None,  # [Vd] token id of each draft index
     accept_u: torch.Tensor,      # [R, depth + 1, C] uniforms for the sibling tests
     final_u: torch.Tensor,       # [R] uniforms for the last token
@@ -79,7 +79,10 @@ def walk_sampled(
     for d in range(trees.depth + 1):
         p = target_probs_rows(logits[ar, cur], temperature, top_p)          # [R, V]
         qi = trees.q_row[ar, cur]
-        q = normalized(q_rows[qi.clamp(min=0)]) if q_rows is not None else None  # [R, Vd]
+        q = None
+        if q_rows is not None:
+            qc = qi.clamp(min=0)
+            q = q_rows[qc].to(torch.float64) / q_totals[qc, None]                  # [R, Vd]
         taken = torch.full((r,), -1, dtype=torch.long, device=dev)
         for j in range(trees.children.shape[2] if q is not None else 0):
             child = trees.children[ar, cur, j]
