@@ -135,7 +135,7 @@ class RoundDraft:
         """Each tree cut to its ``counts[i]`` best nodes by (score desc, index): a
         prefix-closed set (scores never rise to a child or a later sibling), so each
         cut tree is a tree, verified exactly like a smaller budget's draft."""
-        out = RoundDraft(trees=[], q_rows=self.q_rows, waves=self.waves)
+        out = RoundDraft(trees=[], q_rows=self.q_rows, q_totals=self.q_totals, waves=self.waves)
         for i, (tree, c) in enumerate(zip(self.trees, counts, strict=True)):
             sc = self.scores[i]
             keep = best_nodes(sc, c)
