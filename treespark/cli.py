@@ -136,7 +136,8 @@ def cmd_bench(args) -> None:
         from treespark.bench.wallclock import wallclock_benchmark
 
         table = wallclock_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts,
-                                    chains=args.chains or (1, 2, 3, 4))
+                                    chains=args.chains or (1, 2, 3, 4),
+                                    temperatures=tuple(args.temperatures or (0.0,)))
     _write(table, args.out)
 
 
@@ -262,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--prompts", type=int, default=16)
     b.add_argument("--chains", type=int, nargs="+", help="acceptance, wallclock: chain lengths to tune over")
-    b.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="acceptance: the temperatures")
+    b.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="acceptance, wallclock: the temperatures")
     b.add_argument("--seed", type=int, default=0,
                    help="acceptance: the first request's sampling seed (request i uses seed + i)")
     b.add_argument("--vocab-size", type=int, default=151_936, help="rounds: the random pair's vocabulary")

@@ -15,10 +15,11 @@ from treespark.models import ModelPair
 def _hf(pair: ModelPair, prompts, max_tokens: int, **kwargs) -> tuple[int, float]:
     tokens, t0 = 0, time.perf_counter()
     eos = pair.tokenizer.eos_token_id if pair.tokenizer is not None else None
+    kwargs = {"do_sample": False, **kwargs}
     for p in prompts:
         ids = torch.tensor([p], device=pair.device)
         out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                   do_sample=False, eos_token_id=eos, pad_token_id=eos or 0, **kwargs)
+                                   eos_token_id=eos, pad_token_id=eos or 0, **kwargs)
         tokens += out.shape[1] - ids.shape[1]
     return tokens, time.perf_counter() - t0
 
@@ -31,50 +32,83 @@ def _breakdown(r: RunResult) -> list[str]:
             f"{1e3 * sum(s.verify_s for s in steps) / n:.1f}", f"{r.tau:.2f}"]
 
 
-def _one_at_a_time(pair: ModelPair, prompts, budget: Budget, max_tokens: int) -> RunResult:
+def host_share(pair: ModelPair, prompt: list[int], budget: Budget, max_tokens: int,
+               temperature: float = 0.0) -> float:
+    """The share of one batch-1 request's wall time spent outside torch operators (the
+    Python of scheduling, tree building, the walk and the commit), from the profiler's
+    operator self-times. On a CPU the operators are the compute; under CUDA they are
+    launches, so this reads as host work there too, without the device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run_engine(pair, [prompt], budget, max_tokens=min(max_tokens, 16), batch_size=1, temperature=temperature)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        run_engine(pair, [prompt], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature)
+        wall = time.perf_counter() - t0
+    op_s = sum(e.self_cpu_time_total for e in prof.key_averages()
+               if not e.key.startswith(("##", "ProfilerStep"))) / 1e6
+    return max(0.0, 1.0 - op_s / wall)
+
+
+def _one_at_a_time(pair: ModelPair, prompts, budget: Budget, max_tokens: int,
+                   temperature: float = 0.0) -> RunResult:
     """Serve ``prompts`` one request at a time (batch 1) and add up the runs, after an
     untimed warm-up request (so the first decoder timed pays no first-use costs)."""
-    run_engine(pair, prompts[:1], budget, max_tokens=min(max_tokens, 16), batch_size=1)
-    runs = [run_engine(pair, [p], budget, max_tokens=max_tokens, batch_size=1) for p in prompts]
+    run_engine(pair, prompts[:1], budget, max_tokens=min(max_tokens, 16), batch_size=1, temperature=temperature)
+    runs = [run_engine(pair, [p], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature, seed=i)
+            for i, p in enumerate(prompts)]
     return RunResult(sum(r.tokens for r in runs), sum(r.wall_s for r in runs), sum(r.steps for r in runs),
                      sum(r.rounds for r in runs), sum(r.accepted for r in runs), sum(r.drafted for r in runs),
                      tuple(s for r in runs for s in r.step_stats))
 
 
 def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int = 96,
-                        chains=(1, 2, 3, 4), budget: Budget | None = None, log=print) -> str:
-    """Batch-1 tokens/s of the adaptive tree (``budget``, default ``Budget.adaptive()``),
-    the fastest of the chains ``chains`` (tuned here, by wall clock), our plain
-    decoding, and HF ``generate()`` greedy and prompt lookup, on the same prompts."""
+                        chains=(1, 2, 3, 4), budget: Budget | None = None,
+                        temperatures=(0.0,), log=print) -> str:
+    """Batch-1 tokens/s, at each temperature, of the adaptive tree (``budget``, default
+    ``Budget.adaptive()``), the fastest of the chains ``chains`` (tuned here, by wall
+    clock) and our plain decoding, beside HF ``generate()`` (greedy and prompt lookup
+    at T = 0, sampling at T > 0) on the same prompts; with each decoder's host share
+    (``host_share``, one profiled request)."""
     prompts = bench_prompts(pair, n_prompts)
+    rows = []
+    for temp in temperatures:
+        def run(b: Budget) -> RunResult:
+            return _one_at_a_time(pair, prompts, b, max_tokens, temp)
 
-    def run(b: Budget) -> RunResult:
-        return _one_at_a_time(pair, prompts, b, max_tokens)
-
-    results: dict[str, float] = {}
-    breakdown: dict[str, list[str]] = {}
-    ours = run(budget or Budget.adaptive())
-    results["adaptive tree"], breakdown["adaptive tree"] = ours.tokens_per_s, _breakdown(ours)
-    log(f"adaptive tree: {ours.tokens_per_s:.2f} tok/s")
-    chain_runs = {}
-    for k in chains:
-        chain_runs[k] = run(Budget.chain(k))
-        log(f"chain k={k}: {chain_runs[k].tokens_per_s:.2f} tok/s")
-    best = max(chain_runs, key=lambda k: chain_runs[k].tokens_per_s)
-    name = f"tuned chain (k={best})"
-    results[name], breakdown[name] = chain_runs[best].tokens_per_s, _breakdown(chain_runs[best])
-    plain = run(Budget.off())
-    results["our plain decoding"], breakdown["our plain decoding"] = plain.tokens_per_s, _breakdown(plain)
-    log(f"our plain decoding: {plain.tokens_per_s:.2f} tok/s")
-    for name, kwargs in {"HF generate greedy": {}, "HF prompt lookup": {"prompt_lookup_num_tokens": 10}}.items():
-        _hf(pair, prompts[:1], min(max_tokens, 16), **kwargs)  # warm-up, untimed
-        tokens, wall = _hf(pair, prompts, max_tokens, **kwargs)
-        results[name] = tokens / wall
-        log(f"{name}: {results[name]:.2f} tok/s")
-    rows = [[k, f"{v:.2f}", f"{ours.tokens_per_s / v:.2f}x", *breakdown.get(k, ["-"] * 4)]
-            for k, v in results.items()]
-    return markdown_table(["decoder (batch 1, greedy)", "tokens/s", "adaptive speed-up", "mean tree",
-                           "draft ms / step", "verify ms / step", "tokens / round"], rows)
+        results: dict[str, float] = {}
+        breakdown: dict[str, list[str]] = {}
+        ours_budget = budget or Budget.adaptive()
+        ours = run(ours_budget)
+        results["adaptive tree"] = ours.tokens_per_s
+        breakdown["adaptive tree"] = [*_breakdown(ours), f"{host_share(pair, prompts[0], ours_budget, max_tokens, temp):.2f}"]
+        log(f"T={temp:g} adaptive tree: {ours.tokens_per_s:.2f} tok/s")
+        chain_runs = {}
+        for k in chains:
+            chain_runs[k] = run(Budget.chain(k))
+            log(f"T={temp:g} chain k={k}: {chain_runs[k].tokens_per_s:.2f} tok/s")
+        best = max(chain_runs, key=lambda k: chain_runs[k].tokens_per_s)
+        name = f"tuned chain (k={best})"
+        results[name] = chain_runs[best].tokens_per_s
+        breakdown[name] = [*_breakdown(chain_runs[best]),
+                           f"{host_share(pair, prompts[0], Budget.chain(best), max_tokens, temp):.2f}"]
+        plain = run(Budget.off())
+        results["our plain decoding"] = plain.tokens_per_s
+        breakdown["our plain decoding"] = [*_breakdown(plain),
+                                           f"{host_share(pair, prompts[0], Budget.off(), max_tokens, temp):.2f}"]
+        log(f"T={temp:g} our plain decoding: {plain.tokens_per_s:.2f} tok/s")
+        hf = ({"HF generate greedy": {}, "HF prompt lookup": {"prompt_lookup_num_tokens": 10}} if temp == 0 else
+              {"HF generate sampling": {"do_sample": True, "temperature": temp, "top_k": 0, "top_p": 1.0}})
+        for name, kwargs in hf.items():
+            torch.manual_seed(0)  # HF draws from the global generator
+            _hf(pair, prompts[:1], min(max_tokens, 16), **kwargs)  # warm-up, untimed
+            tokens, wall = _hf(pair, prompts, max_tokens, **kwargs)
+            results[name] = tokens / wall
+            log(f"T={temp:g} {name}: {results[name]:.2f} tok/s")
+        rows += [[f"{temp:g}", k, f"{v:.2f}", f"{ours.tokens_per_s / v:.2f}x", *breakdown.get(k, ["-"] * 5)]
+                 for k, v in results.items()]
+    return markdown_table(["T", "decoder (batch 1)", "tokens/s", "adaptive speed-up", "mean tree",
+                           "draft ms / step", "verify ms / step", "tokens / round", "host share"], rows)
 
 
 def theta_sweep(pair: ModelPair, *, thetas=(0.02, 0.05, 0.08, 0.12), chains=(2, 3, 4),
