@@ -144,10 +144,10 @@ def cmd_bench(args) -> None:
 def cmd_cost_model(args) -> None:
     import time
 
+    import torch
+
     from treespark.cost_measure import measure_cost_model
     from treespark.pricing.costmodel import format_table
-
-    import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -63,15 +63,17 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _init_(module: torch.nn.Module, generator: torch.Generator, scale: float) -> None:
-    """Re-initialise every weight from ``generator`` (not the global RNG)."""
+def init_weights(module: torch.nn.Module, generator: torch.Generator, scale: float = 1.0) -> None:
+    """Re-initialise every weight from ``generator`` (not the global RNG), on the
+    generator's device: norms 1, every other weight normal with std scale/sqrt(fan-in)."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             else:
                 fan_in = p.shape[-1] if p.dim() > 1 else 1
-                p.copy_(torch.randn(p.shape, generator=generator) * scale / math.sqrt(fan_in))
+                w = torch.randn(p.shape, generator=generator, device=generator.device, dtype=p.dtype)
+                p.copy_(w * scale / math.sqrt(fan_in))
 
 
 def random_pair(vocab_size: int, seed: int, block_size: int = 4, *, markov_rank: int = 8,
@@ -102,7 +104,7 @@ def random_pair(vocab_size: int, seed: int, block_size: int = 4, *, markov_rank:
         target = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16, tie_word_embeddings=True))
     else:
         raise ValueError(f"family must be 'llama' or 'qwen3', got {family!r}")
-    _init_(target, g, scale=2.0)
+    init_weights(target, g, scale=2.0)
     dcfg = DSparkConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=block_size,
@@ -110,7 +112,7 @@ def random_pair(vocab_size: int, seed: int, block_size: int = 4, *, markov_rank:
         draft_vocab_size=draft_vocab,
     )
     drafter = DSparkDrafter(dcfg)
-    _init_(drafter, g, scale=2.0)
+    init_weights(drafter, g, scale=2.0)
     dev = pick_device(device)
     return ModelPair(target=target.to(dev).eval(), drafter=drafter.to(dev).eval(),
                      tokenizer=None, name=f"random-v{vocab_size}-s{seed}")

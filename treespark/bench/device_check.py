@@ -20,7 +20,6 @@ checkpoint's layout fixes its widths, block size 7 and Markov rank 256.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -34,7 +33,7 @@ from treespark.budget import Budget
 from treespark.cost_measure import MeasureConfig, measure_cost_model
 from treespark.drafter import DSparkConfig, DSparkDrafter
 from treespark.engine import Engine, EngineConfig
-from treespark.models import ModelPair, pick_device
+from treespark.models import ModelPair, init_weights, pick_device
 from treespark.params import SamplingParams, StepStats
 
 
@@ -63,18 +62,6 @@ SHAPES = {s.name: s for s in (QWEN3_4B, TINY)}
 POLICIES = {"plain": Budget.off(), "chain of 4": Budget.chain(4), "tree of 32": Budget(0.0, 32, 4)}
 
 
-def _init_on_device(module: torch.nn.Module, device: torch.device, generator: torch.Generator) -> None:
-    """Allocate a meta-built module on ``device`` and fill it from ``generator``: norms 1,
-    every other weight normal with std 1/sqrt(fan-in)."""
-    module.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1] if p.dim() > 1 else 1), generator=generator)
-
-
 def build_pair(shape: PairShape, device: torch.device, dtype: torch.dtype, seed: int = 0) -> ModelPair:
     cfg = Qwen3Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                       intermediate_size=shape.intermediate_size, num_hidden_layers=shape.layers,
@@ -90,11 +77,13 @@ def build_pair(shape: PairShape, device: torch.device, dtype: torch.dtype, seed:
     with torch.device("meta"):
         target = Qwen3ForCausalLM(cfg).to(dtype)
         drafter = DSparkDrafter(dcfg).to(dtype)
-    _init_on_device(target, device, g)
+    target.to_empty(device=device)
+    init_weights(target, g)
     target.tie_weights()
     # the rotary frequencies are a buffer outside the weights: build them for real
     target.model.rotary_emb = type(target.model.rotary_emb)(cfg).to(device)
-    _init_on_device(drafter, device, g)
+    drafter.to_empty(device=device)
+    init_weights(drafter, g)
     return ModelPair(target=target.eval(), drafter=drafter.eval(), name=f"random-{shape.name}")
 
 

@@ -73,7 +73,7 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
     prompts = bench_prompts(pair, n_prompts)
     rows = []
     for temp in temperatures:
-        def run(b: Budget) -> RunResult:
+        def run(b: Budget, temp: float = temp) -> RunResult:
             return _one_at_a_time(pair, prompts, b, max_tokens, temp)
 
         results: dict[str, float] = {}
