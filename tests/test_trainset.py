@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from treespark import random_pair
 from treespark import datagen as dg
-from treespark import trainset
+from treespark import random_pair, trainset
 from treespark.trainset import answer_features, leaked_prompts
 
 

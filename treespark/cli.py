@@ -153,7 +153,13 @@ def cmd_bench(args) -> None:
                                 markov_rank=args.markov_rank, family=args.family,
                                 temperatures=tuple(args.temperatures)), args.out)
         return
-    pair = pair_by_name(args.pair)
+    pair = pair_by_name(args.pair, args.drafter)
+    if args.what == "acceptance" and args.goals:
+        from treespark.bench.acceptance import goals_benchmark
+
+        _write(goals_benchmark(pair, n_prompts=args.prompts, max_tokens=args.max_tokens,
+                               chain_lengths=tuple(args.chains or (1, 2, 3, 4, 5)), seed=args.seed), args.out)
+        return
     if args.what == "engine":
         from treespark.bench.engine_bench import engine_benchmark
 
@@ -162,7 +168,8 @@ def cmd_bench(args) -> None:
         from treespark.bench.acceptance import acceptance_benchmark
         from treespark.calibration import load_variant
 
-        variant = load_variant(Path(_default_dir()) / "calibration.json") if args.pair == "default" else None
+        cal = Path(args.drafter or _default_dir()) / "calibration.json"
+        variant = load_variant(cal) if args.pair == "default" else None
         table = acceptance_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts,
                                      chain_lengths=args.chains, variant=variant,
                                      temperatures=tuple(args.temperatures), seed=args.seed)
@@ -312,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-vocab", type=int, default=0, help="rounds: a reduced draft vocabulary (0: the full one)")
     b.add_argument("--markov-rank", type=int, default=256, help="rounds: the drafter's Markov rank")
     b.add_argument("--family", default="qwen3", choices=["qwen3", "llama"], help="rounds: the target's architecture")
+    b.add_argument("--drafter", help="the default target with this drafter directory (its calibration.json)")
+    b.add_argument("--goals", action="store_true",
+                   help="acceptance: only the drafter's goal rows (first-token, tuned chain, adaptive at a low price)")
     b.add_argument("--out", help="also write the markdown table here")
     b.set_defaults(func=cmd_bench)
 

@@ -207,7 +207,7 @@ class AnswersRecipe:
     markov_rank: int = 64
     draft_vocab: int = 8192
     mask_token_id: int = 3
-    train: TrainConfig = TrainConfig(steps=6000, lr=5e-4, warmup=100, seqs_per_step=4, anchors_per_seq=12,
+    train: TrainConfig = TrainConfig(steps=2500, lr=5e-4, warmup=100, seqs_per_step=4, anchors_per_seq=12,
                                      row_gamma=4.0, ce_weight=0.1, kl_weight=1.0)
 
 
