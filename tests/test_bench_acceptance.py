@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from treespark import random_pair
-from treespark.bench.acceptance import acceptance_benchmark
+from treespark.bench.acceptance import acceptance_benchmark, goals_benchmark
 
 
 def _rows(table: str) -> dict[str, str]:
@@ -23,3 +23,21 @@ def test_acceptance_table_rows_and_sampling_seed():
     assert any(name.startswith("tuned chain (k=") for name in a)
     assert a == again          # the same seed draws the same tokens
     assert a != other          # another seed draws others
+
+
+def test_goal_rows_are_the_full_tables():
+    pair = random_pair(8, 4, block_size=3)
+    kw = dict(n_prompts=3, max_tokens=12, chain_lengths=[1, 2], log=lambda *a: None)
+    goals = [line.split(" | ") for line in goals_benchmark(pair, **kw).splitlines()[2:]]
+    full = {(c[0].strip("| "), c[1]): c[2] for c in (line.split(" | ") for line in acceptance_benchmark(
+        pair, temperatures=(0.0, 1.0), **kw).splitlines()[2:])}
+    first = {c[0].strip("| "): float(c[2]) for c in goals if c[1].startswith("first-token")}
+    for cells in goals:
+        t, name, tau = cells[0].strip("| "), cells[1], cells[2]
+        if name.startswith("tuned chain"):
+            assert full[(t, name)] == tau
+            if name == "tuned chain (k=1)":
+                assert abs(float(tau) - 1 - first[t]) < 1e-3
+        elif name.startswith("adaptive"):
+            theta = name.split("theta ")[1].rstrip(")")
+            assert full[(t, f"adaptive (theta {theta}, cheap verify)")] == tau

@@ -66,7 +66,19 @@ def cmd_train(args) -> None:
     from dataclasses import replace
 
     from treespark.fetch import load_default_target
-    from treespark.recipe import DrafterRecipe, build_drafter
+    from treespark.recipe import AnswersRecipe, DrafterRecipe, build_drafter, build_from_answers
+
+    if args.from_answers:
+        base = AnswersRecipe()
+        train = replace(base.train, **{k: v for k, v in (("steps", args.steps), ("lr", args.lr),
+                                                          ("seed", args.seed)) if v is not None})
+        recipe = replace(base, train=train, answers_dir=args.from_answers, shards=args.shards, init=args.init)
+        print(recipe)
+        target, tok = load_default_target(device=args.device)
+        report = build_from_answers(recipe, target, tok, Path(args.work_dir), Path(args.out))
+        print(f"held-out answers, before: {report['heldout_judgement_before']}")
+        print(f"held-out answers, after:  {report['heldout_judgement']}")
+        return
 
     base = DrafterRecipe()
     overrides = {k: v for k, v in (("corpus_tokens", args.corpus_tokens),
@@ -94,6 +106,42 @@ def cmd_calibrate(args) -> None:
                    sampled_temperature=args.sampled_temperature)
 
 
+def cmd_judge(args) -> None:
+    import json
+
+    from treespark import load_pair
+    from treespark.judge import engine_chain_tau, heldout_features, judge, judgement_table
+    from treespark.train import Features
+
+    pair = load_pair(drafter=args.drafter, device=args.device)
+    taps = "-".join(map(str, pair.drafter.config.target_layer_ids))
+    cache = Path(args.work_dir) / f"heldout-p{args.prompts}-n{args.max_tokens}-taps{taps}.safetensors"
+    if cache.exists():
+        feats = Features.load(cache)
+    else:
+        feats = heldout_features(pair, n_prompts=args.prompts, max_tokens=args.max_tokens)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        feats.save(cache)
+    result = {"heldout": judge(pair.drafter, feats, max_tokens=args.max_tokens)}
+    text = judgement_table({f"{len(feats)} held-out answers, <= {args.max_tokens} tokens": result["heldout"]})
+    if args.check_prompts:
+        n, m = args.check_prompts, args.check_max_tokens
+        result["check"] = judge(pair.drafter, feats.head(n), max_tokens=m)
+        blk = pair.drafter.config.block_size
+        engine = engine_chain_tau(pair, n, m, tuple(range(1, blk + 1)))
+        sim = result["check"].chain_tau
+        text += (f"\n\nCheck: the first {n} answers cut at {m} tokens, simulated vs the engine "
+                 "(`Budget.chain(k)`, T = 0, as in `treespark bench acceptance`):\n\n")
+        text += "| k | " + " | ".join(map(str, range(1, blk + 1))) + " |\n|---|" + "---|" * blk + "\n"
+        text += "| simulated tau | " + " | ".join(f"{t:.3f}" for t in sim) + " |\n"
+        text += "| engine tau | " + " | ".join(f"{engine[k]:.3f}" for k in range(1, blk + 1)) + " |"
+        result["engine_chain_tau"] = [round(engine[k], 4) for k in range(1, blk + 1)]
+    _write(text, args.out)
+    if args.json:
+        out = {k: (v.as_dict() if hasattr(v, "as_dict") else v) for k, v in result.items()}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
 def _default_dir() -> str:
     from treespark.models import default_drafter_dir
 
@@ -110,7 +158,13 @@ def cmd_bench(args) -> None:
                                 markov_rank=args.markov_rank, family=args.family,
                                 temperatures=tuple(args.temperatures)), args.out)
         return
-    pair = pair_by_name(args.pair)
+    pair = pair_by_name(args.pair, args.drafter)
+    if args.what == "acceptance" and args.goals:
+        from treespark.bench.acceptance import goals_benchmark
+
+        _write(goals_benchmark(pair, n_prompts=args.prompts, max_tokens=args.max_tokens,
+                               chain_lengths=tuple(args.chains or (1, 2, 3, 4, 5)), seed=args.seed), args.out)
+        return
     if args.what == "engine":
         from treespark.bench.engine_bench import engine_benchmark
 
@@ -119,7 +173,8 @@ def cmd_bench(args) -> None:
         from treespark.bench.acceptance import acceptance_benchmark
         from treespark.calibration import load_variant
 
-        variant = load_variant(Path(_default_dir()) / "calibration.json") if args.pair == "default" else None
+        cal = Path(args.drafter or _default_dir()) / "calibration.json"
+        variant = load_variant(cal) if args.pair == "default" else None
         table = acceptance_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts,
                                      chain_lengths=args.chains, variant=variant,
                                      temperatures=tuple(args.temperatures), seed=args.seed)
@@ -240,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--corpus-tokens", type=int, help="default: the shipped recipe's")
     t.add_argument("--answer-tokens", type=int, help="default: the shipped recipe's")
     t.add_argument("--seed", type=int, help="default: the shipped recipe's")
+    t.add_argument("--from-answers", metavar="DIR",
+                   help="train on the committed answer shards in DIR (AnswersRecipe; e.g. data/answers)")
+    t.add_argument("--shards", type=int, help="--from-answers: the first N shards (default: all)")
+    t.add_argument("--init", help="--from-answers: continue from this drafter directory")
     t.add_argument("--device")
     t.set_defaults(func=cmd_train)
 
@@ -256,6 +315,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the fit with sibling-rank offsets (both are fitted and stored)")
     c.set_defaults(func=cmd_calibrate)
 
+    j = sub.add_parser("judge-drafter", help="score a drafter on the target's greedy answers to held-out "
+                                             "prompts: agreement by offset, first-token acceptance, "
+                                             "simulated T = 0 chain tau (treespark.judge)")
+    j.add_argument("--drafter", help="drafter directory (default: the shipped one)")
+    j.add_argument("--prompts", type=int, default=34, help="held-out prompts (34: all of them)")
+    j.add_argument("--max-tokens", type=int, default=128, help="answer tokens per prompt")
+    j.add_argument("--check-prompts", type=int, default=0,
+                   help="also run the engine's T = 0 chains on this many prompts and compare")
+    j.add_argument("--check-max-tokens", type=int, default=48)
+    j.add_argument("--work-dir", default="runs/judge", help="caches the held-out answers' features")
+    j.add_argument("--json", help="also write the numbers here")
+    j.add_argument("--out", help="also write the markdown here")
+    j.add_argument("--device")
+    j.set_defaults(func=cmd_judge)
+
     b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear | rounds")
     b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear", "rounds"])
     b.add_argument("--pair", default="default", choices=["default", "random"])
@@ -270,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-vocab", type=int, default=0, help="rounds: a reduced draft vocabulary (0: the full one)")
     b.add_argument("--markov-rank", type=int, default=256, help="rounds: the drafter's Markov rank")
     b.add_argument("--family", default="qwen3", choices=["qwen3", "llama"], help="rounds: the target's architecture")
+    b.add_argument("--drafter", help="the default target with this drafter directory (its calibration.json)")
+    b.add_argument("--goals", action="store_true",
+                   help="acceptance: only the drafter's goal rows (first-token, tuned chain, adaptive at a low price)")
     b.add_argument("--out", help="also write the markdown table here")
     b.set_defaults(func=cmd_bench)
 

@@ -12,6 +12,11 @@
 3. a reduced draft vocabulary: the most frequent target labels;
 4. distillation (``treespark.train``), resumable from ``work_dir``;
 5. held-out agreement per block row, written with the recipe beside the drafter.
+
+``build_from_answers(recipe, ...)`` (``AnswersRecipe``, ``treespark train-drafter
+--from-answers``) trains on the committed answer shards instead: features recomputed
+from their token ids (``treespark.trainset``), anchors on answer positions only, soft
+labels, and the judgement of ``treespark.judge`` before and after.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from treespark import trainset
 from treespark.budget import Budget
 from treespark.chat import chat_ids
 from treespark.corpus import training_texts
-from treespark.drafter import save_drafter
+from treespark.drafter import load_drafter, save_drafter
+from treespark.judge import heldout_features, judge
 from treespark.models import ModelPair
 from treespark.params import SamplingParams
 from treespark.prompts import load_prompts, synthetic_prompts, varied_prompts
@@ -37,7 +44,6 @@ from treespark.train import (
     TrainConfig,
     concat_features,
     draft_vocabulary,
-    evaluate,
     new_drafter_for,
     target_features,
     train_drafter,
@@ -61,7 +67,7 @@ class DrafterRecipe:
     markov_rank: int = 64
     draft_vocab: int = 8192
     mask_token_id: int = 3           # SmolLM2's <repo_name>: never seen in chat
-    train: TrainConfig = TrainConfig(steps=12000, lr=1.5e-3, anchors_per_step=48)
+    train: TrainConfig = TrainConfig(steps=12000, lr=1.5e-3, seqs_per_step=1, anchors_per_seq=48)
     seed: int = 0
 
 
@@ -82,8 +88,7 @@ def target_answers(pair: ModelPair, prompts: list[list[int]], max_tokens: int,
     """The target's own answers (plain decoding through the engine, batched)."""
     from treespark.engine import Engine, EngineConfig
 
-    eos = pair.tokenizer.eos_token_id if pair.tokenizer is not None else None
-    stop = (eos,) if eos is not None else ()
+    stop = pair.stop_token_ids
     longest = max(len(p) for p in prompts)
     engine = Engine(pair, EngineConfig(max_batch_size=batch_size, max_context=longest + max_tokens),
                     budget=Budget.off())
@@ -124,14 +129,15 @@ def build_drafter(recipe: DrafterRecipe, target, tokenizer, work_dir: Path, out_
     n = recipe.answer_tokens
 
     def answer_features(temperature: float, seed: int, prompts: list[list[int]], tokens: int = n,
-                        batch_size: int = 16):
+                        batch_size: int = 16, starts: list[list[int]] | None = None):
         return lambda: target_features(
             target, recipe.tap_layers,
             target_answers(pair, prompts, tokens, temperature=temperature, seed=seed,
                            batch_size=batch_size, progress=progress),
-            progress=progress)
+            answer_starts=[len(p) for p in starts] if starts is not None else None, progress=progress)
 
-    held_feats = _cached(work_dir / f"features_heldout_n{n}.safetensors", answer_features(0.0, 0, held_prompts))
+    held_feats = _cached(work_dir / f"features_heldout_n{n}.safetensors", answer_features(0.0, 0, held_prompts,
+                                                                                        starts=held_prompts))
     answer_sets = [_cached(work_dir / f"features_answers_greedy_n{n}.safetensors", answer_features(0.0, 0, train_prompts))]
     if recipe.synthetic_prompts:
         synth = [chat_ids(tokenizer, p.text) for p in synthetic_prompts(recipe.seed)[: recipe.synthetic_prompts]]
@@ -166,7 +172,7 @@ def build_drafter(recipe: DrafterRecipe, target, tokenizer, work_dir: Path, out_
                               d2t=d2t, seed=recipe.seed)
     result = train_drafter(drafter, feats, recipe.train, work_dir / "checkpoint", target=target,
                            weights=weights, progress=progress)
-    agreement = evaluate(drafter, held_feats)
+    agreement = judge(drafter, held_feats, max_tokens=n).agreement
     save_drafter(drafter, out_dir)
     report = {
         "recipe": asdict(recipe),
@@ -176,6 +182,80 @@ def build_drafter(recipe: DrafterRecipe, target, tokenizer, work_dir: Path, out_
         "heldout_tokens": int(held_feats.tokens.numel()),
         "draft_vocab_heldout_coverage": round(coverage, 4),
         "heldout_top1_agreement_by_offset": [round(a, 4) for a in agreement],
+        "history": result["history"],
+        "wall_s": round(time.time() - t0, 1),
+    }
+    (out_dir / "recipe.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+@dataclass(frozen=True)
+class AnswersRecipe:
+    """A drafter distilled on the committed answer shards (``data/answers``): anchors on
+    answer positions only, soft labels from the target's top-K, row weights decaying
+    with the offset, several sequences per step. ``init``: continue from this drafter
+    (its shape and draft vocabulary) instead of a fresh one."""
+
+    answers_dir: str = "data/answers"
+    shards: int | None = None        # the first N committed shards (None: every one)
+    top_k: int = 16                  # target log-probabilities kept per position (soft labels)
+    init: str | None = None          # a drafter directory to start from
+    heldout_prompts: int = 34        # judged on the greedy answers to these held-out prompts ...
+    heldout_max_tokens: int = 128    # ... of at most this many tokens
+    block_size: int = 6              # the shape of a fresh drafter (ignored with ``init``)
+    tap_layers: tuple[int, ...] = (2, 15, 28)
+    markov_rank: int = 64
+    draft_vocab: int = 8192
+    mask_token_id: int = 3
+    train: TrainConfig = TrainConfig(steps=2500, lr=5e-4, warmup=100, seqs_per_step=4, anchors_per_seq=12,
+                                     row_gamma=4.0, ce_weight=0.1, kl_weight=1.0)
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def build_from_answers(recipe: AnswersRecipe, target, tokenizer, work_dir: Path, out_dir: Path,
+                       *, progress: bool = True) -> dict:
+    """Features of the committed shards (cached per shard in ``work_dir``), training,
+    and the judgement on held-out answers before (``init``) and after."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    init_sha = file_digest(Path(recipe.init) / "model.safetensors") if recipe.init else None
+    if recipe.init is not None:
+        drafter = load_drafter(recipe.init, target=target)
+        if tuple(drafter.config.target_layer_ids) != tuple(recipe.tap_layers):
+            raise ValueError(f"init drafter taps {drafter.config.target_layer_ids} != recipe {recipe.tap_layers}")
+    feats, shards = trainset.answer_features(target, tokenizer, Path(recipe.answers_dir), work_dir / "features",
+                                    shards=recipe.shards, tap_layers=recipe.tap_layers, top_k=recipe.top_k,
+                                    progress=progress)
+    if recipe.init is None:
+        lengths = feats.starts[1:] - feats.starts[:-1]
+        in_answer = torch.arange(int(feats.starts[-1])) >= torch.repeat_interleave(
+            feats.starts[:-1] + feats.answer_start, lengths)
+        d2t = draft_vocabulary(feats.labels[in_answer], recipe.draft_vocab, target.config.vocab_size)
+        drafter = new_drafter_for(target, block_size=recipe.block_size, tap_layers=recipe.tap_layers,
+                                  markov_rank=recipe.markov_rank, mask_token_id=recipe.mask_token_id,
+                                  d2t=d2t, seed=recipe.train.seed)
+    pair = ModelPair(target, drafter, tokenizer)
+    taps = "-".join(map(str, recipe.tap_layers))
+    held = _cached(work_dir / f"heldout-p{recipe.heldout_prompts}-n{recipe.heldout_max_tokens}-taps{taps}.safetensors",
+                   lambda: heldout_features(pair, n_prompts=recipe.heldout_prompts,
+                                            max_tokens=recipe.heldout_max_tokens, progress=progress))
+    before = judge(drafter, held, max_tokens=recipe.heldout_max_tokens)
+    result = train_drafter(drafter, feats, recipe.train, work_dir / "checkpoint", target=target, progress=progress)
+    after = judge(drafter, held, max_tokens=recipe.heldout_max_tokens)
+    save_drafter(drafter, out_dir)
+    answer_tokens = int((feats.starts[1:] - feats.starts[:-1] - feats.answer_start).sum())
+    report = {
+        "recipe": asdict(recipe),
+        "init_sha256": init_sha,
+        "shards": shards,
+        "train_sequences": len(feats),
+        "train_tokens": int(feats.tokens.numel()),
+        "train_answer_tokens": answer_tokens,
+        "heldout_judgement_before": before.as_dict(),   # the init drafter (a fresh one: untrained)
+        "heldout_judgement": after.as_dict(),
         "history": result["history"],
         "wall_s": round(time.time() - t0, 1),
     }

@@ -35,21 +35,40 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup: int = 100
-    anchors_per_step: int = 48
-    seq_len: int = 256
+    seqs_per_step: int = 4      # sequences per step, drawn without replacement (an epoch at a time)
+    anchors_per_seq: int = 12   # distinct anchors per sequence, on its answer positions
+    row_gamma: float = 0.0      # block row k (0-based) weighs exp(-k / row_gamma); 0: equal weights
+    ce_weight: float = 1.0      # cross-entropy on the target's argmax token
+    kl_weight: float = 0.0      # KL(p || q), p the target's top-K renormalised (as soft cross-entropy)
+    tv_weight: float = 0.0      # total variation |p - q| / 2, p the target's top-K probabilities
     seed: int = 0
     log_every: int = 50
     save_every: int = 250
 
+    def __post_init__(self) -> None:
+        if self.seqs_per_step < 1 or self.anchors_per_seq < 1:
+            raise ValueError("seqs_per_step and anchors_per_seq must be >= 1")
+        if self.row_gamma < 0 or min(self.ce_weight, self.kl_weight, self.tv_weight) < 0:
+            raise ValueError("row_gamma and the loss weights must be >= 0")
+        if self.ce_weight + self.kl_weight + self.tv_weight <= 0:
+            raise ValueError("at least one loss weight must be > 0")
+
 
 @dataclass(frozen=True)
 class Features:
-    """Teacher-forced target features of training sequences (flattened)."""
+    """Teacher-forced target features of training sequences (flattened).
 
-    tokens: torch.Tensor    # [N] token ids
-    taps: torch.Tensor      # [N, n_taps * hidden] (float16 to save memory)
-    labels: torch.Tensor    # [N] the target's argmax next token at each position
-    starts: torch.Tensor    # [n_seq + 1] sequence boundaries
+    ``answer_start[i]`` is where sequence i's target answer begins: anchors (the token a
+    block is drafted from) go on answer positions only, where serving drafts. The
+    target's top-K next-token log-probabilities are the soft labels (K may be 0)."""
+
+    tokens: torch.Tensor        # [N] token ids
+    taps: torch.Tensor          # [N, n_taps * hidden] (float16 to save memory)
+    labels: torch.Tensor        # [N] the target's argmax next token at each position
+    starts: torch.Tensor        # [n_seq + 1] sequence boundaries
+    answer_start: torch.Tensor  # [n_seq] first anchor position of each sequence (>= 1)
+    top_ids: torch.Tensor       # [N, K] int32 the target's K likeliest next tokens
+    top_logprobs: torch.Tensor  # [N, K] float16 their log-probabilities (full softmax)
 
     def save(self, path: Path) -> None:
         save_file({k: v.contiguous() for k, v in asdict(self).items()}, str(path))
@@ -62,21 +81,35 @@ class Features:
         return int(self.starts.numel() - 1)
 
 
+    def sequence(self, i: int) -> slice:
+        return slice(int(self.starts[i]), int(self.starts[i + 1]))
+
+    def head(self, n: int) -> Features:
+        """The first ``n`` sequences."""
+        end = int(self.starts[n])
+        return Features(self.tokens[:end], self.taps[:end], self.labels[:end], self.starts[: n + 1],
+                        self.answer_start[:n], self.top_ids[:end], self.top_logprobs[:end])
+
+
 def concat_features(*parts: Features) -> Features:
     starts, offset = [torch.zeros(1, dtype=torch.long)], 0
     for f in parts:
         starts.append(f.starts[1:].long() + offset)
         offset += int(f.starts[-1])
-    return Features(torch.cat([f.tokens for f in parts]), torch.cat([f.taps for f in parts]),
-                    torch.cat([f.labels for f in parts]), torch.cat(starts))
+    cat = lambda name: torch.cat([getattr(f, name) for f in parts])  # noqa: E731
+    return Features(cat("tokens"), cat("taps"), cat("labels"), torch.cat(starts), cat("answer_start"),
+                    cat("top_ids"), cat("top_logprobs"))
 
 
 @torch.no_grad()
 def target_features(target, tap_layers: tuple[int, ...], sequences: Iterable[list[int]],
-                    *, progress: bool = True, total: int | None = None) -> Features:
-    """Run the target over each sequence (one forward each) and keep taps + labels."""
+                    *, answer_starts: Iterable[int] | None = None, top_k: int = 0,
+                    progress: bool = True, total: int | None = None) -> Features:
+    """Run the target over each sequence (one forward each) and keep taps, argmax labels
+    and the top-``top_k`` next-token log-probabilities. ``answer_starts``: where each
+    sequence's answer begins (default 1: anchors anywhere)."""
     runner = TargetRunner(target, tap_layers)
-    toks, taps, labels, starts = [], [], [], [0]
+    toks, taps, labels, starts, top_ids, top_lp = [], [], [], [0], [], []
     bar = tqdm(total=total, desc="target features", unit="seq", disable=not progress)
     store = None
     for seq in sequences:
@@ -89,11 +122,20 @@ def target_features(target, tap_layers: tuple[int, ...], sequences: Iterable[lis
         out = runner.forward(ids, pos, pos, store, slice(0, 1), mask)
         toks.append(ids[0].cpu())
         taps.append(out.taps[0].to(torch.float16).cpu())
-        labels.append(out.logits[0].argmax(-1).cpu())
+        logits = out.logits[0].float()
+        labels.append(logits.argmax(-1).cpu())
+        top = logits.log_softmax(-1).topk(top_k, dim=-1)
+        top_ids.append(top.indices.to(torch.int32).cpu())
+        top_lp.append(top.values.to(torch.float16).cpu())
         starts.append(starts[-1] + s)
         bar.update(1)
     bar.close()
-    return Features(torch.cat(toks), torch.cat(taps), torch.cat(labels), torch.tensor(starts))
+    n_seq = len(starts) - 1
+    answer = torch.tensor(list(answer_starts) if answer_starts is not None else [1] * n_seq, dtype=torch.long)
+    if answer.numel() != n_seq or bool((answer < 1).any()):
+        raise ValueError("answer_starts: one position >= 1 per sequence")
+    return Features(torch.cat(toks), torch.cat(taps), torch.cat(labels), torch.tensor(starts), answer,
+                    torch.cat(top_ids), torch.cat(top_lp))
 
 
 def draft_vocabulary(labels: torch.Tensor, size: int, vocab_size: int,
@@ -134,24 +176,102 @@ def _lr(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
+def row_weights(block: int, gamma: float) -> torch.Tensor:
+    """[block] loss weight of each block row, exp(-k / gamma), mean 1 (gamma 0: all 1).
+    Every accepted draft token needs row 0 right, so early rows matter most."""
+    k = torch.arange(block, dtype=torch.float32)
+    w = torch.exp(-k / gamma) if gamma > 0 else torch.ones(block)
+    return w / w.mean()
+
+
+def soft_losses(logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
+                t2d: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft cross-entropy and total variation against the target's top-K, per row.
+
+    logits: [..., Vd] the drafter's; top_ids / top_logprobs: [..., K] the target's K
+    likeliest tokens and log-probabilities. Tokens outside the draft vocabulary get
+    q = 0; the target's mass beyond its top K counts as 0 (K = 16 holds most of it).
+    Returns (soft CE of q under p renormalised over the top-K in the draft vocabulary,
+    TV(p, q) = (sum_topK |p - q| + 1 - sum_topK q) / 2), each [...]."""
+    logq = logits.float().log_softmax(-1)
+    ids = top_ids.long()
+    if t2d is not None:
+        ids = t2d.to(ids.device)[ids]                                   # -1 outside Vd
+    inside = ids >= 0
+    logq_k = torch.where(inside, logq.gather(-1, ids.clamp(min=0)), torch.zeros_like(logq[..., :1]))
+    p = top_logprobs.float().exp() * inside                             # [..., K]
+    p_norm = p / p.sum(-1, keepdim=True).clamp(min=1e-8)
+    soft_ce = -(p_norm * logq_k).sum(-1)
+    q_k = logq_k.exp() * inside
+    outside_p = (top_logprobs.float().exp() * ~inside).sum(-1)
+    tv = 0.5 * ((p - q_k).abs().sum(-1) + outside_p + (1 - q_k.sum(-1)).clamp(min=0))
+    return soft_ce, tv
+
+
 def block_loss(drafter: DSparkDrafter, feats: Features, seq: int, anchors: torch.Tensor,
-               t2d: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy of the drafter's block predictions against the target's labels,
-    and the per-row top-1 accuracy [block]."""
-    a, b = int(feats.starts[seq]), int(feats.starts[seq + 1])
+               t2d: torch.Tensor | None, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted loss summed over ``anchors`` x block rows of sequence ``seq`` (divide
+    by ``len(anchors) * block`` for the mean), and the per-row top-1 hits [block]."""
+    sl = feats.sequence(seq)
     dev = drafter.fc.weight.device
-    tokens = feats.tokens[a:b].to(dev)
-    taps = feats.taps[a:b].to(dev, drafter.fc.weight.dtype)
-    labels = feats.labels[a:b].to(dev)
-    logits = drafter.train_logits(taps, tokens, anchors.to(dev))       # [nb, blk, Vd]
+    tokens = feats.tokens[sl].to(dev)
+    taps = feats.taps[sl].to(dev, drafter.fc.weight.dtype)
+    anchors = anchors.to(dev)
+    logits = drafter.train_logits(taps, tokens, anchors)               # [nb, blk, Vd]
     blk = drafter.config.block_size
-    pos = anchors.to(dev)[:, None] + torch.arange(blk, device=dev)    # row k predicts after a+k
-    target = labels[pos]
+    pos = anchors[:, None] + torch.arange(blk, device=dev)            # row k predicts after a+k
+    target = feats.labels[sl].to(dev)[pos]
     if t2d is not None:
         target = t2d.to(dev)[target]                                   # -1 where outside Vd
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-1)
-    acc = (logits.argmax(-1) == target).float().mean(0)
-    return loss, acc
+    per = torch.zeros(pos.shape, device=dev)
+    if cfg.ce_weight:
+        ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-1, reduction="none")
+        per = per + cfg.ce_weight * ce.view(pos.shape)
+    if cfg.kl_weight or cfg.tv_weight:
+        top_ids = feats.top_ids[sl].to(dev)[pos]
+        top_lp = feats.top_logprobs[sl].to(dev)[pos]
+        if top_ids.shape[-1] == 0:
+            raise ValueError("kl_weight / tv_weight need features with the target's top-K (top_k > 0)")
+        soft_ce, tv = soft_losses(logits, top_ids, top_lp, t2d)
+        per = per + cfg.kl_weight * soft_ce + cfg.tv_weight * tv
+    loss = (per * row_weights(blk, cfg.row_gamma).to(dev)).sum()
+    hits = (logits.argmax(-1) == target).float().sum(0)
+    return loss, hits
+
+
+def anchor_range(feats: Features, seq: int, block: int) -> tuple[int, int]:
+    """[lo, hi): the anchors of sequence ``seq`` whose block rows all predict a token of
+    the sequence (answer positions only)."""
+    n = int(feats.starts[seq + 1] - feats.starts[seq])
+    return max(1, int(feats.answer_start[seq])), n - block
+
+
+class SequenceDraws:
+    """Sequences without replacement (a fresh order every epoch; ``weights`` make a
+    sequence likelier to come early in an epoch), then distinct anchors in each."""
+
+    def __init__(self, feats: Features, block: int, weights: torch.Tensor | None, g: torch.Generator) -> None:
+        self.feats, self.block, self.g = feats, block, g
+        ranges = [anchor_range(feats, i, block) for i in range(len(feats))]
+        ok = torch.tensor([hi > lo for lo, hi in ranges], dtype=torch.float64)
+        self.weights = ok * (weights.double() if weights is not None else 1.0)
+        if not bool((self.weights > 0).any()):
+            raise ValueError(f"no training sequence has an answer longer than block_size + 1 = {block + 1}")
+        self.ranges = ranges
+        self.order: list[int] = []
+
+    def next_sequences(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            if not self.order:
+                count = int((self.weights > 0).sum())
+                self.order = torch.multinomial(self.weights, count, replacement=False, generator=self.g).tolist()
+            out.append(self.order.pop(0))
+        return out
+
+    def anchors(self, seq: int, n: int) -> torch.Tensor:
+        lo, hi = self.ranges[seq]
+        return lo + torch.randperm(hi - lo, generator=self.g)[:n]
 
 
 def train_drafter(
@@ -165,7 +285,7 @@ def train_drafter(
     progress: bool = True,
 ) -> dict:
     """Train (or resume training) ``drafter`` on ``feats``; checkpoints into ``out_dir``.
-    ``weights`` [n_seq] makes some sequences likelier to be drawn (default: uniform)."""
+    ``weights`` [n_seq] makes some sequences come earlier in each epoch (default: uniform)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(cfg.seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -181,12 +301,9 @@ def train_drafter(
             attach_from_target(drafter, target)
     t2d = target_to_draft(drafter)
     blk = drafter.config.block_size
-    lengths = feats.starts[1:] - feats.starts[:-1]
-    draw = (lengths > blk + 1).double()
-    if weights is not None:
-        draw = draw * weights.double()
-    if not bool((draw > 0).any()):
-        raise ValueError(f"no training sequence is longer than block_size + 1 = {blk + 1}")
+    draws = SequenceDraws(feats, blk, weights, g)
+    # a resumed run continues the epoch it stopped in (the order is part of the state)
+    draws.order = json.loads(state_file.read_text()).get("order", []) if state_file.exists() else []
     drafter.train()
     history = []
     bar = tqdm(range(start, cfg.steps), desc="train drafter", initial=start, total=cfg.steps,
@@ -194,33 +311,40 @@ def train_drafter(
     ema_loss, ema_acc = None, None
     t0 = time.time()
     for step in bar:
-        seq = int(torch.multinomial(draw, 1, generator=g))
-        n = int(lengths[seq])
-        anchors = torch.randint(1, n - blk + 1, (cfg.anchors_per_step,), generator=g)
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg)
-        loss, acc = block_loss(drafter, feats, seq, anchors, t2d)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total, hits, count = 0.0, torch.zeros(blk), 0
+        for seq in draws.next_sequences(cfg.seqs_per_step):
+            anchors = draws.anchors(seq, cfg.anchors_per_seq)
+            loss, h = block_loss(drafter, feats, seq, anchors, t2d, cfg)
+            loss.backward()      # summed: the step's gradient is the mean over every (anchor, row)
+            total += loss.item()
+            hits += h.detach().cpu()
+            count += anchors.numel()
+        for p in params:
+            if p.grad is not None:
+                p.grad /= count * blk
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
-        ema_acc = acc.detach() if ema_acc is None else 0.95 * ema_acc + 0.05 * acc.detach()
+        mean, acc = total / (count * blk), hits / count
+        ema_loss = mean if ema_loss is None else 0.95 * ema_loss + 0.05 * mean
+        ema_acc = acc if ema_acc is None else 0.95 * ema_acc + 0.05 * acc
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             rec = {"step": step + 1, "loss": round(ema_loss, 4),
                    "acc": [round(float(x), 3) for x in ema_acc], "elapsed_s": round(time.time() - t0, 1)}
             history.append(rec)
             bar.set_postfix(loss=f"{ema_loss:.3f}", acc1=f"{float(ema_acc[0]):.2f}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            _checkpoint(drafter, opt, g, step + 1, out_dir)
+            _checkpoint(drafter, opt, g, step + 1, draws.order, out_dir)
     drafter.eval()
     return {"history": history}
 
 
-def _checkpoint(drafter, opt, g, step, out_dir: Path) -> None:
+def _checkpoint(drafter, opt, g, step, order: list[int], out_dir: Path) -> None:
     save_drafter(drafter, out_dir)
     _save_optimizer(opt, g, out_dir)
-    (out_dir / "train_state.json").write_text(json.dumps({"step": step}) + "\n")
+    (out_dir / "train_state.json").write_text(json.dumps({"step": step, "order": order}) + "\n")
 
 
 def _save_optimizer(opt, g: torch.Generator, out_dir: Path) -> None:
@@ -243,23 +367,6 @@ def _load_optimizer(opt, g: torch.Generator, out_dir: Path) -> None:
         state.setdefault(int(idx), {})[name] = value
     groups = json.loads((out_dir / "optimizer.json").read_text())
     opt.load_state_dict({"state": state, "param_groups": groups})
-
-
-@torch.no_grad()
-def evaluate(drafter: DSparkDrafter, feats: Features, *, anchors_per_seq: int = 32, seed: int = 0) -> list[float]:
-    """Held-out top-1 agreement with the target per block row."""
-    g = torch.Generator().manual_seed(seed)
-    t2d = target_to_draft(drafter)
-    blk = drafter.config.block_size
-    accs = []
-    for seq in range(len(feats)):
-        n = int(feats.starts[seq + 1] - feats.starts[seq])
-        if n <= blk + 1:
-            continue
-        anchors = torch.randint(1, n - blk + 1, (anchors_per_seq,), generator=g)
-        _, acc = block_loss(drafter, feats, seq, anchors, t2d)
-        accs.append(acc)
-    return torch.stack(accs).mean(0).tolist()
 
 
 def new_drafter_for(target, *, block_size: int, tap_layers: tuple[int, ...], markov_rank: int,

@@ -13,9 +13,13 @@ from treespark.models import ModelPair, load_pair, random_pair
 from treespark.params import SamplingParams, StepStats
 
 
-def pair_by_name(name: str) -> ModelPair:
+def pair_by_name(name: str, drafter: str | None = None) -> ModelPair:
+    """``default`` (with ``drafter``: that drafter directory instead of the shipped one) or
+    ``random``."""
     if name == "default":
-        return load_pair()
+        return load_pair(drafter=drafter)
+    if drafter is not None:
+        raise ValueError("--drafter goes with the default pair")
     if name == "random":
         return random_pair(512, 0, block_size=4)
     raise ValueError(f"unknown pair {name!r}: use 'default' or 'random'")

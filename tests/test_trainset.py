@@ -1,0 +1,65 @@
+"""The training set from committed answer shards: features per shard, cached, and no
+held-out or tuning prompt let through."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from treespark import datagen as dg
+from treespark import random_pair, trainset
+from treespark.trainset import answer_features, leaked_prompts
+
+
+class CharTokenizer:
+    """Ids 4.. are characters; 1-3 are specials (end of turn, user, assistant)."""
+
+    chars = "abcdefghijklmnopqrstuvwxyz ?:"
+
+    def encode(self, text: str) -> list[int]:
+        return [{"\x01": 1, "\x02": 2, "\x03": 3}.get(c) or 4 + self.chars.index(c.lower()) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(self.chars[i - 4] if i >= 4 else ("" if skip_special_tokens else "|") for i in ids)
+
+
+def shard(tmp_path: Path, index: int, samples: list[dg.Sample]) -> None:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    dg.write_shard(dg.shard_path(tmp_path, index), samples, {"shard": index})
+
+
+def test_shards_become_cached_features_with_answer_starts(tmp_path: Path):
+    pair = random_pair(64, 0)
+    tok = CharTokenizer()
+    a = dg.Sample(tok.encode("\x02owls?\x01\x03") + list(range(10, 30)), 8, dg.KIND_SELF, 0.0)
+    b = dg.Sample(tok.encode("\x02tea\x01\x03") + list(range(30, 50)), 6, dg.KIND_DOC, 0.7)
+    shard(tmp_path / "answers", 0, [a, b])
+    shard(tmp_path / "answers", 1, [b])
+    feats, used = answer_features(pair.target, tok, tmp_path / "answers", tmp_path / "cache", shards=1,
+                                  tap_layers=(0, 2), top_k=4, progress=False)
+    assert used == [0] and len(feats) == 2 and feats.answer_start.tolist() == [8, 6]
+    assert feats.tokens.tolist() == a.tokens + b.tokens
+    cached = list((tmp_path / "cache").glob("shard-00000-*-taps0-2-top4.safetensors"))
+    assert len(cached) == 1
+    again, _ = answer_features(pair.target, tok, tmp_path / "answers", tmp_path / "cache", shards=1,
+                               tap_layers=(0, 2), top_k=4, progress=False)
+    assert again.taps.equal(feats.taps)
+    both, used = answer_features(pair.target, tok, tmp_path / "answers", tmp_path / "cache", shards=None,
+                                 tap_layers=(0, 2), top_k=4, progress=False)
+    assert used == [0, 1] and len(both) == 3
+
+
+def test_a_reserved_prompt_in_a_conversation_is_refused(tmp_path: Path, monkeypatch):
+    tok = CharTokenizer()
+    reserved = frozenset({"why do owls hoot?"})
+    clean = dg.Sample(tok.encode("\x02owls?\x01\x03") + [10, 11], 8, dg.KIND_SELF, 0.0)
+    leaked = dg.Sample(tok.encode("\x02tell me: why do  Owls hoot?\x01\x03") + [10, 11], 30, dg.KIND_SELF, 0.0)
+    assert leaked_prompts([clean], tok, reserved) == []
+    assert leaked_prompts([clean, leaked], tok, reserved) == ["why do owls hoot?"]
+    # a shard holding a reserved prompt is not featurised
+    monkeypatch.setattr(trainset, "reserved_texts", lambda: reserved)
+    shard(tmp_path, 0, [clean, leaked])
+    with pytest.raises(ValueError, match="held-out or tuning"):
+        answer_features(random_pair(64, 0).target, tok, tmp_path, tmp_path / "cache", shards=None,
+                        tap_layers=(0, 2), top_k=0, progress=False)
