@@ -11,19 +11,20 @@ def _rows(table: str) -> list[list[str]]:
 def test_wallclock_table_has_every_decoder_and_the_round_breakdown_at_each_temperature():
     pair = random_pair(64, 0, block_size=4)
     table = wallclock_benchmark(pair, n_prompts=2, max_tokens=6, chains=(1, 2), temperatures=(0.0, 1.0),
-                                log=lambda *_: None)
+                                profile_s=1.0, log=lambda *_: None)
     header = table.splitlines()[0]
     assert "draft ms / step" in header and "tokens / round" in header and "host share" in header
     for temp, hf in (("0", {"HF generate greedy", "HF prompt lookup"}), ("1", {"HF generate sampling"})):
         rows = {r[1]: r[1:] for r in _rows(table) if r[0] == temp}
         chain = [name for name in rows if name.startswith("tuned chain (k=")]
         assert chain in (["tuned chain (k=1)"], ["tuned chain (k=2)"])  # the faster of the two
-        assert set(rows) - set(chain) == {"adaptive tree", "our plain decoding"} | hf
+        assert set(rows) - set(chain) == {"adaptive tree", "per-step (served default)", "our plain decoding"} | hf
         assert rows["adaptive tree"][2] == "1.00x"
         plain = rows["our plain decoding"]
         assert plain[3] == "0.0" and plain[6] == "1.00"  # no tree: one token per round
         assert float(rows["adaptive tree"][5]) > 0
-        assert all(0.0 <= float(rows[k][7]) <= 1.0 for k in ("adaptive tree", "our plain decoding"))
+        assert all(0.0 <= float(rows[k][7]) <= 1.0 for k in ("adaptive tree", "per-step (served default)",
+                                                             "our plain decoding"))
         assert all(rows[k][3:] == ["-"] * 5 for k in hf)
 
 

@@ -11,6 +11,7 @@ from treespark.budget import Budget
 from treespark.engine import Engine, EngineConfig
 from treespark.models import ModelPair, load_pair, random_pair
 from treespark.params import SamplingParams, StepStats
+from treespark.step_alloc import StepAllocator
 
 
 def pair_by_name(name: str, drafter: str | None = None) -> ModelPair:
@@ -59,11 +60,14 @@ class RunResult:
 
 
 def run_engine(pair: ModelPair, prompts: list[list[int]], budget: Budget, *, max_tokens: int,
-               batch_size: int, temperature: float = 0.0, seed: int = 0) -> RunResult:
-    """Serve every prompt through one engine (batch_size rows) and time it."""
+               batch_size: int, temperature: float = 0.0, seed: int = 0,
+               allocator: StepAllocator | None = None) -> RunResult:
+    """Serve every prompt through one engine (batch_size rows) and time it; with
+    ``allocator``, every step priced by it (the served per-step policy)."""
     longest = max(len(p) for p in prompts)
     engine = Engine(pair, EngineConfig(max_batch_size=batch_size, max_context=longest + max_tokens),
                     budget=budget)
+    engine.set_allocator(allocator)
     stats: list[StepStats] = []
     engine.on_step = stats.append
     for i, p in enumerate(prompts):

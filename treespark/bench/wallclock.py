@@ -9,6 +9,7 @@ import torch
 from treespark.bench.common import RunResult, bench_prompts, markdown_table, run_engine
 from treespark.budget import Budget
 from treespark.models import ModelPair
+from treespark.step_alloc import StepAllocator
 
 
 @torch.no_grad()
@@ -33,17 +34,19 @@ def _breakdown(r: RunResult) -> list[str]:
 
 
 def host_share(pair: ModelPair, prompt: list[int], budget: Budget, max_tokens: int,
-               temperature: float = 0.0) -> float:
+               temperature: float = 0.0, allocator: StepAllocator | None = None) -> float:
     """The share of one batch-1 request's wall time spent outside torch operators (the
     Python of scheduling, tree building, the walk and the commit), from the profiler's
     operator self-times. On a CPU the operators are the compute; under CUDA they are
     launches, so this reads as host work there too, without the device time."""
     from torch.profiler import ProfilerActivity, profile
 
-    run_engine(pair, [prompt], budget, max_tokens=min(max_tokens, 16), batch_size=1, temperature=temperature)
+    run_engine(pair, [prompt], budget, max_tokens=min(max_tokens, 16), batch_size=1, temperature=temperature,
+               allocator=allocator)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        run_engine(pair, [prompt], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature)
+        run_engine(pair, [prompt], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature,
+                   allocator=allocator)
         wall = time.perf_counter() - t0
     op_s = sum(e.self_cpu_time_total for e in prof.key_averages()
                if not e.key.startswith(("##", "ProfilerStep"))) / 1e6
@@ -51,11 +54,14 @@ def host_share(pair: ModelPair, prompt: list[int], budget: Budget, max_tokens: i
 
 
 def _one_at_a_time(pair: ModelPair, prompts, budget: Budget, max_tokens: int,
-                   temperature: float = 0.0) -> RunResult:
+                   temperature: float = 0.0, allocator: StepAllocator | None = None) -> RunResult:
     """Serve ``prompts`` one request at a time (batch 1) and add up the runs, after an
-    untimed warm-up request (so the first decoder timed pays no first-use costs)."""
-    run_engine(pair, prompts[:1], budget, max_tokens=min(max_tokens, 16), batch_size=1, temperature=temperature)
-    runs = [run_engine(pair, [p], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature, seed=i)
+    untimed warm-up request (so the first decoder timed pays no first-use costs).
+    ``allocator``: one per-step allocation across the requests, as a replica keeps it."""
+    run_engine(pair, prompts[:1], budget, max_tokens=min(max_tokens, 16), batch_size=1, temperature=temperature,
+               allocator=allocator)
+    runs = [run_engine(pair, [p], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature, seed=i,
+                       allocator=allocator)
             for i, p in enumerate(prompts)]
     return RunResult(sum(r.tokens for r in runs), sum(r.wall_s for r in runs), sum(r.steps for r in runs),
                      sum(r.rounds for r in runs), sum(r.accepted for r in runs), sum(r.drafted for r in runs),
@@ -64,17 +70,28 @@ def _one_at_a_time(pair: ModelPair, prompts, budget: Budget, max_tokens: int,
 
 def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int = 96,
                         chains=(1, 2, 3, 4), budget: Budget | None = None,
-                        temperatures=(0.0,), log=print) -> str:
+                        temperatures=(0.0,), profile_s: float | None = 20.0, log=print) -> str:
     """Batch-1 tokens/s, at each temperature, of the adaptive tree (``budget``, default
     ``Budget.adaptive()``), the fastest of the chains ``chains`` (tuned here, by wall
     clock) and our plain decoding, beside HF ``generate()`` (greedy and prompt lookup
     at T = 0, sampling at T > 0) on the same prompts; with each decoder's host share
-    (``host_share``, one profiled request)."""
+    (``host_share``, one profiled request). ``profile_s``: also the served default, the
+    per-step allocation (``treespark.step_alloc``) on a step-cost table measured here in
+    that many seconds (None: not run)."""
     prompts = bench_prompts(pair, n_prompts)
+    table = None
+    if profile_s is not None:
+        from treespark.engine import Engine, EngineConfig
+        from treespark.step_costs import startup_step_costs
+
+        longest = max(len(p) for p in prompts)
+        table = startup_step_costs(Engine(pair, EngineConfig(max_batch_size=1, max_context=max(longest + max_tokens, 1024))),
+                                   time_budget_s=profile_s, cache_dir=None)
+        log(f"step-cost table measured in {table.measured_s:.1f} s")
     rows = []
     for temp in temperatures:
-        def run(b: Budget, temp: float = temp) -> RunResult:
-            return _one_at_a_time(pair, prompts, b, max_tokens, temp)
+        def run(b: Budget, temp: float = temp, allocator: StepAllocator | None = None) -> RunResult:
+            return _one_at_a_time(pair, prompts, b, max_tokens, temp, allocator)
 
         results: dict[str, float] = {}
         breakdown: dict[str, list[str]] = {}
@@ -83,6 +100,13 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
         results["adaptive tree"] = ours.tokens_per_s
         breakdown["adaptive tree"] = [*_breakdown(ours), f"{host_share(pair, prompts[0], ours_budget, max_tokens, temp):.2f}"]
         log(f"T={temp:g} adaptive tree: {ours.tokens_per_s:.2f} tok/s")
+        if table is not None:
+            served = Budget(0.0, 32, 4)   # PerStepPolicy's drafting budget with no queue (floor 0)
+            r = run(served, allocator=StepAllocator(table.step_costs(served.node_cap)))
+            name = "per-step (served default)"
+            results[name] = r.tokens_per_s
+            breakdown[name] = [*_breakdown(r), f"{host_share(pair, prompts[0], served, max_tokens, temp, StepAllocator(table.step_costs(served.node_cap))):.2f}"]
+            log(f"T={temp:g} {name}: {r.tokens_per_s:.2f} tok/s")
         chain_runs = {}
         for k in chains:
             chain_runs[k] = run(Budget.chain(k))
