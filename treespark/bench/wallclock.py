@@ -95,32 +95,33 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
 
         results: dict[str, float] = {}
         breakdown: dict[str, list[str]] = {}
+
+        def record(name: str, r: RunResult, b: Budget, make_allocator=lambda: None, temp: float = temp,
+                   results=results, breakdown=breakdown) -> None:
+            """A decoder's row: its tokens/s, step breakdown and host share (one more
+            request, profiled, with a fresh allocator like the timed runs')."""
+            results[name] = r.tokens_per_s
+            breakdown[name] = [*_breakdown(r),
+                               f"{host_share(pair, prompts[0], b, max_tokens, temp, make_allocator()):.2f}"]
+            log(f"T={temp:g} {name}: {r.tokens_per_s:.2f} tok/s")
+
         ours_budget = budget or Budget.adaptive()
         ours = run(ours_budget)
-        results["adaptive tree"] = ours.tokens_per_s
-        breakdown["adaptive tree"] = [*_breakdown(ours), f"{host_share(pair, prompts[0], ours_budget, max_tokens, temp):.2f}"]
-        log(f"T={temp:g} adaptive tree: {ours.tokens_per_s:.2f} tok/s")
+        record("adaptive tree", ours, ours_budget)
         if table is not None:
             served = Budget(0.0, 32, 4)   # PerStepPolicy's drafting budget with no queue (floor 0)
-            r = run(served, allocator=StepAllocator(table.step_costs(served.node_cap)))
-            name = "per-step (served default)"
-            results[name] = r.tokens_per_s
-            breakdown[name] = [*_breakdown(r), f"{host_share(pair, prompts[0], served, max_tokens, temp, StepAllocator(table.step_costs(served.node_cap))):.2f}"]
-            log(f"T={temp:g} {name}: {r.tokens_per_s:.2f} tok/s")
+
+            def served_allocator(table=table, served=served) -> StepAllocator:
+                return StepAllocator(table.step_costs(served.node_cap))
+
+            record("per-step (served default)", run(served, allocator=served_allocator()), served, served_allocator)
         chain_runs = {}
         for k in chains:
             chain_runs[k] = run(Budget.chain(k))
             log(f"T={temp:g} chain k={k}: {chain_runs[k].tokens_per_s:.2f} tok/s")
         best = max(chain_runs, key=lambda k: chain_runs[k].tokens_per_s)
-        name = f"tuned chain (k={best})"
-        results[name] = chain_runs[best].tokens_per_s
-        breakdown[name] = [*_breakdown(chain_runs[best]),
-                           f"{host_share(pair, prompts[0], Budget.chain(best), max_tokens, temp):.2f}"]
-        plain = run(Budget.off())
-        results["our plain decoding"] = plain.tokens_per_s
-        breakdown["our plain decoding"] = [*_breakdown(plain),
-                                           f"{host_share(pair, prompts[0], Budget.off(), max_tokens, temp):.2f}"]
-        log(f"T={temp:g} our plain decoding: {plain.tokens_per_s:.2f} tok/s")
+        record(f"tuned chain (k={best})", chain_runs[best], Budget.chain(best))
+        record("our plain decoding", run(Budget.off()), Budget.off())
         hf = ({"HF generate greedy": {}, "HF prompt lookup": {"prompt_lookup_num_tokens": 10}} if temp == 0 else
               {"HF generate sampling": {"do_sample": True, "temperature": temp, "top_k": 0, "top_p": 1.0}})
         for name, kwargs in hf.items():
