@@ -95,7 +95,7 @@ def variant_config(config: Path, variant: str, out: Path) -> Path:
 
 # -- polling ----------------------------------------------------------------------------------
 
-TIMELINE_FIELDS = ["t", "wall", "users", "replicas", "active", "queued", "batch_size", "theta", "node_cap",
+TIMELINE_FIELDS = ["t", "wall", "users", "replicas", "active", "queued", "queued_max", "batch_size", "theta", "node_cap",
                    "branch_cap", "tree_size", "width", "depth", "accepted_per_round", "step_s",
                    "generation_tokens", "goodput_tok_s", "requests_done", "p50_e2e_s", "p99_e2e_s",
                    "p50_ttft_s", "p99_ttft_s", "calib_ece_stored", "calib_ece_pushed", "policy_share",
@@ -119,6 +119,7 @@ def speculation_row(status: dict) -> dict:
         "replicas": len(reps),
         "active": sum(r.get("active", 0) for r in reps),
         "queued": sum(r.get("queued", 0) for r in reps),
+        "queued_max": max((r.get("queued", 0) for r in reps), default=0),   # the most on one replica
         "batch_size": sum(r.get("batch_size", 0.0) for r in reps),
         "theta": wmean("theta", "applied_budget"),
         "node_cap": wmean("node_cap", "applied_budget"),
@@ -237,7 +238,7 @@ def experiment_ramp(url: str, args) -> Path:
 
 COMPARE_FIELDS = ["policy", "run", "users", "goodput_tok_s", "tokens", "seconds", "requests", "errors", "p50_e2e_s",
                   "p99_e2e_s", "p50_ttft_s", "p99_ttft_s", "tree_size", "width", "accepted_per_round",
-                  "theta", "batch_size"]
+                  "theta", "batch_size", "queued", "queued_max"]
 
 
 def compare_order(levels, policies) -> list[tuple[int, str]]:
@@ -276,7 +277,8 @@ def measure_run(url: str, args, policy: str, users: int, run: int) -> dict:
            "p50_ttft_s": percentile(ttft, 0.5), "p99_ttft_s": percentile(ttft, 0.99),
            "tree_size": mean("tree_size"), "width": mean("width"),
            "accepted_per_round": mean("accepted_per_round"), "theta": mean("theta"),
-           "batch_size": mean("batch_size")}
+           "batch_size": mean("batch_size"), "queued": mean("queued", win),
+           "queued_max": max((r["queued_max"] for r in win), default="")}
     log(f"{policy:>13} u={users:<3} run {run}: goodput {row['goodput_tok_s']:.1f} tok/s  tree {row['tree_size']}")
     return row
 
@@ -308,12 +310,13 @@ def experiment_compare(url: str | None, args) -> Path:
                 rows.append(measure_run(u, args, policy, users, run))
                 write_csv(args.out / "compare.csv", rows, COMPARE_FIELDS)
             set_override(u, None)
-    from loadtests.report import compare_table, plot_compare
+    from loadtests.report import compare_detail, compare_table, plot_compare
 
     path = args.out / "compare.csv"
     plot_compare(path, args.out / "compare.png", title=args.title)
     table = compare_table(path)
     (args.out / "compare.md").write_text(table + "\n")
+    (args.out / "compare-detail.md").write_text(compare_detail(path) + "\n")
     print(table)
     return path
 

@@ -163,7 +163,7 @@ def compare_table(csv_path: Path) -> str:
         for p in policies:
             r = grid.get((p, u))
             cells.append("" if r is None else
-                         f"{g[p]:.1f} ±{r['spread'] / 2:.1f} (tree {num(r['tree_size']):.1f})")
+                         f"{g[p]:.1f} ±{r['spread'] / 2:.1f} (tree {num(r.get('tree_size')):.1f})")
         if subject in policies and others:
             best = max((g[p] for p in others if not math.isnan(g[p])), default=math.nan)
             ratios.append(g[subject] / best if best else math.nan)
@@ -178,6 +178,29 @@ def compare_table(csv_path: Path) -> str:
         lines += ["", f"{subject} / best other, geometric mean over the levels: "
                   f"{math.exp(sum(map(math.log, good)) / len(good)):.3f}; lowest {min(good):.3f} "
                   f"(medians of {runs} run(s) per cell)"]
+    return "\n".join(lines)
+
+
+def compare_detail(csv_path: Path) -> str:
+    """Per users and policy, the median run's speculation and latency next to its goodput:
+    what each policy ran (tree size, the floor theta), the queue (mean requests waiting
+    beyond the batches, and the most on one replica at any poll) and the latencies."""
+    policies, users, grid = _compare_grid(read_rows(csv_path))
+    head = ["users", "policy", "goodput tok/s (runs)", "tree", "theta", "queued (max on a replica)",
+            "p50 TTFT s", "p50 e2e s", "p99 e2e s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = read_rows(csv_path)
+    for u in users:
+        for p in policies:
+            r = grid.get((p, u))
+            if r is None:
+                continue
+            runs = sorted(num(x["goodput_tok_s"]) for x in rows if x["policy"] == p and int(x["users"]) == u)
+            lines.append("| " + " | ".join([
+                str(u), p, f"{num(r['goodput_tok_s']):.1f} ({', '.join(f'{v:.1f}' for v in runs)})",
+                f"{num(r.get('tree_size')):.1f}", f"{num(r.get('theta')):.2f}",
+                f"{num(r.get('queued')):.1f} ({num(r.get('queued_max')):.0f})",
+                f"{num(r.get('p50_ttft_s')):.2f}", f"{num(r.get('p50_e2e_s')):.2f}", f"{num(r.get('p99_e2e_s')):.2f}"]) + " |")
     return "\n".join(lines)
 
 
@@ -205,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
         if p.name.startswith("compare"):
             plot_compare(p, p.with_suffix(".png"))
             print(compare_table(p))
+            print()
+            print(compare_detail(p))
         else:
             plot_timeline(p, p.with_suffix(".png"))
             print(ramp_summary(p))

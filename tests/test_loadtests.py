@@ -10,6 +10,7 @@ import pytest
 
 from loadtests.experiment import TIMELINE_FIELDS, finish_timeline, main, speculation_row, write_csv
 from loadtests.report import (
+    compare_detail,
     compare_table,
     plot_compare,
     plot_timeline,
@@ -35,10 +36,10 @@ def test_shapes():
 
 STATUS = {
     "replicas": {
-        "a": {"applied_budget": {"theta": 0.1, "node_cap": 8, "branch_cap": 2}, "active": 3, "queued": 1,
+        "a": {"applied_budget": {"theta": 0.1, "node_cap": 8, "branch_cap": 2}, "active": 3, "queued": 3,
               "batch_size": 3.0, "mean_tree_size": 6.0, "mean_width": 2.0, "mean_depth": 3.0,
               "accepted_per_round": 1.0, "step_s": 0.2},
-        "b": {"applied_budget": {"theta": 0.3, "node_cap": 2, "branch_cap": 1}, "active": 1, "queued": 0,
+        "b": {"applied_budget": {"theta": 0.3, "node_cap": 2, "branch_cap": 1}, "active": 1, "queued": 1,
               "batch_size": 1.0, "mean_tree_size": 2.0, "mean_width": 1.0, "mean_depth": 2.0,
               "accepted_per_round": 0.5, "step_s": 0.1},
     },
@@ -49,7 +50,8 @@ STATUS = {
 
 def test_speculation_row_weights_replicas_by_batch():
     row = speculation_row(STATUS)
-    assert row["replicas"] == 2 and row["active"] == 4 and row["queued"] == 1
+    assert row["replicas"] == 2 and row["active"] == 4
+    assert row["queued"] == 4 and row["queued_max"] == 3   # the cluster's queue, and the most on one replica
     assert row["theta"] == pytest.approx(0.15) and row["tree_size"] == pytest.approx(5.0)
     assert row["calib_ece_pushed"] == 0.05
 
@@ -91,6 +93,22 @@ def test_compare_table(tmp_path):
     assert "| 16 | 30.0 ±0.0 (tree 1.0) | 28.0 ±0.0 (tree 1.0) | 30.0 ±1.0 (tree 1.0) | 1.00 | 1.07 | +0.0 (2.0) |" in table
     assert "geometric mean over the levels: 1.106; lowest 1.000 (medians of 3 run(s) per cell)" in table
     plot_compare(path, tmp_path / "compare.png")
+
+
+def test_compare_detail_gives_every_run_and_the_queue(tmp_path):
+    path = tmp_path / "compare.csv"
+    fields = ["policy", "run", "users", "goodput_tok_s", "tree_size", "theta", "queued", "queued_max",
+              "p50_ttft_s", "p50_e2e_s", "p99_e2e_s"]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for run, (g, q) in enumerate(((12, 2.0), (10, 6.0), (11, 4.0)), 1):
+            w.writerow({"policy": "perstep", "run": run, "users": 16, "goodput_tok_s": g, "tree_size": 0.5,
+                        "theta": 0.3, "queued": q, "queued_max": 2 * q, "p50_ttft_s": 1.5,
+                        "p50_e2e_s": 3, "p99_e2e_s": 4})
+    detail = compare_detail(path)
+    # the median run's row (goodput 11: its queue 4.0, at most 8 on one replica), every run listed
+    assert "| 16 | perstep | 11.0 (10.0, 11.0, 12.0) | 0.5 | 0.30 | 4.0 (8) | 1.50 | 3.00 | 4.00 |" in detail
 
 
 def _free_port() -> int:

@@ -4,6 +4,7 @@ import asyncio
 import math
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import yaml
@@ -395,9 +396,10 @@ def test_budgets_the_engines_would_clip_are_refused():
             {"theta": 0.0, "node_cap": 24, "branch_cap": 4}, {"theta": 1.0, "node_cap": 0, "branch_cap": 1}]})
     with pytest.raises(ValidationError, match=r"policy.max_nodes is 32 but max_tree_nodes is 8"):
         AppArgs(max_tree_nodes=8, policy={"kind": "costmodel", "cost_model": "configs/costmodel-smollm2.json"})
-    for path in ("configs/cluster.yaml", "configs/gpu-cluster.yaml", "configs/load-default.yaml",
-                 "configs/load-random.yaml"):
-        (app,) = yaml.safe_load(open(path))["applications"]
+    shipped = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
+    assert len(shipped) >= 5
+    for path in shipped:
+        (app,) = yaml.safe_load(path.read_text())["applications"]
         AppArgs.model_validate(app["args"])  # the shipped configs stay valid
 
 
