@@ -129,7 +129,7 @@ def ramp_summary(csv_path: Path, settle_s: float = 8.0) -> str:
 
 def _compare_grid(rows: list[dict]) -> tuple[list[str], list[int], dict[tuple[str, int], dict]]:
     """Per (policy, users): the median run's row, with ``spread`` (max - min goodput over
-    the runs, 0 for one run) and ``runs``."""
+    the runs, 0 for one run), ``runs`` and ``goodputs`` (every run's, ascending)."""
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     users = sorted({int(r["users"]) for r in rows})
     groups: dict[tuple[str, int], list[dict]] = {}
@@ -140,7 +140,7 @@ def _compare_grid(rows: list[dict]) -> tuple[list[str], list[int], dict[tuple[st
         g = sorted(rs, key=lambda r: num(r["goodput_tok_s"]))
         vals = [num(r["goodput_tok_s"]) for r in g]
         grid[k] = {**g[(len(g) - 1) // 2], "goodput_tok_s": statistics.median(vals),
-                   "spread": max(vals) - min(vals), "runs": len(g)}
+                   "spread": max(vals) - min(vals), "runs": len(g), "goodputs": vals}
     return policies, users, grid
 
 
@@ -189,15 +189,13 @@ def compare_detail(csv_path: Path) -> str:
     head = ["users", "policy", "goodput tok/s (runs)", "tree", "theta", "queued (max on a replica)",
             "p50 TTFT s", "p50 e2e s", "p99 e2e s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    rows = read_rows(csv_path)
     for u in users:
         for p in policies:
             r = grid.get((p, u))
             if r is None:
                 continue
-            runs = sorted(num(x["goodput_tok_s"]) for x in rows if x["policy"] == p and int(x["users"]) == u)
             lines.append("| " + " | ".join([
-                str(u), p, f"{num(r['goodput_tok_s']):.1f} ({', '.join(f'{v:.1f}' for v in runs)})",
+                str(u), p, f"{num(r['goodput_tok_s']):.1f} ({', '.join(f'{v:.1f}' for v in r['goodputs'])})",
                 f"{num(r.get('tree_size')):.1f}", f"{num(r.get('theta')):.2f}",
                 f"{num(r.get('queued')):.1f} ({num(r.get('queued_max')):.0f})",
                 f"{num(r.get('p50_ttft_s')):.2f}", f"{num(r.get('p50_e2e_s')):.2f}", f"{num(r.get('p99_e2e_s')):.2f}"]) + " |")
