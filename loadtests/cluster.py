@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 from loadtests.common import ROOT, log, wait_healthy
 
@@ -95,36 +96,30 @@ def local_cluster(spec: ClusterSpec, build: Callable[[], Any] | None = None,
     env = {"RAY_AUTH_MODE": "disabled",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            **spec.env}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
+    with mock.patch.dict(os.environ, env):
+        import ray
+        from ray import serve
+        from ray.cluster_utils import Cluster
 
-    b = spec.agent_port_base
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "gcs_server_port": spec.gcs_port, "include_dashboard": False,
-        "dashboard_agent_listen_port": b, "metrics_export_port": b + 1, "metrics_agent_port": b + 2,
-        "_system_config": HEALTH_CHECK})
-    _forget_address(cluster.address)
-    try:
-        lc = LocalCluster(cluster, f"http://127.0.0.1:{spec.http_port}", cluster.head_node.node_id, {}, spec)
-        for _ in range(spec.workers):
-            lc.add_worker()
-        ray.init(address=cluster.address, logging_level="WARNING")
-        log(f"cluster up: head {lc.head_id[:8]}, workers {[n[:8] for n in lc.workers]}")
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": spec.http_port})
-        if build is not None:
-            serve.run(build(), name="treespark", route_prefix="/")
-            wait_healthy(lc.url, ready_timeout_s)
-        yield lc
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        b = spec.agent_port_base
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "gcs_server_port": spec.gcs_port, "include_dashboard": False,
+            "dashboard_agent_listen_port": b, "metrics_export_port": b + 1, "metrics_agent_port": b + 2,
+            "_system_config": HEALTH_CHECK})
+        _forget_address(cluster.address)
+        try:
+            lc = LocalCluster(cluster, f"http://127.0.0.1:{spec.http_port}", cluster.head_node.node_id, {}, spec)
+            for _ in range(spec.workers):
+                lc.add_worker()
+            ray.init(address=cluster.address, logging_level="WARNING")
+            log(f"cluster up: head {lc.head_id[:8]}, workers {[n[:8] for n in lc.workers]}")
+            serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": spec.http_port})
+            if build is not None:
+                serve.run(build(), name="treespark", route_prefix="/")
+                wait_healthy(lc.url, ready_timeout_s)
+            yield lc
+        finally:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+            cluster.shutdown()

@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import requests
 
@@ -34,31 +35,25 @@ def serve_app(args: AppArgs) -> Iterator[str]:
         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
         "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
     }
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import ray
-    from ray import serve
+    with mock.patch.dict(os.environ, env):
+        import ray
+        from ray import serve
 
-    from deployments.app import build_app
+        from deployments.app import build_app
 
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-             runtime_env={"env_vars": env}, logging_level="WARNING")
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="treespark", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, timeout_s=120)
-        yield url
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        port = _free_port()
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+                 runtime_env={"env_vars": env}, logging_level="WARNING")
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.run(build_app(args), name="treespark", route_prefix="/")
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, timeout_s=120)
+            yield url
+        finally:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
 
 
 def wait_for(pred, timeout: float, interval: float = 0.05):
