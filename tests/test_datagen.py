@@ -10,7 +10,28 @@ import numpy as np
 import pytest
 
 from treespark import ModelPair, random_pair
-from treespark import datagen as dg
+from treespark.datagen.config import GenConfig
+from treespark.datagen.generate import cut_repetition, generate_shards, is_degenerate, make_shard
+from treespark.datagen.reserved import assert_not_reserved, normalise, reserved_texts
+from treespark.datagen.shards import (
+    KIND_DOC,
+    KIND_FOLLOWUP,
+    KIND_SELF,
+    KIND_WRITE_QUESTION,
+    Sample,
+    finished_shards,
+    load_answers,
+    read_shard,
+    shard_path,
+    write_shard,
+)
+from treespark.datagen.sources import (
+    CODE_TEMPLATES,
+    Sources,
+    clean_question,
+    default_sources,
+    plan_shard,
+)
 from treespark.prompts import load_prompts, tuning_prompts
 
 
@@ -45,13 +66,13 @@ class CharTokenizer:
         return self.encode(text) if tokenize else text
 
 
-SOURCES = dg.Sources(
+SOURCES = Sources(
     subjects=("rivers", "owls", "tea"),
     words=("socket", "archive"),
     docs=("Return the sum of a list.\n\nThe list may be empty.", "A paragraph about sets.\n\nAnother one."),
     snippets=("def f(x):\n    return x + 1", "def g(a, b):\n    return a * b"),
 )
-CFG = dg.GenConfig(conversations=6, batch_size=4, max_answer_tokens=12, max_question_tokens=10,
+CFG = GenConfig(conversations=6, batch_size=4, max_answer_tokens=12, max_question_tokens=10,
                    max_prompt_tokens=48, max_context=96, followup_fraction=0.5, min_answer_tokens=2)
 
 
@@ -66,74 +87,74 @@ def pair() -> ModelPair:
 def test_cut_repetition_keeps_two_rounds_of_a_loop():
     loop = [5, 6, 7, 8, 9, 10, 11, 12]
     tokens = [1, 2, 3] + loop * 5 + [99]
-    assert dg.cut_repetition(tokens, n=8, repeats=3) == [1, 2, 3] + loop * 2
+    assert cut_repetition(tokens, n=8, repeats=3) == [1, 2, 3] + loop * 2
 
 
 def test_cut_repetition_leaves_unrepeated_text_and_short_ngrams():
     tokens = list(range(40))
-    assert dg.cut_repetition(tokens) == tokens
+    assert cut_repetition(tokens) == tokens
     short = [1, 2, 3, 4] * 6 + list(range(10, 30))  # period 4: its first 8-gram recurs at 4 and 8
-    assert dg.cut_repetition(short, n=8, repeats=3) == short[:8]
-    assert dg.cut_repetition([7] * 30, n=8, repeats=3) == [7] * 2
+    assert cut_repetition(short, n=8, repeats=3) == short[:8]
+    assert cut_repetition([7] * 30, n=8, repeats=3) == [7] * 2
     twice = [1, 2, 3] + list(range(50, 58)) * 2 + [4, 5]  # two rounds are not a loop yet
-    assert dg.cut_repetition(twice, n=8, repeats=3) == twice
+    assert cut_repetition(twice, n=8, repeats=3) == twice
 
 
 def test_degenerate_answers_are_detected():
-    assert dg.is_degenerate([], "", 1)
-    assert dg.is_degenerate([5, 6], "  ", 1)
-    assert dg.is_degenerate([5] * 45 + [6], "xx", 4)
-    assert not dg.is_degenerate(list(range(50)), "fine text", 4)
+    assert is_degenerate([], "", 1)
+    assert is_degenerate([5, 6], "  ", 1)
+    assert is_degenerate([5] * 45 + [6], "xx", 4)
+    assert not is_degenerate(list(range(50)), "fine text", 4)
 
 
 def test_clean_question():
-    reserved = dg.reserved_texts()
-    assert dg.clean_question('Question: "How do owls see at night?"\nMore text', reserved) == \
+    reserved = reserved_texts()
+    assert clean_question('Question: "How do owls see at night?"\nMore text', reserved) == \
         "How do owls see at night?"
-    assert dg.clean_question("Hi", reserved) is None
-    assert dg.clean_question("A curious AI on a journey to Khan Academy.", reserved) is None
-    assert dg.clean_question("Sure, here is one:\n\nExplain how a socket accepts a connection.", reserved) == \
+    assert clean_question("Hi", reserved) is None
+    assert clean_question("A curious AI on a journey to Khan Academy.", reserved) is None
+    assert clean_question("Sure, here is one:\n\nExplain how a socket accepts a connection.", reserved) == \
         "Explain how a socket accepts a connection."
     held = load_prompts("heldout")[0].text
-    assert dg.clean_question(held.upper(), reserved) is None
+    assert clean_question(held.upper(), reserved) is None
 
 
 def test_reserved_prompts_are_refused():
-    reserved = dg.reserved_texts()
+    reserved = reserved_texts()
     held, tune = load_prompts("heldout")[0].text, tuning_prompts()[0].text
-    assert dg.normalise(held) in reserved and dg.normalise(tune) in reserved
+    assert normalise(held) in reserved and normalise(tune) in reserved
     with pytest.raises(AssertionError):
-        dg.assert_not_reserved(["fine", "  " + held + " "], reserved)
+        assert_not_reserved(["fine", "  " + held + " "], reserved)
     # a source whose request would equal a heldout prompt is never planned
     trap = replace(SOURCES, snippets=("x",))
-    plans = dg.plan_shard(replace(CFG, conversations=50, mix=(0, 0, 1)), trap, 0, frozenset(
-        {dg.normalise(dg.CODE_TEMPLATES[0].format(x="x"))}))
+    plans = plan_shard(replace(CFG, conversations=50, mix=(0, 0, 1)), trap, 0, frozenset(
+        {normalise(CODE_TEMPLATES[0].format(x="x"))}))
     assert len(plans) == 50
-    assert all(p.text != dg.CODE_TEMPLATES[0].format(x="x") for p in plans)
+    assert all(p.text != CODE_TEMPLATES[0].format(x="x") for p in plans)
 
 
 def test_default_sources_avoid_heldout_and_tuning_prompts():
-    src = dg.default_sources()
+    src = default_sources()
     assert len(src.docs) > 1000 and len(src.snippets) > 500 and len(src.words) > 300
     assert {"socket", "archive", "connection"} <= set(src.words) and "twice" not in src.words
-    reserved = dg.reserved_texts()
-    plans = [p for s in range(20) for p in dg.plan_shard(dg.GenConfig(), src, s, reserved)]
-    dg.assert_not_reserved([p.text for p in plans], reserved)
+    reserved = reserved_texts()
+    plans = [p for s in range(20) for p in plan_shard(GenConfig(), src, s, reserved)]
+    assert_not_reserved([p.text for p in plans], reserved)
     held = [p.text for p in load_prompts("heldout")]
     assert not any(h in d for d in src.docs for h in held)
     # distinct requests (the question-writing ones repeat across shards; the questions they
     # yield are sampled, so they do not)
-    pasted = [p.text for p in plans if p.kind != dg.KIND_SELF]
+    pasted = [p.text for p in plans if p.kind != KIND_SELF]
     assert len(set(pasted)) > 0.9 * len(pasted)
-    asks = [p.text for p in plans if p.kind == dg.KIND_SELF]
+    asks = [p.text for p in plans if p.kind == KIND_SELF]
     assert len(set(asks)) > 0.5 * len(asks)
 
 
 def test_plan_is_a_function_of_config_and_shard():
-    r = dg.reserved_texts()
-    assert dg.plan_shard(CFG, SOURCES, 3, r) == dg.plan_shard(CFG, SOURCES, 3, r)
-    assert dg.plan_shard(CFG, SOURCES, 3, r) != dg.plan_shard(CFG, SOURCES, 4, r)
-    assert dg.plan_shard(CFG, SOURCES, 3, r) != dg.plan_shard(replace(CFG, seed=1), SOURCES, 3, r)
+    r = reserved_texts()
+    assert plan_shard(CFG, SOURCES, 3, r) == plan_shard(CFG, SOURCES, 3, r)
+    assert plan_shard(CFG, SOURCES, 3, r) != plan_shard(CFG, SOURCES, 4, r)
+    assert plan_shard(CFG, SOURCES, 3, r) != plan_shard(replace(CFG, seed=1), SOURCES, 3, r)
 
 
 def test_chat_ids_formats_multi_turn_with_the_same_function():
@@ -150,31 +171,31 @@ def test_chat_ids_formats_multi_turn_with_the_same_function():
 # -- shards ----------------------------------------------------------------------------
 
 def test_shard_round_trip(tmp_path: Path):
-    samples = [dg.Sample([1, 2, 3, 65535, 7], 3, dg.KIND_DOC, 0.0),
-               dg.Sample([9, 8], 1, dg.KIND_FOLLOWUP, 0.7)]
+    samples = [Sample([1, 2, 3, 65535, 7], 3, KIND_DOC, 0.0),
+               Sample([9, 8], 1, KIND_FOLLOWUP, 0.7)]
     path = tmp_path / "shard-00000.npz"
-    dg.write_shard(path, samples, {"x": 1})
-    back, meta = dg.read_shard(path)
+    write_shard(path, samples, {"x": 1})
+    back, meta = read_shard(path)
     assert back == samples
     assert meta == {"x": 1}
     with np.load(path) as z:
         assert z["tokens"].dtype == np.uint16 and z["offsets"].dtype == np.int32
     assert not list(tmp_path.glob(".*tmp"))
     with pytest.raises(ValueError):
-        dg.write_shard(tmp_path / "shard-00001.npz", [dg.Sample([70000, 1], 1, 0, 0.0)], {})
+        write_shard(tmp_path / "shard-00001.npz", [Sample([70000, 1], 1, 0, 0.0)], {})
 
 
 def test_generated_shard_is_well_formed_and_deterministic(pair, tmp_path: Path):
-    a = dg.make_shard(pair, CFG, SOURCES, 1)
-    b = dg.make_shard(pair, CFG, SOURCES, 1)
+    a = make_shard(pair, CFG, SOURCES, 1)
+    b = make_shard(pair, CFG, SOURCES, 1)
     assert a == b
-    assert a != dg.make_shard(pair, CFG, SOURCES, 2)
+    assert a != make_shard(pair, CFG, SOURCES, 2)
     kinds = {s.kind for s in a}
-    assert dg.KIND_FOLLOWUP in kinds or dg.KIND_WRITE_QUESTION in kinds
+    assert KIND_FOLLOWUP in kinds or KIND_WRITE_QUESTION in kinds
     for s in a:
         answer = s.tokens[s.answer_start:]
         assert 1 <= len(answer) <= CFG.max_answer_tokens
-        assert dg.cut_repetition(answer, CFG.ngram, CFG.ngram_repeats) == answer
+        assert cut_repetition(answer, CFG.ngram, CFG.ngram_repeats) == answer
         assert s.tokens[s.answer_start - 1] == 3  # the answer follows the assistant marker
     temps = {s.temperature for s in a}
     assert 0.0 in temps and temps - {0.0}
@@ -182,8 +203,8 @@ def test_generated_shard_is_well_formed_and_deterministic(pair, tmp_path: Path):
 
 def test_resume_writes_only_missing_shards(pair, tmp_path: Path, monkeypatch):
     out = tmp_path / "answers"
-    assert dg.generate_shards(pair, CFG, SOURCES, out, max_shards=1, progress=False) == [0]
-    s0 = dg.shard_path(out, 0)
+    assert generate_shards(pair, CFG, SOURCES, out, max_shards=1, progress=False) == [0]
+    s0 = shard_path(out, 0)
     bytes0, mtime0 = s0.read_bytes(), s0.stat().st_mtime_ns
 
     # killed while renaming shard 1: nothing of it is committed
@@ -194,24 +215,24 @@ def test_resume_writes_only_missing_shards(pair, tmp_path: Path, monkeypatch):
             raise KeyboardInterrupt
         real_replace(src, dst)
 
-    monkeypatch.setattr(dg.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
-        dg.generate_shards(pair, CFG, SOURCES, out, max_shards=2, progress=False)
-    monkeypatch.setattr(dg.os, "replace", real_replace)
-    assert dg.finished_shards(out) == [0]
+        generate_shards(pair, CFG, SOURCES, out, max_shards=2, progress=False)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert finished_shards(out) == [0]
 
-    assert dg.generate_shards(pair, CFG, SOURCES, out, max_shards=2, progress=False) == [1]
+    assert generate_shards(pair, CFG, SOURCES, out, max_shards=2, progress=False) == [1]
     assert s0.read_bytes() == bytes0 and s0.stat().st_mtime_ns == mtime0
     assert not list(out.glob(".shard-*"))
-    assert dg.read_shard(dg.shard_path(out, 1))[0] == dg.make_shard(pair, CFG, SOURCES, 1)
+    assert read_shard(shard_path(out, 1))[0] == make_shard(pair, CFG, SOURCES, 1)
 
-    seqs, starts = dg.load_answers(out)
-    expected = dg.read_shard(s0)[0] + dg.read_shard(dg.shard_path(out, 1))[0]
+    seqs, starts = load_answers(out)
+    expected = read_shard(s0)[0] + read_shard(shard_path(out, 1))[0]
     assert seqs == [s.tokens for s in expected] and starts == [s.answer_start for s in expected]
     manifest = (out / "manifest.json").read_text()
     assert '"shards": 2' in manifest
 
     # the token target stops the run; another config refuses to mix into the folder
-    assert dg.generate_shards(pair, CFG, SOURCES, out, target_tokens=1, progress=False) == []
+    assert generate_shards(pair, CFG, SOURCES, out, target_tokens=1, progress=False) == []
     with pytest.raises(ValueError, match="another config"):
-        dg.generate_shards(pair, replace(CFG, seed=5), SOURCES, out, max_shards=3, progress=False)
+        generate_shards(pair, replace(CFG, seed=5), SOURCES, out, max_shards=3, progress=False)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from treespark import datagen as dg
 from treespark import random_pair, trainset
+from treespark.datagen.shards import KIND_DOC, KIND_SELF, Sample, shard_path, write_shard
 from treespark.trainset import answer_features, leaked_prompts
 
 
@@ -24,16 +24,16 @@ class CharTokenizer:
         return "".join(self.chars[i - 4] if i >= 4 else ("" if skip_special_tokens else "|") for i in ids)
 
 
-def shard(tmp_path: Path, index: int, samples: list[dg.Sample]) -> None:
+def shard(tmp_path: Path, index: int, samples: list[Sample]) -> None:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    dg.write_shard(dg.shard_path(tmp_path, index), samples, {"shard": index})
+    write_shard(shard_path(tmp_path, index), samples, {"shard": index})
 
 
 def test_shards_become_cached_features_with_answer_starts(tmp_path: Path):
     pair = random_pair(64, 0)
     tok = CharTokenizer()
-    a = dg.Sample(tok.encode("\x02owls?\x01\x03") + list(range(10, 30)), 8, dg.KIND_SELF, 0.0)
-    b = dg.Sample(tok.encode("\x02tea\x01\x03") + list(range(30, 50)), 6, dg.KIND_DOC, 0.7)
+    a = Sample(tok.encode("\x02owls?\x01\x03") + list(range(10, 30)), 8, KIND_SELF, 0.0)
+    b = Sample(tok.encode("\x02tea\x01\x03") + list(range(30, 50)), 6, KIND_DOC, 0.7)
     shard(tmp_path / "answers", 0, [a, b])
     shard(tmp_path / "answers", 1, [b])
     feats, used = answer_features(pair.target, tok, tmp_path / "answers", tmp_path / "cache", shards=1,
@@ -53,8 +53,8 @@ def test_shards_become_cached_features_with_answer_starts(tmp_path: Path):
 def test_a_reserved_prompt_in_a_conversation_is_refused(tmp_path: Path, monkeypatch):
     tok = CharTokenizer()
     reserved = frozenset({"why do owls hoot?"})
-    clean = dg.Sample(tok.encode("\x02owls?\x01\x03") + [10, 11], 8, dg.KIND_SELF, 0.0)
-    leaked = dg.Sample(tok.encode("\x02tell me: why do  Owls hoot?\x01\x03") + [10, 11], 30, dg.KIND_SELF, 0.0)
+    clean = Sample(tok.encode("\x02owls?\x01\x03") + [10, 11], 8, KIND_SELF, 0.0)
+    leaked = Sample(tok.encode("\x02tell me: why do  Owls hoot?\x01\x03") + [10, 11], 30, KIND_SELF, 0.0)
     assert leaked_prompts([clean], tok, reserved) == []
     assert leaked_prompts([clean, leaked], tok, reserved) == ["why do owls hoot?"]
     # a shard holding a reserved prompt is not featurised

@@ -252,7 +252,9 @@ def cmd_gen_data(args) -> None:
     import torch
 
     from treespark import load_pair
-    from treespark.datagen import GenConfig, default_sources, generate_shards
+    from treespark.datagen.config import GenConfig
+    from treespark.datagen.generate import generate_shards
+    from treespark.datagen.sources import default_sources
 
     if args.threads:
         torch.set_num_threads(args.threads)

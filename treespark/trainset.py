@@ -9,8 +9,8 @@ Each cache file is named after its shard's content digest and the feature settin
 so a regenerated shard is never paired with stale features.
 
 Held-out and tuning prompts must never reach training: ``leaked_prompts`` looks for
-their text in every training conversation (``datagen`` already refuses them as
-requests; this checks what was actually stored).
+their text in every training conversation (``datagen.reserved`` already refuses them
+as requests; this checks what was actually stored).
 """
 
 from __future__ import annotations
@@ -19,14 +19,8 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from treespark.datagen import (
-    Sample,
-    finished_shards,
-    normalise,
-    read_shard,
-    reserved_texts,
-    shard_path,
-)
+from treespark.datagen.reserved import normalise, reserved_texts
+from treespark.datagen.shards import Sample, finished_shards, read_shard, shard_path
 from treespark.train import Features, concat_features, target_features
 
 
