@@ -41,7 +41,8 @@ def load_model_pair(args: AppArgs) -> Any:
 def build_engine(args: AppArgs) -> EngineBundle:
     """The default ``engine_factory``: the real engine on the configured model pair
     (the pair decides the device)."""
-    from treespark.engine import Engine, EngineConfig, SamplingParams
+    from treespark.engine import Engine, EngineConfig
+    from treespark.params import SamplingParams
 
     pair = load_model_pair(args)
     engine = Engine(pair, EngineConfig(max_batch_size=args.max_batch_size, max_context=args.max_context,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +40,8 @@ from treespark.drafting import RoundDraft, RowDraft, WaveDrafter
 from treespark.kv import KVCache, StoreShape, bytes_per_token, device_kv_budget, rows_within
 from treespark.logprobs import Emitted, TokenLogprob, step_logprobs
 from treespark.models import ModelPair
-from treespark.params import RequestOutput, RequestStats, RoundStats, SamplingParams, StepStats
+from treespark.params import RequestOutput, RoundStats, SamplingParams, StepStats
+from treespark.request import Request, check_request, clip_emitted
 from treespark.sampling import TorchSampler, sample_rows, target_probs_rows
 from treespark.step_alloc import StepAllocator
 from treespark.target import TargetRunner
@@ -69,32 +70,6 @@ class EngineConfig:
             raise ValueError("EngineConfig.kv_budget_bytes must be >= 0 and kv_memory_fraction in [0, 1]")
         if self.max_tree_nodes < 0:
             raise ValueError("EngineConfig.max_tree_nodes must be >= 0")
-
-
-@dataclass
-class _Request:
-    id: str
-    prompt: list[int]
-    params: SamplingParams
-    sampler: TorchSampler
-    budget: Budget | None                 # None: follow the engine's budget
-    output: list[int] = field(default_factory=list)
-    root: int = -1                        # the last emitted token, not yet in the KV
-    slot: int = -1
-    prefilled: int = 0
-    rounds: list[RoundStats] = field(default_factory=list)
-
-    def stats(self) -> RequestStats:
-        drafted = sum(r.tree_size for r in self.rounds)
-        return RequestStats(
-            prompt_tokens=len(self.prompt),
-            generated_tokens=len(self.output),
-            rounds=len(self.rounds),
-            drafted_tokens=drafted,
-            accepted_tokens=sum(r.accepted for r in self.rounds),
-            mean_tree_size=drafted / len(self.rounds) if self.rounds else 0.0,
-            round_stats=tuple(self.rounds),
-        )
 
 
 class Engine:
@@ -134,9 +109,9 @@ class Engine:
         self.on_schedule: Callable[[str], None] | None = None  # a request id leaving the waiting queue
         self.allocator: StepAllocator | None = None  # per-step allocation (``treespark.step_alloc``)
         self.vocab_size = self.runner.vocab_size
-        self._waiting: deque[_Request] = deque()
-        self._staging: _Request | None = None
-        self._running: list[_Request] = []
+        self._waiting: deque[Request] = deque()
+        self._staging: Request | None = None
+        self._running: list[Request] = []
         self._ids: set[str] = set()
         self._aborted: list[RequestOutput] = []
 
@@ -146,18 +121,9 @@ class Engine:
         """Queue a request; raises ValueError (saying what is wrong) if it can never run."""
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt = validate_prompt(prompt_ids, self.vocab_size)
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
-        if len(prompt) + params.max_tokens > self.config.max_context:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"engine's max_context of {self.config.max_context} tokens")
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop token ids {bad_stop} are outside the vocabulary of {self.vocab_size}")
+        prompt = check_request(prompt_ids, params, self.config.max_context, self.vocab_size)
         self._ids.add(request_id)
-        self._waiting.append(_Request(request_id, prompt, params, TorchSampler(params.seed), budget))
+        self._waiting.append(Request(request_id, prompt, params, TorchSampler(params.seed), budget))
 
     def abort(self, request_id: str) -> None:
         """Drop a request at once (its KV row is freed); reported finished with "abort"."""
@@ -248,7 +214,7 @@ class Engine:
                 self._running.append(req)
         return end - start
 
-    def _sample_first(self, req: _Request, logits: torch.Tensor) -> int:
+    def _sample_first(self, req: Request, logits: torch.Tensor) -> int:
         """The first token after prefill (logits [1, V]), at the request's temperature
         (never argmax at T > 0)."""
         t = req.params.temperature
@@ -266,7 +232,7 @@ class Engine:
         k, v = self.drafter.context_kv(taps[None].to(self.drafter.fc.weight.dtype), pos[None])
         self.kv.drafter.write_all(slice(slot, slot + 1), pos[None], k, v)
 
-    def _row_budget(self, req: _Request) -> Budget:
+    def _row_budget(self, req: Request) -> Budget:
         b = req.budget or self.budget
         cap = min(b.node_cap, self.config.max_tree_nodes)
         return b if cap == b.node_cap else Budget(b.theta, cap, b.branch_cap)
@@ -330,7 +296,7 @@ class Engine:
             self.transfers.syncs += 1
             torch.cuda.synchronize(self.device)
 
-    def _draft(self, batch: list[_Request], budgets: list[Budget], lengths: list[int]) -> RoundDraft:
+    def _draft(self, batch: list[Request], budgets: list[Budget], lengths: list[int]) -> RoundDraft:
         """One drafter backbone pass for the batch, then the trees in depth waves."""
         block = self.drafter.config.block_size
         rows = [RowDraft(root=r.root, budget=b, depth_limit=min(block, r.params.max_tokens - len(r.output) - 1),
@@ -346,7 +312,7 @@ class Engine:
                                              torch.tensor(lengths, device=dev))
         return self.waves.draft(base, rows)
 
-    def _verify_forward(self, batch: list[_Request], trees: list[DraftTree],
+    def _verify_forward(self, batch: list[Request], trees: list[DraftTree],
                         lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over every tree: logits [B, K, V] and taps, on the device."""
         n, dev = len(batch), self.device
@@ -375,7 +341,7 @@ class Engine:
         assert out.logits is not None
         return out.logits, out.taps
 
-    def _accept(self, batch: list[_Request], drafted: RoundDraft, logits: torch.Tensor) -> list[VerifyResult]:
+    def _accept(self, batch: list[Request], drafted: RoundDraft, logits: torch.Tensor) -> list[VerifyResult]:
         """Verify every tree on the device; one copy brings back the small results:
         the target's argmax at every node of greedy rows, the walk of sampled rows."""
         trees = drafted.trees
@@ -398,7 +364,7 @@ class Engine:
             results[i] = walked(trees[i], [x for x in row[:-1] if x >= 0], row[-1])
         return results  # type: ignore[return-value]
 
-    def _walk(self, batch: list[_Request], drafted: RoundDraft, logits: torch.Tensor,
+    def _walk(self, batch: list[Request], drafted: RoundDraft, logits: torch.Tensor,
               sampled: list[int]) -> torch.Tensor:
         """The T > 0 rows' recursive rejection walk (``treespark.walk``)."""
         dev = self.device
@@ -421,7 +387,7 @@ class Engine:
         return walk_sampled(logits[sampled], torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev),
                             top_p, trees, drafted.q_rows, drafted.q_totals, self._d2t, u[:, :-1].view(r, depth + 1, c), u[:, -1])
 
-    def _commit(self, batch: list[_Request], trees: list[DraftTree], results: list[VerifyResult],
+    def _commit(self, batch: list[Request], trees: list[DraftTree], results: list[VerifyResult],
                 taps: torch.Tensor, lengths: list[int],
                 logprobs: dict[int, list[TokenLogprob]]) -> list[RequestOutput]:
         """Emit the rounds' tokens, keep the accepted nodes' KV entries next to the
@@ -455,18 +421,10 @@ class Engine:
             self._release(req)
         return outputs
 
-    def _emit(self, req: _Request, tokens: list[int], outputs: list[RequestOutput],
+    def _emit(self, req: Request, tokens: list[int], outputs: list[RequestOutput],
               is_prefill: bool = False, logprobs: list[TokenLogprob] | None = None) -> bool:
         """Append emitted tokens, applying stop tokens and max_tokens; True if finished."""
-        reason = None
-        room = req.params.max_tokens - len(req.output)
-        if len(tokens) >= room:
-            tokens, reason = tokens[:room], "length"
-        stops = set(req.params.stop_token_ids)
-        for j, t in enumerate(tokens):
-            if t in stops:
-                tokens, reason = tokens[: j + 1], "stop"
-                break
+        tokens, reason = clip_emitted(tokens, req.params, len(req.output))
         req.output += tokens
         if is_prefill and reason is None:
             req.root = tokens[-1]
@@ -477,7 +435,7 @@ class Engine:
         outputs.append(RequestOutput(req.id, tokens, finished, reason, req.stats() if finished else None, lps))
         return finished
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: Request) -> None:
         """Free a running request's row; the last running row moves into the gap."""
         i = self._running.index(req)
         last = len(self._running) - 1
@@ -489,22 +447,3 @@ class Engine:
             self.kv.free(i)
         self._running.pop()
         req.slot = -1
-
-
-def validate_prompt(prompt_ids, vocab_size: int) -> list[int]:
-    """Check a prompt: a non-empty list of integer token ids inside the vocabulary."""
-    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
-        raise ValueError("prompt_ids must be a list of token ids")
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt_ids is empty: at least one token is needed")
-    prompt = []
-    for t in prompt_ids:
-        if isinstance(t, bool) or not isinstance(t, int):
-            if isinstance(t, torch.Tensor) and t.numel() == 1 and not t.is_floating_point():
-                t = int(t)
-            else:
-                raise ValueError(f"prompt_ids must hold integers, got {t!r}")
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"token id {t} is outside the vocabulary (0..{vocab_size - 1})")
-        prompt.append(int(t))
-    return prompt
