@@ -11,7 +11,9 @@ Two experiments, one runner:
                the config; fixed baselines forced through ``POST /v1/speculation/override``
                on the ladder variant), each concurrency level and each of ``--runs`` runs,
                a constant-users Locust run; writes ``compare.csv``, ``compare.md``
-               (medians and spreads) and ``compare.png``.
+               (medians and spreads) and ``compare.png``. Each fresh service is
+               warmed up first (``warm_up``); a cell in which no request finished is
+               measured again, its row kept in ``compare-stalls.csv``.
 
 The service is started with ``serve run CONFIG`` (own process group, stopped with
 SIGINT; ``--port`` rewrites the config's port) unless ``--url`` points at a running
@@ -283,6 +285,39 @@ def measure_run(url: str, args, policy: str, users: int, run: int) -> dict:
     return row
 
 
+def warm_up(url: str, args, tag: str, tries: int = 3) -> list[dict]:
+    """Before a fresh service's first measured cell: Locust at the highest level for
+    ``args.warmup`` s (the measured path: same client, prompts and batch shapes), then
+    idle; again (up to ``tries``) until a request has finished. Returns the finished
+    requests' records. A service's first requests pay one-time costs (first shapes,
+    first streams): in one comparison the first cell after a service start measured
+    0 tok/s in 2 of 3 runs and the next cell a 6 s p99 TTFT."""
+    users = max(args.levels)
+    for i in range(1, tries + 1):
+        name = f"warmup-{tag}-{i}"
+        run_shape(url, f"const:{users}:{max(args.warmup, 5.0)}", args.out, name, args.load)
+        wait_idle(url)
+        ok = [r for r in read_records(args.out / "raw" / f"{name}-records.jsonl") if r.get("ok")]
+        if ok:
+            ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
+            log(f"warm-up: {len(ok)} requests, TTFT max {max(ttft, default=float('nan')):.2f} s")
+            return ok
+        log(f"warm-up {i}: no request finished; again")
+    raise RuntimeError(f"the service at {url} finished no request in {tries} warm-ups; see {args.out / 'raw'}")
+
+
+def measure_cell(url: str, args, policy: str, users: int, run: int, stalls: list[dict]) -> dict:
+    """``measure_run``, once more if no request finished in the window (a stall: its
+    row goes to ``stalls``, written to ``compare-stalls.csv``, never into a median)."""
+    row = measure_run(url, args, policy, users, run)
+    if row["requests"] == 0:
+        log(f"{policy} u={users} run {run}: no request finished in the window; measuring it again")
+        stalls.append(row)
+        write_csv(args.out / "compare-stalls.csv", stalls, COMPARE_FIELDS)
+        row = measure_run(url, args, policy, users, run)
+    return row
+
+
 def compare_plan(levels, policies, runs: int) -> list[tuple[int, str, list[tuple[int, str]]]]:
     """(run, variant, [(users, policy)]) in the order they happen: run by run, each
     variant's service once per run, its levels in order with every policy at one level
@@ -302,12 +337,15 @@ def experiment_compare(url: str | None, args) -> Path:
     """``url``: one running service for every policy (overrides only); None: ``--config``
     started per variant and run (``compare_plan``)."""
     rows: list[dict] = []
+    stalls: list[dict] = []
     for run, variant, cells in compare_plan(args.levels, args.policies, args.runs):
         with contextlib.ExitStack() as stack:
             u = url or stack.enter_context(serve_process(variant_config(args.config, variant, args.out),
                                                          args.out, args.port, args.ready_timeout))
+            if url is None or not rows:
+                warm_up(u, args, f"{variant}-r{run}")
             for users, policy in cells:
-                rows.append(measure_run(u, args, policy, users, run))
+                rows.append(measure_cell(u, args, policy, users, run, stalls))
                 write_csv(args.out / "compare.csv", rows, COMPARE_FIELDS)
             set_override(u, None)
     from loadtests.report import compare_detail, compare_table, plot_compare
@@ -337,7 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "variant of --config (chain*, tree*, off run on the ladder variant)")
     p.add_argument("--runs", type=int, default=1, help="compare: runs of every cell (median and spread)")
     p.add_argument("--duration", type=float, default=40.0, help="compare: measured seconds per run")
-    p.add_argument("--warmup", type=float, default=10.0, help="compare: seconds before measuring")
+    p.add_argument("--warmup", type=float, default=10.0,
+                   help="compare: seconds before measuring, in every cell; also the length of the "
+                        "warm-up run at the highest level after each service start")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-stream", action="store_true")

@@ -133,6 +133,38 @@ def test_short_locust_run_against_the_service(tmp_path):
     assert (tmp_path / "timeline.png").exists() and (tmp_path / "timeline-summary.md").exists()
 
 
+@pytest.mark.integration
+def test_compare_warms_a_fresh_service_up_before_its_first_cell(tmp_path):
+    """`compare` on one service variant (~60 s): a warm-up run at the highest level with
+    finished requests, then every cell measured with requests in its window."""
+    main(["compare", "--config", "configs/load-random.yaml", "--port", str(_free_port()), "--policies", "chain",
+          "off", "--levels", "2", "--warmup", "2", "--duration", "6", "--max-tokens", "16", "--out", str(tmp_path),
+          "--ready-timeout", "120"])
+    warm = [json.loads(x) for x in (tmp_path / "raw" / "warmup-ladder-r1-1-records.jsonl").read_text().splitlines()]
+    assert warm and all(r["ok"] for r in warm)
+    rows = read_rows(tmp_path / "compare.csv")
+    assert [r["policy"] for r in rows] == ["chain", "off"]
+    assert all(int(r["requests"]) > 0 and float(r["goodput_tok_s"]) > 0 for r in rows)
+    assert not (tmp_path / "compare-stalls.csv").exists()
+
+
+def test_a_cell_without_a_finished_request_is_measured_again(tmp_path, monkeypatch):
+    import argparse
+
+    from loadtests import experiment
+
+    got = iter([{"policy": "off", "requests": 0, "goodput_tok_s": 0.0}, {"policy": "off", "requests": 5,
+                                                                        "goodput_tok_s": 40.0}])
+    monkeypatch.setattr(experiment, "measure_run", lambda *a: next(got))
+    stalls: list[dict] = []
+    row = experiment.measure_cell("http://x", argparse.Namespace(out=tmp_path), "off", 4, 1, stalls)
+    assert row["requests"] == 5 and [r["requests"] for r in stalls] == [0]
+    assert read_rows(tmp_path / "compare-stalls.csv")[0]["requests"] == "0"
+    got = iter([{"policy": "off", "requests": 3, "goodput_tok_s": 30.0}])   # a second call would raise
+    assert experiment.measure_cell("http://x", argparse.Namespace(out=tmp_path), "off", 4, 1, stalls)["requests"] == 3
+    assert len(stalls) == 1
+
+
 def test_compare_runs_every_policy_at_a_level_before_the_next_level():
     from loadtests.experiment import compare_plan, variant_of
 
