@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -139,22 +140,44 @@ class StatusPoller:
             self._stop.wait(max(nxt - time.time(), 0.0))
 
 
+def port_open(host: str, port: int) -> bool:
+    """Something accepts TCP connections on ``host:port``."""
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1.0):
+        return True
+    return False
+
+
+def wait_port_closed(host: str, port: int, timeout_s: float, what: str) -> None:
+    """Until nothing listens on ``host:port``; TimeoutError naming ``what`` after ``timeout_s``."""
+    poll_until(lambda: not port_open(host, port), timeout_s, what)
+
+
 @contextlib.contextmanager
 def serve_process(config: Path, out: Path, port: int | None = None,
-                  ready_timeout_s: float = 300.0) -> Iterator[str]:
+                  ready_timeout_s: float = 300.0, stop_timeout_s: float = 60.0) -> Iterator[str]:
     """``serve run config`` in its own process group; yields the base URL; SIGINT to the
-    group afterwards (SIGKILL if it lingers)."""
+    group afterwards (SIGKILL if it lingers), returning once the port is free.
+
+    The port must be free before the start (waited for up to ``stop_timeout_s``: a
+    service stopped just before may still be going down). Otherwise the readiness check
+    could be answered by the old service: in one comparison a service was "ready in
+    0 s" on its predecessor's proxy, and its first cell measured 0 tok/s."""
     cfg = yaml.safe_load(config.read_text())
     http = cfg.setdefault("http_options", {})
     if port is not None:
         http["port"] = port
-    url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+    host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
+    url = f"http://{host}:{port}"
+    wait_port_closed(host, port, stop_timeout_s, f"{url} is still served by another process")
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     run_cfg = raw / "serve-config.yaml"
     run_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    logf = open(raw / "serve.log", "w")  # noqa: SIM115 - closed below
-    log(f"serve run {config} -> {url} (log: {raw / 'serve.log'})")
+    log_path = raw / f"serve-{config.stem}.log"
+    logf = open(log_path, "a")  # noqa: SIM115 - closed below; every service of a run appends
+    logf.write(f"\n==== serve run {config} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    logf.flush()
+    log(f"serve run {config} -> {url} (log: {log_path})")
     proc = subprocess.Popen([str(BIN / "serve"), "run", str(run_cfg)], cwd=ROOT, env=env(),
                             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -163,16 +186,19 @@ def serve_process(config: Path, out: Path, port: int | None = None,
         log(f"service ready in {time.time() - t0:.0f} s")
         yield url
     finally:
+        t0 = time.time()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
+            log("serve run still up 30 s after SIGINT: SIGKILL")
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         logf.close()
-        log("service stopped")
+        wait_port_closed(host, port, stop_timeout_s, f"{url} still served {stop_timeout_s:.0f} s after the stop")
+        log(f"service stopped in {time.time() - t0:.0f} s")
 
 
 # -- Locust -------------------------------------------------------------------------------------

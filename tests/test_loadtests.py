@@ -133,6 +133,23 @@ def test_short_locust_run_against_the_service(tmp_path):
     assert (tmp_path / "timeline.png").exists() and (tmp_path / "timeline-summary.md").exists()
 
 
+def test_serve_process_refuses_a_port_another_process_serves(tmp_path):
+    """A service still going down (or anything else) on the port: no `serve run` starts,
+    whose readiness check the old one could answer."""
+    from loadtests.common import port_open, serve_process
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert port_open("127.0.0.1", port)
+        with pytest.raises(TimeoutError, match="still served by another process"), \
+                serve_process(Path("configs/load-random.yaml"), tmp_path, port=port, stop_timeout_s=1.0):
+            pass
+    assert not (tmp_path / "raw" / "serve-load-random.log").exists()
+    assert not port_open("127.0.0.1", port)
+
+
 @pytest.mark.integration
 def test_compare_warms_a_fresh_service_up_before_its_first_cell(tmp_path):
     """`compare` on one service variant (~60 s): a warm-up run at the highest level with
