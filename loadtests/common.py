@@ -152,6 +152,20 @@ def wait_port_closed(host: str, port: int, timeout_s: float, what: str) -> None:
     poll_until(lambda: not port_open(host, port), timeout_s, what)
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_group(cmd: list[str], logf) -> subprocess.Popen:
+    """``cmd`` in its own session (so a signal reaches its whole process group), output to
+    ``logf``, SIGINT at its default even when this process ignores it: a runner started
+    in the background by a non-interactive shell ignores SIGINT (POSIX), its children
+    inherit that, and ``serve run`` then never shuts down on SIGINT (every stop took the
+    30 s to SIGKILL, which leaves Ray's actors to die on their own)."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=logf, stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=_sigint_default)
+
+
 @contextlib.contextmanager
 def serve_process(config: Path, out: Path, port: int | None = None,
                   ready_timeout_s: float = 300.0, stop_timeout_s: float = 60.0) -> Iterator[str]:
@@ -178,8 +192,7 @@ def serve_process(config: Path, out: Path, port: int | None = None,
     logf.write(f"\n==== serve run {config} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     logf.flush()
     log(f"serve run {config} -> {url} (log: {log_path})")
-    proc = subprocess.Popen([str(BIN / "serve"), "run", str(run_cfg)], cwd=ROOT, env=env(),
-                            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_group([str(BIN / "serve"), "run", str(run_cfg)], logf)
     try:
         t0 = time.time()
         wait_healthy(url, ready_timeout_s, proc)

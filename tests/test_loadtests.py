@@ -133,6 +133,23 @@ def test_short_locust_run_against_the_service(tmp_path):
     assert (tmp_path / "timeline.png").exists() and (tmp_path / "timeline-summary.md").exists()
 
 
+def test_a_service_started_by_a_runner_that_ignores_sigint_still_stops_on_sigint(tmp_path):
+    """A runner started in the background ignores SIGINT (POSIX); `serve run` must not
+    inherit that, or its graceful stop on SIGINT never happens."""
+    import signal
+    import sys
+
+    from loadtests.common import start_group
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with open(tmp_path / "out", "w") as f:
+            start_group([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT))"], f).wait()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert (tmp_path / "out").read_text().strip() == "<built-in function default_int_handler>"
+
+
 def test_serve_process_refuses_a_port_another_process_serves(tmp_path):
     """A service still going down (or anything else) on the port: no `serve run` starts,
     whose readiness check the old one could answer."""
