@@ -289,9 +289,10 @@ def warm_up(url: str, args, tag: str, tries: int = 3) -> list[dict]:
     """Before a fresh service's first measured cell: Locust at the highest level for
     ``args.warmup`` s (the measured path: same client, prompts and batch shapes), then
     idle; again (up to ``tries``) until a request has finished. Returns the finished
-    requests' records. A service's first requests pay one-time costs (first shapes,
-    first streams): in one comparison the first cell after a service start measured
-    0 tok/s in 2 of 3 runs and the next cell a 6 s p99 TTFT."""
+    requests' records. It keeps a new service's one-time costs (first batch shapes,
+    first streams) out of its first cell, and fails loudly if the service answers
+    nothing (the 0 tok/s first cells of one comparison were the runner's, fixed in
+    ``serve_process``)."""
     users = max(args.levels)
     for i in range(1, tries + 1):
         name = f"warmup-{tag}-{i}"
