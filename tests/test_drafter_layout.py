@@ -130,3 +130,35 @@ def test_rope_scaling_comes_from_the_config():
     assert not torch.allclose(_cos(yarn, [0, 6, 14, 40]), _cos(CONFIG, [0, 6, 14, 40]))
     with pytest.raises(ValueError, match="dynamic"):
         _cos(CONFIG | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, [0])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_grown_drafter_drafts_what_it_grew_from_and_trains(shared):
+    from treespark import random_pair
+    from treespark.drafter import grown
+
+    pair = random_pair(64, 0, draft_vocab=48 if shared else 0)
+    d = pair.drafter
+    if shared:   # a shared-embedding drafter, as the default pair's
+        cfg = DSparkConfig(**{**d.config.__dict__, "shared_embeddings": True})
+        from treespark.drafter import DSparkDrafter, attach_from_target
+        d = DSparkDrafter(cfg)
+        attach_from_target(d, pair.target)
+    g = grown(d, 3)
+    assert g.config.num_hidden_layers == 3 and len(g.layers) == 3
+    gen = torch.Generator().manual_seed(1)
+    taps = torch.randn(12, d.config.context_size, generator=gen)
+    tokens = torch.randint(0, 64, (12,), generator=gen)
+    anchors = torch.tensor([2, 5, 7])
+    torch.testing.assert_close(g.train_logits(taps, tokens, anchors), d.train_logits(taps, tokens, anchors))
+    k1, v1 = d.context_kv(taps[None], torch.arange(12)[None])
+    k3, v3 = g.context_kv(taps[None], torch.arange(12)[None])
+    assert k3.shape[0] == 3
+    torch.testing.assert_close(g.block_logits(tokens[:1], k3, v3, torch.tensor([12])),
+                               d.block_logits(tokens[:1], k1, v1, torch.tensor([12])))
+    g.train_logits(taps, tokens, anchors).logsumexp(-1).sum().backward()
+    grads = {n: p.grad for n, p in g.named_parameters() if n.startswith("layers.2.")}
+    assert grads["layers.2.self_attn.o_proj.weight"].abs().sum() > 0
+    assert grads["layers.2.mlp.down_proj.weight"].abs().sum() > 0
+    with pytest.raises(ValueError, match="cannot grow"):
+        grown(g, 2)

@@ -72,7 +72,8 @@ def cmd_train(args) -> None:
         base = AnswersRecipe()
         train = replace(base.train, **{k: v for k, v in (("steps", args.steps), ("lr", args.lr),
                                                           ("seed", args.seed)) if v is not None})
-        recipe = replace(base, train=train, answers_dir=args.from_answers, shards=args.shards, init=args.init)
+        recipe = replace(base, train=train, answers_dir=args.from_answers, shards=args.shards, init=args.init,
+                         layers=args.layers)
         print(recipe)
         target, tok = load_default_target(device=args.device)
         report = build_from_answers(recipe, target, tok, Path(args.work_dir), Path(args.out))
@@ -301,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on the committed answer shards in DIR (AnswersRecipe; e.g. data/answers)")
     t.add_argument("--shards", type=int, help="--from-answers: the first N shards (default: all)")
     t.add_argument("--init", help="--from-answers: continue from this drafter directory")
+    t.add_argument("--layers", type=int, help="--from-answers with --init: grow the drafter to this many "
+                                              "layers first (new layers start as the identity)")
     t.add_argument("--device")
     t.set_defaults(func=cmd_train)
 

@@ -24,7 +24,7 @@ head taken from the target, not stored) and a reduced draft vocabulary
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -419,6 +419,31 @@ def load_drafter(
             raise ValueError("this drafter shares the target's embeddings: pass target=")
         attach_from_target(drafter, target)
     return drafter.eval()
+
+
+def grown(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
+    """``drafter`` with layers appended up to ``num_layers``: each new one a copy of the
+    last with its output projections (attention ``o_proj``, MLP ``down_proj``) zeroed, so
+    its residual branch adds nothing. The grown drafter drafts what ``drafter`` drafts
+    until training moves the new layers."""
+    have = drafter.config.num_hidden_layers
+    if num_layers < have:
+        raise ValueError(f"cannot grow a {have}-layer drafter to {num_layers} layers")
+    out = DSparkDrafter(replace(drafter.config, num_hidden_layers=num_layers)).to(drafter.fc.weight.dtype)
+    shared = dict(drafter.state_dict())
+    last = f"layers.{have - 1}."
+    for i in range(have, num_layers):
+        for k, v in drafter.state_dict().items():
+            if k.startswith(last):
+                name = f"layers.{i}." + k[len(last):]
+                zero = name.endswith(("o_proj.weight", "down_proj.weight"))
+                shared[name] = torch.zeros_like(v) if zero else v.clone()
+    out.load_state_dict(shared, strict=True)
+    if out.d2t is not None:
+        out.d2t = out.d2t.long()
+    if drafter.config.shared_embeddings:   # the target's tensors, already cut to the draft vocabulary
+        out._shared_embed, out._shared_head = drafter._shared_embed, drafter._shared_head
+    return out.train(drafter.training)
 
 
 def attach_from_target(drafter: DSparkDrafter, target: torch.nn.Module) -> None:

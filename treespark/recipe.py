@@ -34,7 +34,7 @@ from treespark import trainset
 from treespark.budget import Budget
 from treespark.chat import chat_ids
 from treespark.corpus import training_texts
-from treespark.drafter import load_drafter, save_drafter
+from treespark.drafter import grown, load_drafter, save_drafter
 from treespark.judge import heldout_features, judge
 from treespark.models import ModelPair
 from treespark.params import SamplingParams
@@ -200,6 +200,7 @@ class AnswersRecipe:
     shards: int | None = None        # the first N committed shards (None: every one)
     top_k: int = 16                  # target log-probabilities kept per position (soft labels)
     init: str | None = None          # a drafter directory to start from
+    layers: int | None = None        # grow ``init`` to this many layers (``drafter.grown``)
     heldout_prompts: int = 34        # judged on the greedy answers to these held-out prompts ...
     heldout_max_tokens: int = 128    # ... of at most this many tokens
     block_size: int = 6              # the shape of a fresh drafter (ignored with ``init``)
@@ -226,6 +227,8 @@ def build_from_answers(recipe: AnswersRecipe, target, tokenizer, work_dir: Path,
         drafter = load_drafter(recipe.init, target=target)
         if tuple(drafter.config.target_layer_ids) != tuple(recipe.tap_layers):
             raise ValueError(f"init drafter taps {drafter.config.target_layer_ids} != recipe {recipe.tap_layers}")
+        if recipe.layers is not None:
+            drafter = grown(drafter, recipe.layers)
     feats, shards = trainset.answer_features(target, tokenizer, Path(recipe.answers_dir), work_dir / "features",
                                     shards=recipe.shards, tap_layers=recipe.tap_layers, top_k=recipe.top_k,
                                     progress=progress)
