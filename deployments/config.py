@@ -51,7 +51,8 @@ def _default_ladder_budgets() -> list[BudgetArgs]:
 class PolicyArgs(_Strict):
     """``perstep``: every engine allocates every step's draft nodes on its own step-cost
     table, measured at startup in at most ``profile_s`` seconds (or read from the cache
-    when ``cost_cache``), under a floor price the controller raises when the cluster
+    when ``cost_cache``) and, with ``online_costs``, corrected from the steps it measures
+    in service (``treespark.pricing.costfit``), under a floor price the controller raises when the cluster
     queues (``treespark.pricing.policy.PerStepPolicy``); ``max_nodes`` / ``max_branch``
     bound what is drafted. ``ladder``: ``budgets[i]`` while load per replica <= ``thresholds[i]``, the last
     budget beyond; ``fixed``: always ``budget`` (baselines); ``costmodel``: theta priced
@@ -76,6 +77,7 @@ class PolicyArgs(_Strict):
     max_floor: float = Field(0.95, ge=0, le=1)
     profile_s: float = Field(20.0, gt=0)     # perstep: the startup measurement's time budget
     cost_cache: bool = True                  # perstep: reuse a table cached for this hardware + model
+    online_costs: bool = True                # perstep: correct the table from the steps measured in service
 
     @model_validator(mode="after")
     def _check(self) -> PolicyArgs:

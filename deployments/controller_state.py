@@ -259,6 +259,7 @@ class ControllerState:
                     "step_costs": e.report.step_costs,
                     "price_latency_s": e.report.price_latency_s,
                     "policy_share": e.report.policy_share,
+                    "cost_factors": e.report.cost_factors,
                     **asdict(e.report.tree),
                 }
                 for rid, e in sorted(self.replicas.items())

@@ -59,12 +59,14 @@ def build_engine(args: AppArgs) -> EngineBundle:
 def install_allocator(engine: Any, args: AppArgs) -> dict[str, Any]:
     """The per-step allocation on ``engine``, priced on the replica's own step-cost table
     (measured now, before any traffic, or read from the cache); returns its summary."""
+    from treespark.pricing.costfit import CostFit
     from treespark.step_alloc import StepAllocator
     from treespark.step_costs import CACHE_DIR, startup_step_costs
 
     table = startup_step_costs(engine, time_budget_s=args.policy.profile_s,
                                cache_dir=CACHE_DIR if args.policy.cost_cache else None)
-    engine.set_allocator(StepAllocator(table.step_costs(args.max_tree_nodes)))
+    fit = CostFit() if args.policy.online_costs else None
+    engine.set_allocator(StepAllocator(table.step_costs(args.max_tree_nodes), fit=fit))
     v = table.verify
     return {"fingerprint": table.fingerprint, "source": table.source, "measured_s": table.measured_s,
             "device": v.device, "threads": v.threads, "verify_1x1_s": v.time(1, 1),

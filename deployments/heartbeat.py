@@ -184,9 +184,16 @@ class HeartbeatMixin:
             "first_budget_s": self.first_budget_s,
             "step_costs": self.bundle.step_costs,
             "price_latency_s": list(self.price_latency),
+            "cost_factors": self._cost_factors(),
             "policy_share": (sum(getattr(s, "policy_s", 0.0) for s in window) / max(sum(s.step_s for s in window), 1e-9)
                              if window else 0.0),
         }
+
+    def _cost_factors(self) -> list[float] | None:
+        """The engine's online correction of its step-cost table (perstep with
+        ``online_costs``): [draft, base, extra], or None."""
+        fit = getattr(getattr(self.bundle.engine, "allocator", None), "fit", None)
+        return None if fit is None else [fit.draft, *fit.verify_factors()]
 
     def apply_budget(self, budget: Budget, source: str) -> None:
         self.budget_source = source

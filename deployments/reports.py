@@ -71,6 +71,7 @@ class ReplicaReport:
     step_costs: dict[str, Any] | None = None   # the replica's startup step-cost table (perstep), summarized
     price_latency_s: tuple[float, ...] = ()    # controller price change -> applied here, recent ones
     policy_share: float = 0.0                  # the per-step allocation's seconds over step seconds
+    cost_factors: tuple[float, float, float] | None = None   # (draft, base, extra): the online fit on the table
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:
@@ -88,6 +89,7 @@ class ReplicaReport:
             "round_records": tuple((int(n), int(a)) for n, a in d["round_records"]),
             "base_calibration": pair(d["base_calibration"]),
             "price_latency_s": tuple(float(x) for x in d.get("price_latency_s", ())),
+            "cost_factors": None if d.get("cost_factors") is None else tuple(float(x) for x in d["cost_factors"]),
         })
 
 

@@ -262,10 +262,10 @@ class Engine:
         outputs = self._commit(batch, drafted.trees, results, taps, lengths, lps)
         self.sync()
         t_end = time.perf_counter()
-        if self.on_step is not None:
+        if self.on_step is not None or self.allocator is not None:
             trees = drafted.trees
             syncs, elements = self.transfers.reset()
-            self.on_step(StepStats(
+            stats = StepStats(
                 batch_size=len(batch),
                 tokens_verified=sum(t.num_nodes for t in trees),
                 tree_sizes=tuple(t.size for t in trees),
@@ -286,7 +286,11 @@ class Engine:
                 host_syncs=syncs,
                 host_elements=elements,
                 policy_s=policy_s,
-            ))
+            )
+            if self.allocator is not None:
+                self.allocator.observe(stats)
+            if self.on_step is not None:
+                self.on_step(stats)
         return outputs
 
     def sync(self) -> None:

@@ -12,6 +12,12 @@ two calls per decode step:
 * after drafting, ``cut`` hands every row's candidate scores to ``allocate`` with the
   seconds drafting took, and cuts each tree to its share (``RoundDraft.trimmed``).
 
+With a ``fit`` (``treespark.pricing.costfit.CostFit``), ``observe`` feeds it every decode
+step's measured stage seconds against what ``table`` (the startup table) predicted, and
+every ``refit_every`` steps ``costs`` (what the two calls price on) becomes the table
+corrected by the fit: the prices follow what steps cost in service, not what they cost
+alone at startup. Without one, ``costs`` is the table.
+
 Rows with a budget of their own (``Engine.add_request(budget=...)``) are left alone.
 The engine's budget is the drafting budget: its theta the floor price (the controller's),
 its node_cap and branch_cap the most that may be drafted. Nothing a step draws moves
@@ -27,12 +33,17 @@ from dataclasses import dataclass, field
 
 from treespark.budget import Budget
 from treespark.drafting import RoundDraft
+from treespark.params import StepStats
 from treespark.pricing.allocate import Allocation, DraftPlan, StepCosts, allocate, plan_drafting
+from treespark.pricing.costfit import CostFit, predict_step
 
 
 @dataclass
 class StepAllocator:
-    costs: StepCosts
+    costs: StepCosts                           # what the allocation prices on
+    fit: CostFit | None = None                 # online correction of the table from measured steps
+    refit_every: int = 16                      # steps between two corrections of ``costs``
+    table: StepCosts | None = None             # the table as measured (default: ``costs`` as given)
     last: Allocation | None = None
     plan: DraftPlan | None = None
     policy_s: float = 0.0                      # seconds of this step's two calls
@@ -41,14 +52,37 @@ class StepAllocator:
     profile_decay: float = 0.9                 # weight of the past in the per-rank mean of drafted trees
     _history: dict[str, list[float]] = field(default_factory=dict)   # each T > 0 row's last candidates
     _profile: list[float] | None = None        # drafted trees' scores by rank (best first), a running mean
+    _drafted_nodes: int = 0                    # this step's drafted nodes (before the cut)
+    _observe_s: float = 0.0                    # the last ``observe``'s seconds
+
+    def __post_init__(self) -> None:
+        if self.table is None:
+            self.table = self.costs
+
+    def observe(self, stats: StepStats) -> None:
+        """One decode step done: its measured stage seconds against the table's
+        prediction (``fit``), and ``costs`` corrected every ``refit_every`` steps."""
+        if self.fit is None or self.table is None:
+            return
+        t0 = time.perf_counter()
+        drafted = stats.draft_waves > 0
+        pred = predict_step(self.table, stats.batch_size, self._drafted_nodes if drafted else 0, drafted,
+                            stats.tree_sizes)
+        # the drafting stage includes this allocation's own seconds: priced as drafting
+        self.fit.observe(pred, stats.draft_s if drafted else 0.0, stats.verify_s)
+        if self.fit.steps % self.refit_every == 0:
+            self.costs = self.fit.corrected(self.table)
+        self._observe_s = time.perf_counter() - t0     # counted in the next step's policy_s
 
     def drafting(self, ids: Sequence[str], budgets: Sequence[Budget], follows: Sequence[bool],
                  floor: float) -> list[Budget]:
         """Each row's drafting budget for this step: ``budgets[i]`` with its node_cap cut to
         twice the planned pad (room to grow), or plain decoding where nothing pays."""
         t0 = time.perf_counter()
+        self._drafted_nodes = 0
+        observed, self._observe_s = self._observe_s, 0.0
         if self._profile is None:
-            self.plan, self.policy_s = None, time.perf_counter() - t0
+            self.plan, self.policy_s = None, time.perf_counter() - t0 + observed
             return list(budgets)
         self.plan = plan_drafting([self._profile] * len(ids), self.costs, floor=floor)
         cap = 2 * self.plan.pad
@@ -57,19 +91,20 @@ class StepAllocator:
             cap = 4   # the forecasts are only as new as the last draft: refresh them now and then
         out = [Budget(b.theta, min(b.node_cap, cap), b.branch_cap) if f and b.node_cap > cap else b
                for b, f in zip(budgets, follows, strict=True)]
-        self.policy_s = time.perf_counter() - t0
+        self.policy_s = time.perf_counter() - t0 + observed
         return out
 
     def cut(self, ids: Sequence[str], temperatures: Sequence[float], follows: Sequence[bool],
             drafted: RoundDraft, floor: float) -> RoundDraft:
         """``drafted`` cut for this step. ids / temperatures: the rows' requests;
         follows[i]: row i runs under the engine's budget; floor: the price no verified
-        node may score below. The drafting already spent is priced from the table, not
-        the clock, so a seeded batch replays the same cuts."""
+        node may score below. The drafting already spent is priced from ``costs``, not
+        this step's clock: without a ``fit``, a seeded batch replays the same cuts."""
         t0 = time.perf_counter()
         sampled = [t > 0 for t in temperatures]
         c = self.costs
-        draft_s = c.draft_base_s + c.draft_row_s * len(ids) + c.draft_node_s * sum(len(s) for s in drafted.scores)
+        self._drafted_nodes = sum(len(s) for s in drafted.scores)
+        draft_s = c.draft_base_s + c.draft_row_s * len(ids) + c.draft_node_s * self._drafted_nodes
         alloc = allocate(drafted.scores, c, draft_s=draft_s, floor=floor, sampled=sampled,
                          proxies=[self._history.get(i) for i in ids])
         history = {i: s for i, s in zip(ids, drafted.scores, strict=True) if s}

@@ -56,6 +56,8 @@ class StepCosts:
     draft_base_s: float = 0.0
     draft_row_s: float = 0.0
     draft_node_s: float = 0.0
+    base_scale: float = 1.0    # online corrections (``costfit.CostFit``): T(bs, 1) x base_scale,
+    extra_scale: float = 1.0   # T(bs, k + 1) - T(bs, 1) x extra_scale
     _rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def verify_row(self, bs: int) -> np.ndarray:
@@ -64,6 +66,7 @@ class StepCosts:
         if row is None:
             row = np.array([self.cost.time(bs, k + 1) for k in range(self.max_nodes + 1)])
             row = np.maximum.accumulate(row)  # more tokens never cost less
+            row = self.base_scale * row[0] + self.extra_scale * (row - row[0])
             self._rows[bs] = row
         return row
 
