@@ -101,7 +101,7 @@ TIMELINE_FIELDS = ["t", "wall", "users", "replicas", "active", "queued", "queued
                    "branch_cap", "tree_size", "width", "depth", "accepted_per_round", "step_s",
                    "generation_tokens", "goodput_tok_s", "requests_done", "p50_e2e_s", "p99_e2e_s",
                    "p50_ttft_s", "p99_ttft_s", "calib_ece_stored", "calib_ece_pushed", "policy_share",
-                   "price_latency_max_s"]
+                   "price_latency_max_s", "cost_draft", "cost_base", "cost_extra"]
 
 
 def speculation_row(status: dict) -> dict:
@@ -134,6 +134,10 @@ def speculation_row(status: dict) -> dict:
         "generation_tokens": status.get("counters", {}).get("generation_tokens", 0.0),
         "policy_share": wmean("policy_share") if all("policy_share" in r for r in reps) else "",
         "price_latency_max_s": max((x for r in reps for x in r.get("price_latency_s") or ()), default=""),
+        # the online correction of the replicas' step-cost tables (perstep with online_costs)
+        **({k: sum(r["cost_factors"][i] * x for r, x in zip(reps, w, strict=True)) / tw
+            for i, k in enumerate(("cost_draft", "cost_base", "cost_extra"))}
+           if reps and all(r.get("cost_factors") for r in reps) else dict.fromkeys(("cost_draft", "cost_base", "cost_extra"), "")),
         "calib_ece_stored": cal.get("ece_stored", ""),
         "calib_ece_pushed": cal.get("ece_pushed", ""),
     }

@@ -54,6 +54,11 @@ def test_speculation_row_weights_replicas_by_batch():
     assert row["queued"] == 4 and row["queued_max"] == 3   # the cluster's queue, and the most on one replica
     assert row["theta"] == pytest.approx(0.15) and row["tree_size"] == pytest.approx(5.0)
     assert row["calib_ece_pushed"] == 0.05
+    assert row["cost_base"] == ""                           # no replica reports an online fit
+    fitted = {**STATUS, "replicas": {k: {**r, "cost_factors": f} for (k, r), f in
+                                     zip(STATUS["replicas"].items(), ([1.0, 2.0, 3.0], [2.0, 2.0, 1.0]), strict=True)}}
+    row = speculation_row(fitted)
+    assert (row["cost_draft"], row["cost_base"], row["cost_extra"]) == pytest.approx((1.25, 2.0, 2.5))
 
 
 def test_timeline_goodput_latency_and_report(tmp_path):
