@@ -77,7 +77,7 @@ class PolicyArgs(_Strict):
     max_floor: float = Field(0.95, ge=0, le=1)
     profile_s: float = Field(20.0, gt=0)     # perstep: the startup measurement's time budget
     cost_cache: bool = True                  # perstep: reuse a table cached for this hardware + model
-    online_costs: bool = True                # perstep: correct the table from the steps measured in service
+    online_costs: bool = False               # perstep: correct the table from the steps measured in service
 
     @model_validator(mode="after")
     def _check(self) -> PolicyArgs:

@@ -7,7 +7,7 @@ Two experiments, one runner:
                (users, theta, tree size and width, accepted tokens per round, goodput,
                p50/p99 latency over time) and ``timeline.png``;
 * ``compare``  goodput side by side: for each policy (``adaptive`` = the configured
-               policy; ``perstep``, ``perstep-local``, ``perstep-table`` (no online
+               policy; ``perstep``, ``perstep-local``, ``perstep-fit`` (with the online
                cost correction) and ``ladder``: service variants of
                the config; fixed baselines forced through ``POST /v1/speculation/override``
                on the ladder variant), each concurrency level and each of ``--runs`` runs,
@@ -68,8 +68,8 @@ VARIANTS: dict[str, dict] = {
     "perstep": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": 4}},
     "perstep-local": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": 4},
                       "controller": {"pricing": False}},
-    # per-step on the startup table as measured (no online correction)
-    "perstep-table": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": 4, "online_costs": False}},
+    # per-step on the startup table corrected online from measured steps (``policy.online_costs``)
+    "perstep-fit": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": 4, "online_costs": True}},
     "ladder": {"policy": {"kind": "ladder"}},
 }
 POLICIES = list(BASELINES) + [v for v in VARIANTS if v != "ladder"] + ["ladder"]
@@ -379,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="ramp:1,2,4,8,16:30", help="ramp: a loadtests.shapes spec")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16], help="compare: users")
     p.add_argument("--policies", nargs="+", default=["adaptive", "chain", "tree", "off"], choices=POLICIES,
-                   help="compare: policies; perstep, perstep-local, perstep-table and ladder each start a service "
+                   help="compare: policies; perstep, perstep-local, perstep-fit and ladder each start a service "
                         "variant of --config (chain*, tree*, off run on the ladder variant)")
     p.add_argument("--runs", type=int, default=1, help="compare: runs of every cell (median and spread)")
     p.add_argument("--duration", type=float, default=40.0, help="compare: measured seconds per run")
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     args.load = LoadArgs(args.max_tokens, args.temperature, not args.no_stream, chat=args.chat)
     variants = {variant_of(p) for p in args.policies} if args.experiment != "ramp" else set()
     if args.url and variants - {"config", "ladder"}:
-        raise SystemExit("perstep / perstep-local / perstep-table / ladder need --config (they start their own services)")
+        raise SystemExit("perstep / perstep-local / perstep-fit / ladder need --config (they start their own services)")
     if args.experiment in ("ramp", "both"):
         with contextlib.ExitStack() as stack:
             if args.url:

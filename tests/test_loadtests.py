@@ -220,8 +220,8 @@ def test_variant_configs_rewrite_the_policy_and_the_controller(tmp_path):
     from loadtests.experiment import variant_config
 
     base = Path(__file__).resolve().parents[1] / "configs" / "load-default.yaml"
-    for variant, kind, pricing, online in (("perstep", "perstep", True, True), ("perstep-local", "perstep", False, True),
-                                           ("perstep-table", "perstep", True, False), ("ladder", "ladder", True, True)):
+    for variant, kind, pricing, online in (("perstep", "perstep", True, False), ("perstep-local", "perstep", False, False),
+                                           ("perstep-fit", "perstep", True, True), ("ladder", "ladder", True, False)):
         cfg = yaml.safe_load(variant_config(base, variant, tmp_path).read_text())
         a = AppArgs.model_validate(cfg["applications"][0]["args"])
         assert a.policy.kind == kind and a.controller.pricing is pricing and a.policy.online_costs is online
