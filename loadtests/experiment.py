@@ -295,7 +295,8 @@ def measure_run(url: str, args, policy: str, users: int, run: int) -> dict:
 def warm_up(url: str, args, tag: str, tries: int = 3) -> list[dict]:
     """Before a fresh service's first measured cell: Locust at the highest level for
     ``args.warmup`` s (the measured path: same client, prompts and batch shapes), then
-    idle; again (up to ``tries``) until a request has finished. Returns the finished
+    idle; again (up to ``tries``, each twice as long as the one before: at the highest
+    level one request may take longer than the first window) until a request has finished. Returns the finished
     requests' records. It keeps a new service's one-time costs (first batch shapes,
     first streams) out of its first cell, and fails loudly if the service answers
     nothing (the 0 tok/s first cells of one comparison were the runner's, fixed in
@@ -303,7 +304,7 @@ def warm_up(url: str, args, tag: str, tries: int = 3) -> list[dict]:
     users = max(args.levels)
     for i in range(1, tries + 1):
         name = f"warmup-{tag}-{i}"
-        run_shape(url, f"const:{users}:{max(args.warmup, 5.0)}", args.out, name, args.load)
+        run_shape(url, f"const:{users}:{max(args.warmup, 5.0) * 2 ** (i - 1)}", args.out, name, args.load)
         wait_idle(url)
         ok = [r for r in read_records(args.out / "raw" / f"{name}-records.jsonl") if r.get("ok")]
         if ok:

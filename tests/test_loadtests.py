@@ -204,6 +204,34 @@ def test_a_cell_without_a_finished_request_is_measured_again(tmp_path, monkeypat
     assert len(stalls) == 1
 
 
+def test_warm_up_windows_double_until_a_request_finishes(tmp_path, monkeypatch):
+    """At 16 users on one replica a 64-token request takes longer than an 8 s window, and
+    every new window starts new requests: so each retry is twice as long as the last."""
+    import argparse
+
+    from loadtests import experiment
+
+    shapes: list[str] = []
+
+    def fake_run(url, shape, out, name, load):
+        shapes.append(shape)
+        done = shape.endswith(":32.0")          # only the third window is long enough
+        rec = tmp_path / "raw" / f"{name}-records.jsonl"
+        rec.parent.mkdir(parents=True, exist_ok=True)
+        rec.write_text(json.dumps({"ok": done, "ttft": 0.5, "tokens": 64}) + "\n")
+
+    monkeypatch.setattr(experiment, "run_shape", fake_run)
+    monkeypatch.setattr(experiment, "wait_idle", lambda url: None)
+    args = argparse.Namespace(out=tmp_path, levels=[1, 16], warmup=8.0, load=None)
+    assert len(experiment.warm_up("http://x", args, "t")) == 1
+    assert shapes == ["const:16:8.0", "const:16:16.0", "const:16:32.0"]
+    shapes.clear()
+    with pytest.raises(RuntimeError, match="finished no request"):       # windows of 5 and 10 s only
+        experiment.warm_up("http://x", argparse.Namespace(out=tmp_path, levels=[16], warmup=2.0, load=None), "u",
+                           tries=2)
+    assert shapes == ["const:16:5.0", "const:16:10.0"]
+
+
 def test_compare_runs_every_policy_at_a_level_before_the_next_level():
     from loadtests.experiment import compare_plan, variant_of
 
