@@ -262,7 +262,8 @@ class Engine:
         outputs = self._commit(batch, drafted.trees, results, taps, lengths, lps)
         self.sync()
         t_end = time.perf_counter()
-        if self.on_step is not None or self.allocator is not None:
+        observe = self.allocator is not None and self.allocator.observes
+        if self.on_step is not None or observe:
             trees = drafted.trees
             syncs, elements = self.transfers.reset()
             stats = StepStats(
@@ -287,7 +288,7 @@ class Engine:
                 host_elements=elements,
                 policy_s=policy_s,
             )
-            if self.allocator is not None:
+            if observe:
                 self.allocator.observe(stats)
             if self.on_step is not None:
                 self.on_step(stats)

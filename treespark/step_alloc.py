@@ -59,6 +59,11 @@ class StepAllocator:
         if self.table is None:
             self.table = self.costs
 
+    @property
+    def observes(self) -> bool:
+        """Whether ``observe`` uses the steps (a ``fit`` to feed)."""
+        return self.fit is not None
+
     def observe(self, stats: StepStats) -> None:
         """One decode step done: its measured stage seconds against the table's
         prediction (``fit``), and ``costs`` corrected every ``refit_every`` steps."""
@@ -104,7 +109,7 @@ class StepAllocator:
         sampled = [t > 0 for t in temperatures]
         c = self.costs
         self._drafted_nodes = sum(len(s) for s in drafted.scores)
-        draft_s = c.draft_base_s + c.draft_row_s * len(ids) + c.draft_node_s * self._drafted_nodes
+        draft_s = c.drafting_s(len(ids), self._drafted_nodes)
         alloc = allocate(drafted.scores, c, draft_s=draft_s, floor=floor, sampled=sampled,
                          proxies=[self._history.get(i) for i in ids])
         history = {i: s for i, s in zip(ids, drafted.scores, strict=True) if s}

@@ -60,6 +60,10 @@ class StepCosts:
     extra_scale: float = 1.0   # T(bs, k + 1) - T(bs, 1) x extra_scale
     _rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
+    def drafting_s(self, bs: int, nodes: int) -> float:
+        """Seconds of a step that drafts ``nodes`` nodes for ``bs`` rows."""
+        return self.draft_base_s + self.draft_row_s * bs + self.draft_node_s * nodes
+
     def verify_row(self, bs: int) -> np.ndarray:
         """[max_nodes + 1] seconds: ``T(bs, k + 1)`` for trees of k = 0 .. max_nodes nodes."""
         row = self._rows.get(bs)
@@ -109,7 +113,7 @@ def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, f
     is priced too (nothing when no node is taken)."""
     bs = len(scores)
     node_s = costs.node_s + (costs.draft_node_s if ahead else 0.0)
-    fixed = costs.draft_base_s + costs.draft_row_s * bs if ahead else 0.0
+    fixed = costs.drafting_s(bs, 0) if ahead else 0.0
     lens = [min(len(s), costs.max_nodes) for s in scores]
     if not any(lens):
         t0 = draft_s + costs.verify_row(max(bs, 1))[0]

@@ -56,8 +56,7 @@ def predict_step(costs: StepCosts, batch_size: int, drafted_nodes: int, drafted:
     ``verified[r]`` draft nodes of row r."""
     row = costs.verify_row(max(batch_size, 1))
     pad = min(max(verified, default=0), costs.max_nodes)
-    draft = (costs.draft_base_s + costs.draft_row_s * batch_size + costs.draft_node_s * drafted_nodes
-             if drafted else 0.0)
+    draft = costs.drafting_s(batch_size, drafted_nodes) if drafted else 0.0
     return StepPrediction(draft, float(row[0]), float(row[pad] - row[0]) + costs.node_s * sum(verified))
 
 
