@@ -120,6 +120,7 @@ def speculation_row(status: dict) -> dict:
         return sum(v * x for v, x in zip(vals, w, strict=True)) / tw
 
     cal = (status.get("calibration") or {}).get("report") or {}
+    fitted = bool(reps) and all(r.get("cost_factors") for r in reps)
     return {
         "replicas": len(reps),
         "active": sum(r.get("active", 0) for r in reps),
@@ -138,9 +139,8 @@ def speculation_row(status: dict) -> dict:
         "policy_share": wmean("policy_share") if all("policy_share" in r for r in reps) else "",
         "price_latency_max_s": max((x for r in reps for x in r.get("price_latency_s") or ()), default=""),
         # the online correction of the replicas' step-cost tables (perstep with online_costs)
-        **({k: sum(r["cost_factors"][i] * x for r, x in zip(reps, w, strict=True)) / tw
-            for i, k in enumerate(("cost_draft", "cost_base", "cost_extra"))}
-           if reps and all(r.get("cost_factors") for r in reps) else dict.fromkeys(("cost_draft", "cost_base", "cost_extra"), "")),
+        **{k: sum(r["cost_factors"][i] * x for r, x in zip(reps, w, strict=True)) / tw if fitted else ""
+           for i, k in enumerate(("cost_draft", "cost_base", "cost_extra"))},
         "calib_ece_stored": cal.get("ece_stored", ""),
         "calib_ece_pushed": cal.get("ece_pushed", ""),
     }

@@ -430,17 +430,14 @@ def grown(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
     if num_layers < have:
         raise ValueError(f"cannot grow a {have}-layer drafter to {num_layers} layers")
     out = DSparkDrafter(replace(drafter.config, num_hidden_layers=num_layers)).to(drafter.fc.weight.dtype)
-    shared = dict(drafter.state_dict())
+    state = drafter.state_dict()
     last = f"layers.{have - 1}."
+    top = {k[len(last):]: v for k, v in state.items() if k.startswith(last)}
     for i in range(have, num_layers):
-        for k, v in drafter.state_dict().items():
-            if k.startswith(last):
-                name = f"layers.{i}." + k[len(last):]
-                zero = name.endswith(("o_proj.weight", "down_proj.weight"))
-                shared[name] = torch.zeros_like(v) if zero else v.clone()
-    out.load_state_dict(shared, strict=True)
-    if out.d2t is not None:
-        out.d2t = out.d2t.long()
+        for k, v in top.items():
+            zero = k.endswith(("o_proj.weight", "down_proj.weight"))
+            state[f"layers.{i}.{k}"] = torch.zeros_like(v) if zero else v.clone()
+    out.load_state_dict(state, strict=True)   # d2t is copied into the module's own int64 buffer
     if drafter.config.shared_embeddings:   # the target's tensors, already cut to the draft vocabulary
         out._shared_embed, out._shared_head = drafter._shared_embed, drafter._shared_head
     return out.train(drafter.training)
