@@ -18,6 +18,11 @@ every ``refit_every`` steps ``costs`` (what the two calls price on) becomes the 
 corrected by the fit: the prices follow what steps cost in service, not what they cost
 alone at startup. Without one, ``costs`` is the table.
 
+``policy_s``, the allocation's own cost, is this thread's CPU time (``time.thread_time``):
+the work the two calls do. A wall clock would add whatever the OS gave other processes
+meanwhile, and on a shared host one preemption inside a sub-millisecond call is several
+times the call itself.
+
 Rows with a budget of their own (``Engine.add_request(budget=...)``) are left alone.
 The engine's budget is the drafting budget: its theta the floor price (the controller's),
 its node_cap and branch_cap the most that may be drafted. Nothing a step draws moves
@@ -46,7 +51,7 @@ class StepAllocator:
     table: StepCosts | None = None             # the table as measured (default: ``costs`` as given)
     last: Allocation | None = None
     plan: DraftPlan | None = None
-    policy_s: float = 0.0                      # seconds of this step's two calls
+    policy_s: float = 0.0                      # CPU seconds of this step's two calls (and observe)
     probe_every: int = 32                      # plain steps between two probes (a 4-node draft)
     _plain_steps: int = 0
     profile_decay: float = 0.9                 # weight of the past in the per-rank mean of drafted trees
@@ -69,7 +74,7 @@ class StepAllocator:
         prediction (``fit``), and ``costs`` corrected every ``refit_every`` steps."""
         if self.fit is None or self.table is None:
             return
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         drafted = stats.draft_waves > 0
         pred = predict_step(self.table, stats.batch_size, self._drafted_nodes if drafted else 0, drafted,
                             stats.tree_sizes)
@@ -77,17 +82,17 @@ class StepAllocator:
         self.fit.observe(pred, stats.draft_s if drafted else 0.0, stats.verify_s)
         if self.fit.steps % self.refit_every == 0:
             self.costs = self.fit.corrected(self.table)
-        self._observe_s = time.perf_counter() - t0     # counted in the next step's policy_s
+        self._observe_s = time.thread_time() - t0     # counted in the next step's policy_s
 
     def drafting(self, ids: Sequence[str], budgets: Sequence[Budget], follows: Sequence[bool],
                  floor: float) -> list[Budget]:
         """Each row's drafting budget for this step: ``budgets[i]`` with its node_cap cut to
         twice the planned pad (room to grow), or plain decoding where nothing pays."""
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         self._drafted_nodes = 0
         observed, self._observe_s = self._observe_s, 0.0
         if self._profile is None:
-            self.plan, self.policy_s = None, time.perf_counter() - t0 + observed
+            self.plan, self.policy_s = None, time.thread_time() - t0 + observed
             return list(budgets)
         self.plan = plan_drafting([self._profile] * len(ids), self.costs, floor=floor)
         cap = 2 * self.plan.pad
@@ -96,7 +101,7 @@ class StepAllocator:
             cap = 4   # the forecasts are only as new as the last draft: refresh them now and then
         out = [Budget(b.theta, min(b.node_cap, cap), b.branch_cap) if f and b.node_cap > cap else b
                for b, f in zip(budgets, follows, strict=True)]
-        self.policy_s = time.perf_counter() - t0 + observed
+        self.policy_s = time.thread_time() - t0 + observed
         return out
 
     def cut(self, ids: Sequence[str], temperatures: Sequence[float], follows: Sequence[bool],
@@ -105,7 +110,7 @@ class StepAllocator:
         follows[i]: row i runs under the engine's budget; floor: the price no verified
         node may score below. The drafting already spent is priced from ``costs``, not
         this step's clock: without a ``fit``, a seeded batch replays the same cuts."""
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         sampled = [t > 0 for t in temperatures]
         c = self.costs
         self._drafted_nodes = sum(len(s) for s in drafted.scores)
@@ -125,5 +130,5 @@ class StepAllocator:
         out = drafted if all(c >= t.size for c, t in zip(counts, drafted.trees, strict=True)) \
             else drafted.trimmed(counts)
         self.last = alloc
-        self.policy_s += time.perf_counter() - t0
+        self.policy_s += time.thread_time() - t0
         return out
