@@ -147,3 +147,25 @@ def test_sampled_rows_stay_seeded_and_complete(mimic16):
     a, reasons = run(engine_with_allocator(mimic16, CostModel.affine(0.01, 0.001)), arrivals)
     b, _ = run(engine_with_allocator(mimic16, CostModel.affine(0.01, 0.001)), arrivals)
     assert a == b and all(len(t) == 20 for t in a.values()) and set(reasons.values()) == {"length"}
+
+
+def test_policy_time_counts_the_allocations_work_not_time_the_thread_waits(monkeypatch):
+    """policy_s is CPU time: a call that waits (here a sleep standing in for the OS
+    running another process) is charged its work only, not the wait."""
+    import time
+
+    import treespark.step_alloc as step_alloc
+    from treespark.pricing.allocate import DraftPlan
+
+    def slow_plan(forecasts, costs, *, floor=0.0):
+        time.sleep(0.05)
+        return DraftPlan(2, 0.5, 1.0, 0.5)
+
+    monkeypatch.setattr(step_alloc, "plan_drafting", slow_plan)
+    alloc = StepAllocator(StepCosts(CostModel.affine(0.01, 0.0005), max_nodes=16))
+    alloc._profile = [0.5] * 16
+    t0 = time.perf_counter()
+    budgets = alloc.drafting(["a", "b"], [Budget(0.0, 16, 4)] * 2, [True, True], 0.0)
+    assert time.perf_counter() - t0 >= 0.05
+    assert [b.node_cap for b in budgets] == [4, 4]           # twice the planned pad
+    assert 0 < alloc.policy_s < 0.02
