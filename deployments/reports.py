@@ -70,7 +70,7 @@ class ReplicaReport:
     first_budget_s: float | None = None                     # heartbeat start -> first budget from a controller
     step_costs: dict[str, Any] | None = None   # the replica's startup step-cost table (perstep), summarized
     price_latency_s: tuple[float, ...] = ()    # controller price change -> applied here, recent ones
-    policy_share: float = 0.0                  # the per-step allocation's seconds over step seconds
+    policy_share: float = 0.0                  # the per-step allocation's CPU seconds over step seconds
     cost_factors: tuple[float, float, float] | None = None   # (draft, base, extra): the online fit on the table
 
     @classmethod

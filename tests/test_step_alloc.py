@@ -4,6 +4,7 @@ temperature, and it does cut the trees."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -18,12 +19,12 @@ from tests.test_exact import (
     target_joint,
     tv,
 )
-from treespark import Budget
+from treespark import Budget, step_alloc
 from treespark.drafting import best_nodes, subtree
 from treespark.engine import Engine, EngineConfig
 from treespark.expand import open_on_host
 from treespark.params import SamplingParams
-from treespark.pricing.allocate import StepCosts, allocate, best_prefix
+from treespark.pricing.allocate import DraftPlan, StepCosts, allocate, best_prefix
 from treespark.pricing.costmodel import CostModel
 from treespark.sampling import draft_probs
 from treespark.select import TreeBuilder
@@ -152,11 +153,6 @@ def test_sampled_rows_stay_seeded_and_complete(mimic16):
 def test_policy_time_counts_the_allocations_work_not_time_the_thread_waits(monkeypatch):
     """policy_s is CPU time: a call that waits (here a sleep standing in for the OS
     running another process) is charged its work only, not the wait."""
-    import time
-
-    import treespark.step_alloc as step_alloc
-    from treespark.pricing.allocate import DraftPlan
-
     def slow_plan(forecasts, costs, *, floor=0.0):
         time.sleep(0.05)
         return DraftPlan(2, 0.5, 1.0, 0.5)
