@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -144,6 +145,25 @@ def _compare_grid(rows: list[dict]) -> tuple[list[str], list[int], dict[tuple[st
     return policies, users, grid
 
 
+def tie_ratio(cv: float, contenders: int, runs: int, *, rng: np.random.Generator, draws: int = 20_000) -> float:
+    """What ``subject / best other`` comes out as when the subject and ``contenders``
+    other policies serve exactly alike: each cell the median of ``runs`` runs with
+    run-to-run coefficient of variation ``cv`` (normal), the best of the contenders'
+    medians taken. The median over ``draws``: the ratio noise alone gives a tie."""
+    if contenders < 1 or cv <= 0:
+        return 1.0
+    med = np.median(rng.normal(1.0, cv, size=(draws, contenders + 1, runs)), axis=2)
+    return float(np.median(med[:, 0] / med[:, 1:].max(axis=1)))
+
+
+def level_noise(grid: dict[tuple[str, int], dict], users: int) -> float:
+    """The run-to-run coefficient of variation at one level, pooled over its policies
+    (root mean square of each cell's sample cv; 0 with fewer than two runs)."""
+    cvs = [statistics.stdev(c["goodputs"]) / statistics.mean(c["goodputs"])
+           for (p, u), c in grid.items() if u == users and len(c["goodputs"]) > 1 and statistics.mean(c["goodputs"])]
+    return math.sqrt(sum(x * x for x in cvs) / len(cvs)) if cvs else 0.0
+
+
 def compare_table(csv_path: Path) -> str:
     """Goodput per policy and users (median of the runs, +- half the spread), and the
     subject's (``perstep``, else ``adaptive``) ratios to the best other policy, to the
@@ -178,7 +198,27 @@ def compare_table(csv_path: Path) -> str:
         lines += ["", f"{subject} / best other, geometric mean over the levels: "
                   f"{math.exp(sum(map(math.log, good)) / len(good)):.3f}; lowest {min(good):.3f} "
                   f"(medians of {runs} run(s) per cell)"]
+        if runs > 1:
+            lines += ["", _tie_line(subject, others, users, grid, runs)]
     return "\n".join(lines)
+
+
+def _tie_line(subject: str, others: list[str], users: list[int], grid: dict, runs: int) -> str:
+    """Per level, the ratio a tie would show: the subject serving exactly like every
+    other policy within two cv of the best other (its contenders), at the level's noise."""
+    rng = np.random.default_rng(0)
+    cells, ties = [], []
+    for u in users:
+        g = {p: grid[(p, u)]["goodput_tok_s"] for p in others if (p, u) in grid}
+        if not g or (subject, u) not in grid:
+            continue
+        cv, best = level_noise(grid, u), max(g.values())
+        k = sum(x >= best * (1 - 2 * cv) for x in g.values())
+        ties.append(tie_ratio(cv, k, runs, rng=rng))
+        cells.append(f"{u}: {ties[-1]:.2f} (cv {cv:.2f}, {k} contender(s))")
+    return (f"{subject} / best other if {subject} served exactly like its contenders (the others within two "
+            f"run-to-run cv of the best), from noise alone: " + "; ".join(cells)
+            + (f"; geometric mean {math.exp(sum(map(math.log, ties)) / len(ties)):.3f}" if ties else ""))
 
 
 def compare_detail(csv_path: Path) -> str:

@@ -6,6 +6,7 @@ import json
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from loadtests.experiment import TIMELINE_FIELDS, finish_timeline, main, speculation_row, write_csv
@@ -17,6 +18,7 @@ from loadtests.report import (
     ramp_levels,
     ramp_summary,
     read_rows,
+    tie_ratio,
 )
 from loadtests.shapes import Stage, parse_shape, step_ramp, total_duration, users_at
 
@@ -254,3 +256,27 @@ def test_variant_configs_rewrite_the_policy_and_the_controller(tmp_path):
         a = AppArgs.model_validate(cfg["applications"][0]["args"])
         assert a.policy.kind == kind and a.controller.pricing is pricing and a.policy.online_costs is online
         assert a.controller.heartbeat_s == 0.25   # the rest of the controller section kept
+
+
+def test_a_tie_reads_below_one_when_the_best_of_noisy_medians_is_taken():
+    rng = np.random.default_rng(0)
+    assert tie_ratio(0.0, 5, 3, rng=rng) == 1.0
+    assert tie_ratio(0.1, 0, 3, rng=rng) == 1.0
+    one, six = tie_ratio(0.1, 1, 3, rng=rng), tie_ratio(0.1, 6, 3, rng=rng)
+    assert 0.98 < one < 1.02   # one rival: the median of the ratio is near 1
+    assert six < 0.93 < one   # six: the best of six noisy medians is biased upward
+    assert tie_ratio(0.1, 6, 15, rng=rng) > six   # more runs, less bias
+
+
+def test_compare_table_says_what_noise_alone_would_show(tmp_path):
+    path = tmp_path / "compare.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["policy", "run", "users", "goodput_tok_s", "tree_size"])
+        w.writeheader()
+        for p, xs in (("perstep", [9, 10, 11]), ("chain", [9, 10, 11]), ("tree", [9, 10, 11]), ("off", [2, 2, 2])):
+            for run, x in enumerate(xs, 1):
+                w.writerow({"policy": p, "run": run, "users": 4, "goodput_tok_s": x, "tree_size": 1})
+    line = compare_table(path).splitlines()[-1]
+    # chain and tree are contenders (off is not): cv pooled over the four cells
+    assert line.startswith("perstep / best other if perstep served exactly like its contenders")
+    assert "4: 0.9" in line and "2 contender(s)" in line and "; geometric mean 0.9" in line

@@ -169,7 +169,9 @@ def cmd_bench(args) -> None:
     if args.what == "engine":
         from treespark.bench.engine_bench import engine_benchmark
 
-        table = engine_benchmark(pair, batch_sizes=tuple(args.batch_sizes), max_tokens=args.max_tokens)
+        table = engine_benchmark(pair, batch_sizes=tuple(args.batch_sizes), max_tokens=args.max_tokens,
+                                 chains=tuple(args.chains or (2, 4)), batches=args.batches, repeats=args.repeats,
+                                 per_step=not args.no_per_step)
     elif args.what == "acceptance":
         from treespark.bench.acceptance import acceptance_benchmark
         from treespark.calibration import load_variant
@@ -341,7 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--prompts", type=int, default=16)
-    b.add_argument("--chains", type=int, nargs="+", help="acceptance, wallclock: chain lengths to tune over")
+    b.add_argument("--chains", type=int, nargs="+",
+                   help="acceptance, wallclock: chain lengths to tune over; engine: the fixed chains (default 2 4)")
+    b.add_argument("--batches", type=int, default=1, help="engine: batches of prompts per cell")
+    b.add_argument("--repeats", type=int, default=1, help="engine: passes over the decoders (the median is reported)")
+    b.add_argument("--no-per-step", action="store_true",
+                   help="engine: leave out the per-step allocation (no startup step-cost table)")
     b.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="acceptance, wallclock: the temperatures")
     b.add_argument("--seed", type=int, default=0,
                    help="acceptance: the first request's sampling seed (request i uses seed + i)")

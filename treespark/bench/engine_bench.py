@@ -1,28 +1,77 @@
-"""Engine throughput: tokens/s at several batch sizes, plain vs chain vs adaptive tree."""
+"""Engine throughput: tokens/s at several batch sizes, plain decoding against fixed chains
+and trees, the adaptive tree, and the served per-step allocation, side by side."""
 
 from __future__ import annotations
 
-from treespark.bench.common import bench_prompts, markdown_table, run_engine
+import statistics
+from pathlib import Path
+
+from treespark.bench.common import RunResult, bench_prompts, markdown_table, run_engine
 from treespark.budget import Budget
+from treespark.engine import Engine, EngineConfig
 from treespark.models import ModelPair
+from treespark.step_alloc import StepAllocator
+
+PER_STEP = "per-step"
+SERVED = Budget(0.0, 32, 4)   # PerStepPolicy's drafting budget with no queue (floor 0)
+
+
+def fixed_budgets(chains=(2, 4)) -> dict[str, Budget]:
+    """The fixed decoders the per-step allocation is measured against."""
+    return {"plain": Budget.off(), **{f"chain-{k}": Budget.chain(k) for k in chains},
+            "tree-8": Budget(0.0, 8, 2), "adaptive": Budget.adaptive()}
 
 
 def engine_benchmark(pair: ModelPair, *, batch_sizes=(1, 4, 8, 16), max_tokens: int = 64,
-                     chain: int = 4, temperature: float = 0.0, log=print) -> str:
-    configs = {"plain": Budget.off(), f"chain-{chain}": Budget.chain(chain), "adaptive": Budget.adaptive()}
+                     chains=(2, 4), per_step: bool = True, batches: int = 1, repeats: int = 1,
+                     temperature: float = 0.0, cost_cache: Path | None = None, profile_s: float = 20.0,
+                     log=print) -> str:
+    """One cell per (batch size, decoder): ``batches * bs`` held-out prompts through an
+    engine of ``bs`` rows; ``repeats`` passes over the decoders (in reversed order every
+    other pass, so a drifting machine does not favour one), the median reported. With
+    ``per_step``, the served default too: ``SERVED`` with the per-step allocation on the
+    step-cost table measured at startup (``treespark.step_costs``, cached), and its ratio
+    to the best fixed decoder of the row (``cost_cache``: the table cache's folder, None:
+    ``treespark.step_costs.CACHE_DIR``)."""
+    configs = fixed_budgets(chains)
+    table = None
+    if per_step:
+        from treespark.step_costs import CACHE_DIR, startup_step_costs
+
+        longest = max(len(p) for p in bench_prompts(pair, max(batch_sizes) * batches))
+        table = startup_step_costs(Engine(pair, EngineConfig(max_batch_size=max(batch_sizes),
+                                                             max_context=max(longest + max_tokens, 1024))),
+                                   time_budget_s=profile_s, cache_dir=cost_cache or CACHE_DIR)
+        log(f"step-cost table: {table.source} ({table.measured_s:.1f} s)")
+        configs[PER_STEP] = SERVED
+
+    def allocator(name: str) -> StepAllocator | None:
+        return StepAllocator(table.step_costs(SERVED.node_cap)) if name == PER_STEP else None
+
+    for name, budget in configs.items():  # warm-up: the first forwards of a process are slow
+        run_engine(pair, bench_prompts(pair, 1), budget, max_tokens=8, batch_size=1, temperature=temperature,
+                   allocator=allocator(name))
     rows = []
-    for budget in configs.values():  # warm-up: the first forwards of a process are slow
-        run_engine(pair, bench_prompts(pair, 1), budget, max_tokens=8, batch_size=1, temperature=temperature)
     for bs in batch_sizes:
-        prompts = bench_prompts(pair, bs)
-        results = {}
-        for name, budget in configs.items():
-            r = run_engine(pair, prompts, budget, max_tokens=max_tokens, batch_size=bs,
-                           temperature=temperature)
-            results[name] = r
-            log(f"bs={bs:>2} {name:>9}: {r.tokens_per_s:7.1f} tok/s  tau {r.tau:.2f}  "
-                f"({r.tokens} tokens in {r.wall_s:.1f} s)")
-        base = results["plain"].tokens_per_s
-        rows.append([str(bs)] + [f"{r.tokens_per_s:.1f} ({r.tokens_per_s / base:.2f}x, tau {r.tau:.2f})"
-                                  for r in results.values()])
-    return markdown_table(["batch"] + list(configs), rows)
+        prompts = bench_prompts(pair, bs * batches)
+        runs: dict[str, list[RunResult]] = {name: [] for name in configs}
+        for rep in range(repeats):
+            for name in (list(configs) if rep % 2 == 0 else list(configs)[::-1]):
+                r = run_engine(pair, prompts, configs[name], max_tokens=max_tokens, batch_size=bs,
+                               temperature=temperature, allocator=allocator(name))
+                runs[name].append(r)
+                log(f"bs={bs:>2} {name:>9}: {r.tokens_per_s:7.1f} tok/s  tau {r.tau:.2f}  "
+                    f"({r.tokens} tokens in {r.wall_s:.1f} s)")
+        rate = {name: statistics.median(r.tokens_per_s for r in rs) for name, rs in runs.items()}
+        base = rate["plain"]
+        row = [str(bs)] + [f"{rate[n]:.1f} ({rate[n] / base:.2f}x, tau {rs[0].tau:.2f})" for n, rs in runs.items()]
+        if per_step:
+            best = max((n for n in configs if n != PER_STEP), key=rate.__getitem__)
+            row.append(f"{rate[PER_STEP] / rate[best]:.2f} ({best})")
+        rows.append(row)
+    header = ["batch"] + list(configs) + (["per-step / best fixed"] if per_step else [])
+    note = (f"\n\n{batches} batch(es) of held-out prompts per cell, {max_tokens} tokens each, T = {temperature:g}; "
+            f"tokens/s (ratio to plain, tau); the median of {repeats} pass(es)."
+            + (" per-step: budget (theta 0, 32 nodes, 4 wide) cut every step by the per-step allocation "
+               "on the startup step-cost table, as served with no queue." if per_step else ""))
+    return markdown_table(header, rows) + note
