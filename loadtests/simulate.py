@@ -123,6 +123,9 @@ def record_traces(pair, budgets: list[Budget], n_prompts: int, max_tokens: int, 
     return Traces({n: tuple(v) for n, v in by.items() if n > 0}, getattr(pair, "name", ""))
 
 
+FLOOR_FROM = ("cluster", "local", "max")
+
+
 @dataclass
 class PerStepSim:
     """The per-step policy in the simulator: the floor from ``PerStepPolicy`` (what the
@@ -134,12 +137,23 @@ class PerStepSim:
     prior: AcceptanceProfile
     floor_policy: PerStepPolicy
     prior_weight: float = 200.0
+    floor_from: str = "cluster"   # "cluster": the controller's; "local": the replica's own queue; "max": both
+
+    def __post_init__(self) -> None:
+        if self.floor_from not in FLOOR_FROM:
+            raise ValueError(f"floor_from must be one of {FLOOR_FROM}, got {self.floor_from!r}")
 
     def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:
         return self.floor_policy.budget_for(load, replica_id)
 
-    def step_budget(self, load: LoadSnapshot, rows: int) -> Budget:
-        floor = self.floor_policy.floor(load)
+    def floor(self, load: LoadSnapshot, local: LoadSnapshot) -> float:
+        """The step's floor price from the cluster's load, the replica's own, or the higher."""
+        cluster = self.floor_policy.floor(load) if self.floor_from != "local" else 0.0
+        own = self.floor_policy.floor(local) if self.floor_from != "cluster" else 0.0
+        return max(cluster, own)
+
+    def step_budget(self, load: LoadSnapshot, rows: int, local: LoadSnapshot | None = None) -> Budget:
+        floor = self.floor(load, local if local is not None else load)
         a = AcceptanceProfile.blend(self.prior, load.acceptance, self.prior_weight)
         n = min(self.floor_policy.max_nodes, a.max_nodes)
         marg = [max(a(i) - a(i - 1), 0.0) for i in range(1, n + 1)]
@@ -176,6 +190,8 @@ class SimConfig:
     warmup_s: float = 30.0
     draft_node_s: float = 0.0    # drafting seconds per draft node, added to each step
     seed: int = 0
+    slowdown: tuple[float, ...] = ()   # replica i's steps take slowdown[i] x the cost model (default 1)
+    routing: str = "least"             # "least": fewest requests (running + waiting); "round-robin"
 
 
 @dataclass(frozen=True)
@@ -188,6 +204,8 @@ class SimResult:
     mean_tree_size: float
     mean_batch: float
     tokens_per_round: float
+    mean_queued: tuple[float, ...] = ()   # per replica, over its steps: requests waiting beyond its batch
+    mean_floor: float = 0.0               # per-step policies: the floor price, over all steps
 
 
 def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConfig) -> SimResult:
@@ -206,14 +224,20 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
         seq += 1
 
     push(arrivals.expovariate(cfg.rate), "arrive", -1)
-    tokens = 0
-    lat, ttft, trees, batches, emitted_rounds = [], [], [], [], []
+    tokens = arrived = 0
+    lat, ttft, trees, batches, emitted_rounds, floors = [], [], [], [], [], []
+    queued: list[list[int]] = [[] for _ in reps]
+    slow = [cfg.slowdown[j] if j < len(cfg.slowdown) else 1.0 for j in range(len(reps))]
     while events:
         now, _, kind, i = heapq.heappop(events)
         if now > cfg.duration_s:
             break
         if kind == "arrive":
-            r = min(reps, key=lambda x: len(x.running) + len(x.queue))
+            if cfg.routing == "round-robin":
+                r = reps[arrived % len(reps)]
+            else:
+                r = min(reps, key=lambda x: len(x.running) + len(x.queue))
+            arrived += 1
             r.queue.append(_Req(now, cfg.max_tokens))
             if r.busy_until <= now:
                 push(now, "step", reps.index(r))
@@ -225,8 +249,13 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
         load = LoadSnapshot(replicas=len(reps), active=sum(len(x.running) for x in reps),
                             queued=sum(len(x.queue) for x in reps),
                             acceptance=window.stats() if learn else None, draft_node_s=cfg.draft_node_s)
-        budget = policy.step_budget(load, len(r.running)) if isinstance(policy, PerStepSim) \
-            else policy.budget_for(load, r.rid)
+        if isinstance(policy, PerStepSim):
+            local = LoadSnapshot(replicas=1, active=len(r.running), queued=len(r.queue))
+            budget = policy.step_budget(load, len(r.running), local)
+            if now >= cfg.warmup_s:
+                floors.append(policy.floor(load, local))
+        else:
+            budget = policy.budget_for(load, r.rid)
         n = 0 if budget.is_off else budget.node_cap
         dt = 0.0
         joined: _Req | None = None
@@ -235,6 +264,9 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
             dt += cost.time(1, cfg.prompt_tokens)
         if r.running:
             dt += step_time(cost, len(r.running), n + 1, cfg.draft_node_s)
+        dt *= slow[i]
+        if now >= cfg.warmup_s:
+            queued[i].append(len(r.queue))
         end = now + dt
         done: list[_Req] = []
         rounds = []
@@ -271,7 +303,9 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
     span = cfg.duration_s - cfg.warmup_s
     return SimResult(tokens / span, len(lat), percentile(lat, 0.5), percentile(lat, 0.99), percentile(ttft, 0.5),
                      sum(trees) / len(trees) if trees else 0.0, sum(batches) / len(batches) if batches else 0.0,
-                     sum(emitted_rounds) / len(emitted_rounds) if emitted_rounds else 0.0)
+                     sum(emitted_rounds) / len(emitted_rounds) if emitted_rounds else 0.0,
+                     tuple(sum(q) / len(q) if q else 0.0 for q in queued),
+                     sum(floors) / len(floors) if floors else 0.0)
 
 
 def baseline_policies(cost: CostModel, max_batch: int, prior: AcceptanceProfile,
@@ -298,6 +332,42 @@ def sweep(cost: CostModel, traces: Traces, replicas: list[int], rates: list[floa
                 log(f"replicas={nrep} rate={rate:g}/s {name:>8}: {res.goodput_tok_s:7.1f} tok/s "
                     f"p50 {res.p50_latency_s:6.2f} s tree {res.mean_tree_size:5.1f} batch {res.mean_batch:4.1f}")
     return rows
+
+
+def imbalance(cost: CostModel, traces: Traces, rates: list[float], base: SimConfig, prior: AcceptanceProfile,
+              log=print) -> list[dict]:
+    """Replicas of unequal speed (``base.slowdown``): the per-step policy with the floor
+    from the cluster's load (the controller's), from each replica's own (local only), and
+    the higher of the two; and plain decoding. A slow replica queues while the others do
+    not: what each source of the floor makes of that."""
+    rows = []
+    for rate in rates:
+        cfg = SimConfig(**{**base.__dict__, "rate": rate})
+        pols: dict[str, BudgetPolicy] = {
+            f"perstep-{src}": PerStepSim(StepCosts(cost, max_nodes=32, draft_node_s=cfg.draft_node_s), prior,
+                                         PerStepPolicy(max_nodes=32, max_branch=4, max_batch=cfg.max_batch),
+                                         floor_from=src)
+            for src in FLOOR_FROM}
+        pols["off"] = FixedPolicy(Budget.off())
+        for name, pol in pols.items():
+            res = simulate(pol, cost, traces, cfg)
+            rows.append({"replicas": cfg.replicas, "rate": rate, "policy": name, **res.__dict__})
+            log(f"rate={rate:g}/s {name:>16}: {res.goodput_tok_s:7.1f} tok/s p50 {res.p50_latency_s:6.2f} s "
+                f"p99 {res.p99_latency_s:6.2f} s queued {[round(q, 1) for q in res.mean_queued]} "
+                f"floor {res.mean_floor:.2f} tree {res.mean_tree_size:5.1f}")
+    return rows
+
+
+def imbalance_table(rows: list[dict]) -> str:
+    head = ["rate req/s", "policy", "goodput tok/s", "p50 s", "p99 s", "waiting per replica (mean)",
+            "floor (mean)", "tree (mean)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            f"{r['rate']:g}", r["policy"], f"{r['goodput_tok_s']:.1f}", f"{r['p50_latency_s']:.2f}",
+            f"{r['p99_latency_s']:.2f}", " / ".join(f"{q:.1f}" for q in r["mean_queued"]),
+            f"{r['mean_floor']:.2f}", f"{r['mean_tree_size']:.1f}"]) + " |")
+    return "\n".join(lines)
 
 
 def sweep_table(rows: list[dict]) -> str:
@@ -339,6 +409,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--draft-node-s", type=float, default=0.0, help="drafting seconds per draft node")
     s.add_argument("--out", type=Path, help="markdown table (and a .csv beside it)")
+    s.add_argument("--routing", default="least", choices=["least", "round-robin"],
+                   help="least: to the replica with the fewest requests; round-robin: in turn")
+    s.add_argument("--slowdown", type=float, nargs="+",
+                   help="one factor per replica (their count): replica i's steps take that many times the cost "
+                        "model; runs the per-step floor from the cluster, local and max, and off, at --rates")
     args = p.parse_args(argv)
     if args.cmd == "record":
         from treespark.bench.common import pair_by_name
@@ -354,9 +429,15 @@ def main(argv: list[str] | None = None) -> None:
     prior = AcceptanceProfile.saturating()
     traces = Traces.synthetic(prior) if args.traces == "synthetic" else Traces.load(Path(args.traces))
     base = SimConfig(max_batch=args.max_batch, max_tokens=args.max_tokens, duration_s=args.duration,
-                     warmup_s=min(60.0, args.duration / 5), seed=args.seed, draft_node_s=args.draft_node_s)
-    rows = sweep(cost, traces, args.replicas, args.rates, base, prior, log=lambda m: print(m, file=sys.stderr))
-    table = sweep_table(rows)
+                     warmup_s=min(60.0, args.duration / 5), seed=args.seed, draft_node_s=args.draft_node_s,
+                     routing=args.routing)
+    if args.slowdown:
+        base = SimConfig(**{**base.__dict__, "replicas": len(args.slowdown), "slowdown": tuple(args.slowdown)})
+        rows = imbalance(cost, traces, args.rates, base, prior, log=lambda m: print(m, file=sys.stderr))
+        table = imbalance_table(rows)
+    else:
+        rows = sweep(cost, traces, args.replicas, args.rates, base, prior, log=lambda m: print(m, file=sys.stderr))
+        table = sweep_table(rows)
     print(table)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -60,3 +60,30 @@ def test_the_per_step_policy_grows_trees_light_and_goes_plain_in_overload():
     heavy = simulate(pols["perstep"], COST, TRACES, cfg)
     off = simulate(FixedPolicy(Budget.off()), COST, TRACES, cfg)
     assert heavy.mean_tree_size < 1 and heavy.goodput_tok_s >= 0.97 * off.goodput_tok_s
+
+
+def test_the_floor_comes_from_the_cluster_the_replica_or_the_higher():
+    from loadtests.simulate import PerStepSim
+    from treespark.pricing.allocate import StepCosts
+    from treespark.pricing.policy import LoadSnapshot, PerStepPolicy
+
+    def sim(src):
+        return PerStepSim(StepCosts(COST), PRIOR, PerStepPolicy(max_batch=16), floor_from=src)
+
+    # 8 waiting on this replica, none on the other: the cluster's average hides it
+    cluster, own = LoadSnapshot(replicas=2, active=24, queued=8), LoadSnapshot(replicas=1, active=16, queued=8)
+    assert sim("cluster").floor(cluster, own) == 0.0
+    assert sim("local").floor(cluster, own) == pytest.approx(1 / 3)   # p = 8 / 16, floor p / (1 + p)
+    assert sim("max").floor(cluster, own) == sim("local").floor(cluster, own)
+    with pytest.raises(ValueError, match="floor_from"):
+        sim("mean")
+
+
+def test_a_slow_replica_queues_alone_under_round_robin_and_not_when_routed_to_the_least_loaded():
+    base = SimConfig(replicas=2, rate=4.0, duration_s=120, warmup_s=20, max_tokens=32, slowdown=(1.0, 3.0))
+    off = FixedPolicy(Budget.off())
+    rr = simulate(off, COST, TRACES, SimConfig(**{**base.__dict__, "routing": "round-robin"}))
+    least = simulate(off, COST, TRACES, base)
+    assert rr.mean_queued[1] > 5 * max(rr.mean_queued[0], 0.1)
+    assert max(least.mean_queued) < rr.mean_queued[1] / 2
+    assert least.goodput_tok_s > rr.goodput_tok_s
