@@ -162,33 +162,3 @@ def test_grown_drafter_drafts_what_it_grew_from_and_trains(shared):
     assert grads["layers.2.mlp.down_proj.weight"].abs().sum() > 0
     with pytest.raises(ValueError, match="cannot grow"):
         grown(g, 2)
-
-
-def test_anchor_context_starts_as_the_drafter_it_came_from_and_reads_the_state_before_the_anchor():
-    from treespark import random_pair
-    from treespark.drafter import with_anchor_context
-
-    d = random_pair(64, 0).drafter
-    a = with_anchor_context(d)
-    assert a.config.anchor_context and "anchor_fc.weight" in a.state_dict()
-    gen = torch.Generator().manual_seed(1)
-    taps = torch.randn(12, d.config.context_size, generator=gen)
-    tokens = torch.randint(0, 64, (12,), generator=gen)
-    anchors = torch.tensor([0, 5, 7])
-    torch.testing.assert_close(a.train_logits(taps, tokens, anchors), d.train_logits(taps, tokens, anchors))
-    a.train_logits(taps, tokens, anchors).logsumexp(-1).sum().backward()
-    assert a.anchor_fc.weight.grad.abs().sum() > 0          # trainable from zero
-    with torch.no_grad():
-        a.anchor_fc.weight.copy_(torch.randn(a.anchor_fc.weight.shape, generator=gen) * 0.1)
-    # serving and training agree: block_logits at context length 7 with the state of position 6
-    k, v = a.context_kv(taps[None, :7], torch.arange(7)[None])
-    last = a.context(taps[6][None])
-    served = a.block_logits(tokens[7:8], k, v, torch.tensor([7]), last)
-    trained = a.train_logits(taps, tokens, torch.tensor([7]))
-    base = trained - a.markov_head.bias(tokens[7 + torch.arange(d.config.block_size)])[None]
-    torch.testing.assert_close(served, base, rtol=1e-4, atol=1e-4)
-    # and it reads that state: another one drafts otherwise
-    assert not torch.allclose(a.block_logits(tokens[7:8], k, v, torch.tensor([7]), torch.zeros_like(last)), base,
-                              rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="last_ctx"):
-        a.block_logits(tokens[7:8], k, v, torch.tensor([7]))

@@ -73,7 +73,7 @@ def cmd_train(args) -> None:
         train = replace(base.train, **{k: v for k, v in (("steps", args.steps), ("lr", args.lr),
                                                           ("seed", args.seed)) if v is not None})
         recipe = replace(base, train=train, answers_dir=args.from_answers, shards=args.shards, init=args.init,
-                         layers=args.layers, anchor_context=args.anchor_context)
+                         layers=args.layers)
         print(recipe)
         target, tok = load_default_target(device=args.device)
         report = build_from_answers(recipe, target, tok, Path(args.work_dir), Path(args.out))
@@ -306,9 +306,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", help="--from-answers: continue from this drafter directory")
     t.add_argument("--layers", type=int, help="--from-answers with --init: grow the drafter to this many "
                                               "layers first (new layers start as the identity)")
-    t.add_argument("--anchor-context", action="store_true",
-                   help="--from-answers: the drafter's rows also read the context state before the anchor "
-                        "(with --init: added as a zero projection, so training starts from the init's drafts)")
     t.add_argument("--device")
     t.set_defaults(func=cmd_train)
 

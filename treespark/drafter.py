@@ -59,7 +59,6 @@ class DSparkConfig:
     draft_vocab_size: int = 0            # 0: the full vocabulary
     shared_embeddings: bool = False      # embed_tokens / lm_head come from the target
     confidence_head: bool = False        # the public checkpoint may carry one (unused)
-    anchor_context: bool = False         # rows also read the context state before the anchor (``anchor_fc``)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -263,8 +262,6 @@ class DSparkDrafter(nn.Module):
         self.layers = nn.ModuleList(DSparkLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.markov_head = MarkovHead(c)
-        if c.anchor_context:
-            self.anchor_fc = Linear(c.hidden_size, c.hidden_size, bias=False)
         if c.confidence_head:
             self.confidence_head = ConfidenceHead(c)
         if c.draft_vocab_size:
@@ -310,9 +307,7 @@ class DSparkDrafter(nn.Module):
     def context_kv_train(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """taps: [B, S, n_taps*th], positions: [B, S] -> keys, values [L, B, kvh, S, hd]
         for every drafter layer (what the drafter's KV cache stores per position)."""
-        return self._kv(self.context(taps), positions)
-
-    def _kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = self.context(taps)
         cos, sin = self.rotary(positions, ctx.dtype)
         ks, vs = zip(*(layer.self_attn.kv(ctx, cos, sin) for layer in self.layers), strict=True)
         return torch.stack(ks), torch.stack(vs)
@@ -328,12 +323,8 @@ class DSparkDrafter(nn.Module):
         ids[:, 0] = anchors
         return ids
 
-    def _backbone(self, ids, positions, ctx_k, ctx_v, mask, last_ctx: torch.Tensor | None = None) -> torch.Tensor:
+    def _backbone(self, ids, positions, ctx_k, ctx_v, mask) -> torch.Tensor:
         x = self.embed(ids).to(self.fc.weight.dtype)
-        if self.config.anchor_context:
-            if last_ctx is None:
-                raise ValueError("an anchor_context drafter needs the context state before each anchor (last_ctx)")
-            x = x + self.anchor_fc(last_ctx.to(x.dtype))[:, None, :]
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
@@ -346,7 +337,6 @@ class DSparkDrafter(nn.Module):
         ctx_k: torch.Tensor,       # [L, B, kvh, C, hd] cached context keys
         ctx_v: torch.Tensor,       # [L, B, kvh, C, hd]
         ctx_len: torch.Tensor,     # [B] committed positions of each row (<= C)
-        last_ctx: torch.Tensor | None = None,   # [B, h] each row's context state before its anchor (anchor_context)
     ) -> torch.Tensor:
         """Base logits U: [B, block_size, Vd]; row k is for depth k + 1."""
         b, blk = anchors.shape[0], self.config.block_size
@@ -356,7 +346,7 @@ class DSparkDrafter(nn.Module):
         ctx_mask = torch.arange(c, device=dev)[None, :] < ctx_len[:, None]   # [B, C]
         mask = torch.cat([ctx_mask[:, None, :].expand(b, blk, c),
                           torch.ones(b, blk, blk, dtype=torch.bool, device=dev)], dim=2)
-        return self._backbone(self._block_ids(anchors), positions, ctx_k, ctx_v, mask[:, None], last_ctx).float()
+        return self._backbone(self._block_ids(anchors), positions, ctx_k, ctx_v, mask[:, None]).float()
 
     # -- training ------------------------------------------------------------------------
     def train_logits(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -371,18 +361,14 @@ class DSparkDrafter(nn.Module):
         dev = tokens.device
         assert int(anchors.max()) + blk <= s, "every block must lie inside the sequence"
         pos_ctx = torch.arange(s, device=dev)[None]
-        ctx = self.context(taps[None])                                        # [1, S, h]
-        ctx_k, ctx_v = self._kv(ctx, pos_ctx)                                 # [L, 1, kvh, S, hd]
-        last_ctx = None
-        if self.config.anchor_context:   # the state at anchor - 1 (none before position 0)
-            last_ctx = ctx[0, (anchors - 1).clamp(min=0)] * (anchors > 0)[:, None].to(ctx.dtype)
+        ctx_k, ctx_v = self.context_kv_train(taps[None], pos_ctx)             # [L, 1, kvh, S, hd]
         ctx_k = ctx_k.expand(-1, nb, -1, -1, -1)
         ctx_v = ctx_v.expand(-1, nb, -1, -1, -1)
         positions = anchors[:, None] + torch.arange(blk, device=dev)          # [nb, blk]
         ctx_mask = pos_ctx < anchors[:, None]                                 # [nb, S]
         mask = torch.cat([ctx_mask[:, None, :].expand(nb, blk, s),
                           torch.ones(nb, blk, blk, dtype=torch.bool, device=dev)], dim=2)
-        u = self._backbone(self._block_ids(tokens[anchors]), positions, ctx_k, ctx_v, mask[:, None], last_ctx)
+        u = self._backbone(self._block_ids(tokens[anchors]), positions, ctx_k, ctx_v, mask[:, None])
         parents = tokens[positions]                                           # [nb, blk]
         return u + self.markov_head.bias(parents)
 
@@ -453,19 +439,6 @@ def grown(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
             state[f"layers.{i}.{k}"] = torch.zeros_like(v) if zero else v.clone()
     out.load_state_dict(state, strict=True)   # d2t is copied into the module's own int64 buffer
     if drafter.config.shared_embeddings:   # the target's tensors, already cut to the draft vocabulary
-        out._shared_embed, out._shared_head = drafter._shared_embed, drafter._shared_head
-    return out.train(drafter.training)
-
-
-def with_anchor_context(drafter: DSparkDrafter) -> DSparkDrafter:
-    """``drafter`` with ``anchor_context`` on and ``anchor_fc`` zero: it drafts what
-    ``drafter`` drafts until training moves the new projection."""
-    if drafter.config.anchor_context:
-        return drafter
-    out = DSparkDrafter(replace(drafter.config, anchor_context=True)).to(drafter.fc.weight.dtype)
-    state = {**drafter.state_dict(), "anchor_fc.weight": torch.zeros_like(out.anchor_fc.weight)}
-    out.load_state_dict(state, strict=True)
-    if drafter.config.shared_embeddings:
         out._shared_embed, out._shared_head = drafter._shared_embed, drafter._shared_head
     return out.train(drafter.training)
 

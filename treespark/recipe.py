@@ -34,7 +34,7 @@ from treespark import trainset
 from treespark.budget import Budget
 from treespark.chat import chat_ids
 from treespark.corpus import training_texts
-from treespark.drafter import grown, load_drafter, save_drafter, with_anchor_context
+from treespark.drafter import grown, load_drafter, save_drafter
 from treespark.judge import heldout_features, judge
 from treespark.models import ModelPair
 from treespark.params import SamplingParams
@@ -201,7 +201,6 @@ class AnswersRecipe:
     top_k: int = 16                  # target log-probabilities kept per position (soft labels)
     init: str | None = None          # a drafter directory to start from
     layers: int | None = None        # grow ``init`` to this many layers (``drafter.grown``)
-    anchor_context: bool = False     # rows also read the context state before the anchor (``drafter.with_anchor_context``)
     heldout_prompts: int = 34        # judged on the greedy answers to these held-out prompts ...
     heldout_max_tokens: int = 128    # ... of at most this many tokens
     block_size: int = 6              # the shape of a fresh drafter (ignored with ``init``)
@@ -230,8 +229,6 @@ def build_from_answers(recipe: AnswersRecipe, target, tokenizer, work_dir: Path,
             raise ValueError(f"init drafter taps {drafter.config.target_layer_ids} != recipe {recipe.tap_layers}")
         if recipe.layers is not None:
             drafter = grown(drafter, recipe.layers)
-        if recipe.anchor_context:
-            drafter = with_anchor_context(drafter)
     feats, shards = trainset.answer_features(target, tokenizer, Path(recipe.answers_dir), work_dir / "features",
                                     shards=recipe.shards, tap_layers=recipe.tap_layers, top_k=recipe.top_k,
                                     progress=progress)
@@ -242,7 +239,7 @@ def build_from_answers(recipe: AnswersRecipe, target, tokenizer, work_dir: Path,
         d2t = draft_vocabulary(feats.labels[in_answer], recipe.draft_vocab, target.config.vocab_size)
         drafter = new_drafter_for(target, block_size=recipe.block_size, tap_layers=recipe.tap_layers,
                                   markov_rank=recipe.markov_rank, mask_token_id=recipe.mask_token_id,
-                                  d2t=d2t, seed=recipe.train.seed, anchor_context=recipe.anchor_context)
+                                  d2t=d2t, seed=recipe.train.seed)
     pair = ModelPair(target, drafter, tokenizer)
     taps = "-".join(map(str, recipe.tap_layers))
     held = _cached(work_dir / f"heldout-p{recipe.heldout_prompts}-n{recipe.heldout_max_tokens}-taps{taps}.safetensors",

@@ -371,9 +371,8 @@ def _load_optimizer(opt, g: torch.Generator, out_dir: Path) -> None:
 
 def new_drafter_for(target, *, block_size: int, tap_layers: tuple[int, ...], markov_rank: int,
                     mask_token_id: int, d2t: torch.Tensor | None, num_layers: int = 1,
-                    seed: int = 0, anchor_context: bool = False) -> DSparkDrafter:
-    """A fresh shared-embedding drafter shaped after ``target`` (Llama family); with
-    ``anchor_context``, its ``anchor_fc`` starts at zero."""
+                    seed: int = 0) -> DSparkDrafter:
+    """A fresh shared-embedding drafter shaped after ``target`` (Llama family)."""
     tc = target.config
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     rope = dict(getattr(tc, "rope_parameters", None) or {})
@@ -388,7 +387,6 @@ def new_drafter_for(target, *, block_size: int, tap_layers: tuple[int, ...], mar
         rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None,
         max_position_embeddings=int(getattr(tc, "max_position_embeddings", 40_960)),
         draft_vocab_size=int(d2t.numel()) if d2t is not None else 0, shared_embeddings=True,
-        anchor_context=anchor_context,
     )
     drafter = DSparkDrafter(cfg)
     g = torch.Generator().manual_seed(seed)
@@ -396,8 +394,6 @@ def new_drafter_for(target, *, block_size: int, tap_layers: tuple[int, ...], mar
         drafter.fc.weight.copy_(torch.randn(drafter.fc.weight.shape, generator=g) / math.sqrt(cfg.context_size))
         drafter.markov_head.markov_w1.weight.copy_(torch.randn(drafter.markov_head.markov_w1.weight.shape, generator=g) * 0.02)
         drafter.markov_head.markov_w2.weight.zero_()
-        if anchor_context:
-            drafter.anchor_fc.weight.zero_()
         if d2t is not None:
             drafter.d2t.copy_(d2t)
     init_from_target(drafter, target)
