@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -11,7 +12,9 @@ from treespark.budget import Budget
 from treespark.engine import Engine, EngineConfig
 from treespark.models import ModelPair, load_pair, random_pair
 from treespark.params import SamplingParams, StepStats
+from treespark.pricing.policy import LoadSnapshot, PerStepPolicy
 from treespark.step_alloc import StepAllocator
+from treespark.step_costs import StepCostTable
 
 
 def pair_by_name(name: str, drafter: str | None = None) -> ModelPair:
@@ -85,6 +88,27 @@ def run_engine(pair: ModelPair, prompts: list[list[int]], budget: Budget, *, max
                 drafted += out.stats.drafted_tokens
         steps += 1
     return RunResult(tokens, time.perf_counter() - t0, steps, rounds, accepted, drafted, tuple(stats))
+
+
+def served_budget() -> Budget:
+    """The served default's drafting budget with no queue: ``PerStepPolicy``'s at floor 0,
+    which the per-step allocation then cuts every step."""
+    return PerStepPolicy().budget_for(LoadSnapshot(replicas=1, active=0, queued=0))
+
+
+def served_table(pair: ModelPair, *, max_batch: int, max_context: int, profile_s: float,
+                 cache_dir: Path | None) -> StepCostTable:
+    """The step-cost table a replica of ``max_batch`` rows starts with (measured in at most
+    ``profile_s`` seconds, or read from ``cache_dir``; None: always measured)."""
+    from treespark.step_costs import startup_step_costs
+
+    engine = Engine(pair, EngineConfig(max_batch_size=max_batch, max_context=max(max_context, 1024)))
+    return startup_step_costs(engine, time_budget_s=profile_s, cache_dir=cache_dir)
+
+
+def served_allocator(table: StepCostTable) -> StepAllocator:
+    """A fresh per-step allocation on ``table``, as a served replica installs it."""
+    return StepAllocator(table.step_costs(served_budget().node_cap))
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

@@ -6,14 +6,20 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from treespark.bench.common import RunResult, bench_prompts, markdown_table, run_engine
+from treespark.bench.common import (
+    RunResult,
+    bench_prompts,
+    markdown_table,
+    run_engine,
+    served_allocator,
+    served_budget,
+    served_table,
+)
 from treespark.budget import Budget
-from treespark.engine import Engine, EngineConfig
 from treespark.models import ModelPair
 from treespark.step_alloc import StepAllocator
 
 PER_STEP = "per-step"
-SERVED = Budget(0.0, 32, 4)   # PerStepPolicy's drafting budget with no queue (floor 0)
 
 
 def fixed_budgets(chains=(2, 4)) -> dict[str, Budget]:
@@ -29,24 +35,23 @@ def engine_benchmark(pair: ModelPair, *, batch_sizes=(1, 4, 8, 16), max_tokens: 
     """One cell per (batch size, decoder): ``batches * bs`` held-out prompts through an
     engine of ``bs`` rows; ``repeats`` passes over the decoders (in reversed order every
     other pass, so a drifting machine does not favour one), the median reported. With
-    ``per_step``, the served default too: ``SERVED`` with the per-step allocation on the
+    ``per_step``, the served default too: ``served_budget()`` with the per-step allocation on the
     step-cost table measured at startup (``treespark.step_costs``, cached), and its ratio
     to the best fixed decoder of the row (``cost_cache``: the table cache's folder, None:
     ``treespark.step_costs.CACHE_DIR``)."""
     configs = fixed_budgets(chains)
     table = None
     if per_step:
-        from treespark.step_costs import CACHE_DIR, startup_step_costs
+        from treespark.step_costs import CACHE_DIR
 
         longest = max(len(p) for p in bench_prompts(pair, max(batch_sizes) * batches))
-        table = startup_step_costs(Engine(pair, EngineConfig(max_batch_size=max(batch_sizes),
-                                                             max_context=max(longest + max_tokens, 1024))),
-                                   time_budget_s=profile_s, cache_dir=cost_cache or CACHE_DIR)
+        table = served_table(pair, max_batch=max(batch_sizes), max_context=longest + max_tokens,
+                             profile_s=profile_s, cache_dir=cost_cache or CACHE_DIR)
         log(f"step-cost table: {table.source} ({table.measured_s:.1f} s)")
-        configs[PER_STEP] = SERVED
+        configs[PER_STEP] = served_budget()
 
     def allocator(name: str) -> StepAllocator | None:
-        return StepAllocator(table.step_costs(SERVED.node_cap)) if name == PER_STEP else None
+        return served_allocator(table) if name == PER_STEP else None
 
     for name, budget in configs.items():  # warm-up: the first forwards of a process are slow
         run_engine(pair, bench_prompts(pair, 1), budget, max_tokens=8, batch_size=1, temperature=temperature,

@@ -6,7 +6,15 @@ import time
 
 import torch
 
-from treespark.bench.common import RunResult, bench_prompts, markdown_table, run_engine
+from treespark.bench.common import (
+    RunResult,
+    bench_prompts,
+    markdown_table,
+    run_engine,
+    served_allocator,
+    served_budget,
+    served_table,
+)
 from treespark.budget import Budget
 from treespark.models import ModelPair
 from treespark.step_alloc import StepAllocator
@@ -81,12 +89,8 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
     prompts = bench_prompts(pair, n_prompts)
     table = None
     if profile_s is not None:
-        from treespark.engine import Engine, EngineConfig
-        from treespark.step_costs import startup_step_costs
-
         longest = max(len(p) for p in prompts)
-        table = startup_step_costs(Engine(pair, EngineConfig(max_batch_size=1, max_context=max(longest + max_tokens, 1024))),
-                                   time_budget_s=profile_s, cache_dir=None)
+        table = served_table(pair, max_batch=1, max_context=longest + max_tokens, profile_s=profile_s, cache_dir=None)
         log(f"step-cost table measured in {table.measured_s:.1f} s")
     rows = []
     for temp in temperatures:
@@ -109,12 +113,12 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
         ours = run(ours_budget)
         record("adaptive tree", ours, ours_budget)
         if table is not None:
-            served = Budget(0.0, 32, 4)   # PerStepPolicy's drafting budget with no queue (floor 0)
+            served = served_budget()
 
-            def served_allocator(table=table, served=served) -> StepAllocator:
-                return StepAllocator(table.step_costs(served.node_cap))
+            def allocator(table=table) -> StepAllocator:
+                return served_allocator(table)
 
-            record("per-step (served default)", run(served, allocator=served_allocator()), served, served_allocator)
+            record("per-step (served default)", run(served, allocator=allocator()), served, allocator)
         chain_runs = {}
         for k in chains:
             chain_runs[k] = run(Budget.chain(k))
