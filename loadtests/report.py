@@ -196,7 +196,7 @@ def compare_table(csv_path: Path) -> str:
     if good:
         runs = max(r["runs"] for r in grid.values())
         lines += ["", f"{subject} / best other, geometric mean over the levels: "
-                  f"{math.exp(sum(map(math.log, good)) / len(good)):.3f}; lowest {min(good):.3f} "
+                  f"{statistics.geometric_mean(good):.3f}; lowest {min(good):.3f} "
                   f"(medians of {runs} run(s) per cell)"]
         if runs > 1:
             lines += ["", _tie_line(subject, others, users, grid, runs)]
@@ -218,7 +218,7 @@ def _tie_line(subject: str, others: list[str], users: list[int], grid: dict, run
         cells.append(f"{u}: {ties[-1]:.2f} (cv {cv:.2f}, {k} contender(s))")
     return (f"{subject} / best other if {subject} served exactly like its contenders (the others within two "
             f"run-to-run cv of the best), from noise alone: " + "; ".join(cells)
-            + (f"; geometric mean {math.exp(sum(map(math.log, ties)) / len(ties)):.3f}" if ties else ""))
+            + (f"; geometric mean {statistics.geometric_mean(ties):.3f}" if ties else ""))
 
 
 def compare_detail(csv_path: Path) -> str:
