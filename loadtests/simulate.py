@@ -152,8 +152,8 @@ class PerStepSim:
         own = self.floor_policy.floor(local) if self.floor_from != "cluster" else 0.0
         return max(cluster, own)
 
-    def step_budget(self, load: LoadSnapshot, rows: int, local: LoadSnapshot | None = None) -> Budget:
-        floor = self.floor(load, local if local is not None else load)
+    def step_budget(self, load: LoadSnapshot, rows: int, floor: float) -> Budget:
+        """The step's drafting budget under ``floor`` (``floor(load, local)``)."""
         a = AcceptanceProfile.blend(self.prior, load.acceptance, self.prior_weight)
         n = min(self.floor_policy.max_nodes, a.max_nodes)
         marg = [max(a(i) - a(i - 1), 0.0) for i in range(1, n + 1)]
@@ -250,10 +250,10 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
                             queued=sum(len(x.queue) for x in reps),
                             acceptance=window.stats() if learn else None, draft_node_s=cfg.draft_node_s)
         if isinstance(policy, PerStepSim):
-            local = LoadSnapshot(replicas=1, active=len(r.running), queued=len(r.queue))
-            budget = policy.step_budget(load, len(r.running), local)
+            floor = policy.floor(load, LoadSnapshot(replicas=1, active=len(r.running), queued=len(r.queue)))
+            budget = policy.step_budget(load, len(r.running), floor)
             if now >= cfg.warmup_s:
-                floors.append(policy.floor(load, local))
+                floors.append(floor)
         else:
             budget = policy.budget_for(load, r.rid)
         n = 0 if budget.is_off else budget.node_cap
@@ -308,11 +308,17 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
                      sum(floors) / len(floors) if floors else 0.0)
 
 
+def per_step_sim(cost: CostModel, max_batch: int, prior: AcceptanceProfile, draft_node_s: float = 0.0,
+                 floor_from: str = "cluster") -> PerStepSim:
+    """The per-step policy as the replicas run it (32 nodes, 4 wide), its floor from ``floor_from``."""
+    return PerStepSim(StepCosts(cost, max_nodes=32, draft_node_s=draft_node_s), prior,
+                      PerStepPolicy(max_nodes=32, max_branch=4, max_batch=max_batch), floor_from=floor_from)
+
+
 def baseline_policies(cost: CostModel, max_batch: int, prior: AcceptanceProfile,
                       draft_node_s: float = 0.0) -> dict[str, BudgetPolicy]:
     return {
-        "perstep": PerStepSim(StepCosts(cost, max_nodes=32, draft_node_s=draft_node_s), prior,
-                              PerStepPolicy(max_nodes=32, max_branch=4, max_batch=max_batch)),
+        "perstep": per_step_sim(cost, max_batch, prior, draft_node_s),
         "adaptive": CostModelPolicy(cost, prior, max_batch=max_batch),
         "chain": FixedPolicy(Budget.chain(4)),
         "tree": FixedPolicy(Budget(0.02, 32, 4)),
@@ -320,41 +326,32 @@ def baseline_policies(cost: CostModel, max_batch: int, prior: AcceptanceProfile,
     }
 
 
+def floor_policies(cost: CostModel, max_batch: int, prior: AcceptanceProfile,
+                   draft_node_s: float = 0.0) -> dict[str, BudgetPolicy]:
+    """The per-step policy with its floor from the cluster's load (the controller's), from
+    each replica's own (local only), and the higher of the two; and plain decoding."""
+    pols: dict[str, BudgetPolicy] = {f"perstep-{src}": per_step_sim(cost, max_batch, prior, draft_node_s, src)
+                                     for src in FLOOR_FROM}
+    return {**pols, "off": FixedPolicy(Budget.off())}
+
+
 def sweep(cost: CostModel, traces: Traces, replicas: list[int], rates: list[float], base: SimConfig,
-          prior: AcceptanceProfile, log=print) -> list[dict]:
+          prior: AcceptanceProfile, log=print, policies=baseline_policies) -> list[dict]:
+    """Every (replicas, rate) cell of ``base`` under each of ``policies(cost, max_batch,
+    prior, draft_node_s)``. With ``base.slowdown`` and ``floor_policies``: replicas of
+    unequal speed, where a slow one queues while the others do not, and what each source
+    of the floor makes of that."""
     rows = []
     for nrep in replicas:
         for rate in rates:
             cfg = SimConfig(**{**base.__dict__, "replicas": nrep, "rate": rate})
-            for name, pol in baseline_policies(cost, cfg.max_batch, prior, cfg.draft_node_s).items():
+            for name, pol in policies(cost, cfg.max_batch, prior, cfg.draft_node_s).items():
                 res = simulate(pol, cost, traces, cfg)
                 rows.append({"replicas": nrep, "rate": rate, "policy": name, **res.__dict__})
-                log(f"replicas={nrep} rate={rate:g}/s {name:>8}: {res.goodput_tok_s:7.1f} tok/s "
-                    f"p50 {res.p50_latency_s:6.2f} s tree {res.mean_tree_size:5.1f} batch {res.mean_batch:4.1f}")
-    return rows
-
-
-def imbalance(cost: CostModel, traces: Traces, rates: list[float], base: SimConfig, prior: AcceptanceProfile,
-              log=print) -> list[dict]:
-    """Replicas of unequal speed (``base.slowdown``): the per-step policy with the floor
-    from the cluster's load (the controller's), from each replica's own (local only), and
-    the higher of the two; and plain decoding. A slow replica queues while the others do
-    not: what each source of the floor makes of that."""
-    rows = []
-    for rate in rates:
-        cfg = SimConfig(**{**base.__dict__, "rate": rate})
-        pols: dict[str, BudgetPolicy] = {
-            f"perstep-{src}": PerStepSim(StepCosts(cost, max_nodes=32, draft_node_s=cfg.draft_node_s), prior,
-                                         PerStepPolicy(max_nodes=32, max_branch=4, max_batch=cfg.max_batch),
-                                         floor_from=src)
-            for src in FLOOR_FROM}
-        pols["off"] = FixedPolicy(Budget.off())
-        for name, pol in pols.items():
-            res = simulate(pol, cost, traces, cfg)
-            rows.append({"replicas": cfg.replicas, "rate": rate, "policy": name, **res.__dict__})
-            log(f"rate={rate:g}/s {name:>16}: {res.goodput_tok_s:7.1f} tok/s p50 {res.p50_latency_s:6.2f} s "
-                f"p99 {res.p99_latency_s:6.2f} s queued {[round(q, 1) for q in res.mean_queued]} "
-                f"floor {res.mean_floor:.2f} tree {res.mean_tree_size:5.1f}")
+                log(f"replicas={nrep} rate={rate:g}/s {name:>16}: {res.goodput_tok_s:7.1f} tok/s "
+                    f"p50 {res.p50_latency_s:6.2f} s p99 {res.p99_latency_s:6.2f} s tree {res.mean_tree_size:5.1f} "
+                    f"batch {res.mean_batch:4.1f} waiting {[round(q, 1) for q in res.mean_queued]} "
+                    f"floor {res.mean_floor:.2f}")
     return rows
 
 
@@ -432,8 +429,9 @@ def main(argv: list[str] | None = None) -> None:
                      warmup_s=min(60.0, args.duration / 5), seed=args.seed, draft_node_s=args.draft_node_s,
                      routing=args.routing)
     if args.slowdown:
-        base = SimConfig(**{**base.__dict__, "replicas": len(args.slowdown), "slowdown": tuple(args.slowdown)})
-        rows = imbalance(cost, traces, args.rates, base, prior, log=lambda m: print(m, file=sys.stderr))
+        base = SimConfig(**{**base.__dict__, "slowdown": tuple(args.slowdown)})
+        rows = sweep(cost, traces, [len(args.slowdown)], args.rates, base, prior,
+                     log=lambda m: print(m, file=sys.stderr), policies=floor_policies)
         table = imbalance_table(rows)
     else:
         rows = sweep(cost, traces, args.replicas, args.rates, base, prior, log=lambda m: print(m, file=sys.stderr))
