@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from loadtests.simulate import SimConfig, Traces, baseline_policies, simulate, sweep, sweep_table
+from loadtests.simulate import SimConfig, baseline_policies, simulate, sweep, sweep_table
+from loadtests.traces import Traces
 from treespark.budget import Budget
 from treespark.pricing.costmodel import AcceptanceProfile, CostModel
 from treespark.pricing.policy import FixedPolicy
