@@ -44,9 +44,10 @@ from treespark.params import RequestOutput, RoundStats, SamplingParams, StepStat
 from treespark.request import Request, check_request, clip_emitted
 from treespark.sampling import TorchSampler, sample_rows, target_probs_rows
 from treespark.step_alloc import StepAllocator
+from treespark.step_stats import step_stats
 from treespark.target import TargetRunner
 from treespark.transfer import HostTransfers
-from treespark.tree import DraftTree
+from treespark.tree import DraftTree, tree_batch
 from treespark.verify import VerifyResult, verify_greedy, walked
 from treespark.walk import SampledTrees, branching, walk_sampled
 
@@ -264,30 +265,9 @@ class Engine:
         t_end = time.perf_counter()
         observe = self.allocator is not None and self.allocator.observes
         if self.on_step is not None or observe:
-            trees = drafted.trees
-            syncs, elements = self.transfers.reset()
-            stats = StepStats(
-                batch_size=len(batch),
-                tokens_verified=sum(t.num_nodes for t in trees),
-                tree_sizes=tuple(t.size for t in trees),
-                depths=tuple(t.depth for t in trees),
-                widths=tuple(t.width for t in trees),
-                accepted=tuple(r.accepted for r in results),
-                theta=self.budget.theta,
-                draft_s=t_verify - t_draft,
-                verify_s=t_end - t_verify,
-                step_s=t_end - t0,
-                prefill_tokens=prefill_tokens,
-                calibration_records=tuple(x for req, r in zip(batch, results, strict=True)
-                                          if req.params.temperature == 0 for x in r.records),
-                sampled_records=tuple(x for req, r in zip(batch, results, strict=True)
-                                      if req.params.temperature > 0 for x in r.records),
-                node_caps=tuple(b.node_cap for b in budgets),
-                draft_waves=drafted.waves,
-                host_syncs=syncs,
-                host_elements=elements,
-                policy_s=policy_s,
-            )
+            stats = step_stats(batch, drafted, results, budgets, theta=self.budget.theta,
+                               times=(t0, t_draft, t_verify, t_end), prefill_tokens=prefill_tokens,
+                               host=self.transfers.reset(), policy_s=policy_s)
             if observe:
                 self.allocator.observe(stats)
             if self.on_step is not None:
@@ -320,29 +300,8 @@ class Engine:
     def _verify_forward(self, batch: list[Request], trees: list[DraftTree],
                         lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over every tree: logits [B, K, V] and taps, on the device."""
-        n, dev = len(batch), self.device
-        kmax = max(t.num_nodes for t in trees)
-        tokens = torch.zeros(n, kmax, dtype=torch.long)
-        offsets = torch.zeros(n, kmax, dtype=torch.long)
-        tree_mask = torch.zeros(n, kmax, kmax, dtype=torch.bool)
-        for i, t in enumerate(trees):
-            k = t.num_nodes
-            tokens[i, :k] = torch.tensor(t.tokens)
-            offsets[i, :k] = t.position_offsets()
-            tree_mask[i, :k, :k] = t.ancestor_mask()
-            tree_mask[i, k:, 0] = True  # padding rows see the root only (no all-masked rows)
-        tokens, offsets, tree_mask = tokens.to(dev), offsets.to(dev), tree_mask.to(dev)
-        lens = torch.tensor(lengths, device=dev)[:, None]
-        positions = lens + offsets
-        write_pos = lens + torch.arange(kmax, device=dev)[None]
-        total = max(lengths) + kmax
-        cols = torch.arange(total, device=dev)[None, None, :]                 # [1, 1, T]
-        in_ctx = cols < lens[:, :, None]                                      # [B, 1, T]
-        rel = cols - lens[:, :, None]                                         # tree slot of a column
-        in_tree = (rel >= 0) & (rel < kmax)
-        tree_cols = torch.gather(tree_mask, 2, rel.clamp(0, kmax - 1).expand(n, kmax, total))
-        mask = (in_ctx.expand(n, kmax, total) | (in_tree & tree_cols))[:, None]
-        out = self.runner.forward(tokens, positions, write_pos, self.kv.target, slice(0, n), mask)
+        b = tree_batch(trees, lengths, self.device)
+        out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, slice(0, len(batch)), b.mask)
         assert out.logits is not None
         return out.logits, out.taps
 

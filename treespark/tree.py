@@ -106,3 +106,41 @@ class DraftTree:
             assert i in self.children[p]
             siblings = [self.tokens[c] for c in self.children[p]]
             assert len(set(siblings)) == len(siblings), "siblings must be distinct tokens"
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """One verify forward's inputs for a batch of trees, each row padded to the largest:
+    ``tokens`` / ``positions`` / ``write_pos`` [B, K] and the attention ``mask``
+    [B, 1, K, L + K] (row r sees its committed context and its node's tree ancestors)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    write_pos: torch.Tensor
+    mask: torch.Tensor
+
+
+def tree_batch(trees: list[DraftTree], lengths: list[int], device: torch.device) -> TreeBatch:
+    """The batch of ``trees`` after committed contexts of ``lengths`` tokens: built on the
+    host in the trees' size, moved once, widened to the context on the device."""
+    n = len(trees)
+    kmax = max(t.num_nodes for t in trees)
+    tokens = torch.zeros(n, kmax, dtype=torch.long)
+    offsets = torch.zeros(n, kmax, dtype=torch.long)
+    tree_mask = torch.zeros(n, kmax, kmax, dtype=torch.bool)
+    for i, t in enumerate(trees):
+        k = t.num_nodes
+        tokens[i, :k] = torch.tensor(t.tokens)
+        offsets[i, :k] = t.position_offsets()
+        tree_mask[i, :k, :k] = t.ancestor_mask()
+        tree_mask[i, k:, 0] = True  # padding rows see the root only (no all-masked rows)
+    tokens, offsets, tree_mask = tokens.to(device), offsets.to(device), tree_mask.to(device)
+    lens = torch.tensor(lengths, device=device)[:, None]
+    total = max(lengths) + kmax
+    cols = torch.arange(total, device=device)[None, None, :]              # [1, 1, T]
+    in_ctx = cols < lens[:, :, None]                                      # [B, 1, T]
+    rel = cols - lens[:, :, None]                                         # tree slot of a column
+    in_tree = (rel >= 0) & (rel < kmax)
+    tree_cols = torch.gather(tree_mask, 2, rel.clamp(0, kmax - 1).expand(n, kmax, total))
+    mask = (in_ctx.expand(n, kmax, total) | (in_tree & tree_cols))[:, None]
+    return TreeBatch(tokens, lens + offsets, lens + torch.arange(kmax, device=device)[None], mask)
