@@ -14,6 +14,7 @@ from treespark.datagen.config import GenConfig
 from treespark.datagen.generate import cut_repetition, generate_shards, is_degenerate, make_shard
 from treespark.datagen.reserved import assert_not_reserved, normalise, reserved_texts
 from treespark.datagen.shards import (
+    KIND_CHAT,
     KIND_DOC,
     KIND_FOLLOWUP,
     KIND_SELF,
@@ -22,12 +23,15 @@ from treespark.datagen.shards import (
     finished_shards,
     load_answers,
     read_shard,
+    shard_meta,
     shard_path,
     write_shard,
 )
 from treespark.datagen.sources import (
+    CHAT_TEMPLATES,
     CODE_TEMPLATES,
     Sources,
+    chat_subjects,
     clean_question,
     default_sources,
     plan_shard,
@@ -157,6 +161,45 @@ def test_plan_is_a_function_of_config_and_shard():
     assert plan_shard(CFG, SOURCES, 3, r) != plan_shard(replace(CFG, seed=1), SOURCES, 3, r)
 
 
+def test_the_committed_shards_are_of_the_default_config():
+    """A fourth request source must not change what answers-1 plans, or its digest."""
+    assert shard_meta(shard_path(Path("data/answers"), 0))["config_digest"] == GenConfig().digest()
+    with pytest.raises(ValueError, match="three or four"):
+        GenConfig(mix=(1.0, 1.0))
+    with pytest.raises(ValueError, match="three or four"):
+        GenConfig(mix=(0.0, 0.0, 0.0, 0.0))
+
+
+def test_chat_subjects_never_restate_a_reserved_prompt():
+    reserved = reserved_texts()
+    # held-out prompts ask about black holes and the water cycle; none about owls or tea
+    assert chat_subjects(("black holes", "owls", "the water cycle", "tea"), reserved) == ("owls", "tea")
+    held = load_prompts("heldout")[0].text
+    assert chat_subjects(("a heist",), frozenset({normalise(held)})) == ()
+
+
+def test_chat_requests_are_planned_from_the_chat_templates():
+    cfg = replace(CFG, conversations=40, mix=(0, 0, 0, 1), greedy_fraction=1.0)
+    plans = plan_shard(cfg, SOURCES, 0, reserved_texts())
+    assert len(plans) == 40 and {p.kind for p in plans} == {KIND_CHAT}
+    assert {p.temperature for p in plans} == {0.0}
+    made = {t.format(x=x) for t in CHAT_TEMPLATES for x in (*SOURCES.subjects, *SOURCES.words)}
+    assert {p.text for p in plans} <= made
+    # answers-1's three sources never plan one
+    assert KIND_CHAT not in {p.kind for p in plan_shard(replace(CFG, conversations=40), SOURCES, 0, reserved_texts())}
+    with pytest.raises(ValueError, match="share nothing"):
+        plan_shard(cfg, replace(SOURCES, words=("archive",)), 0, frozenset({"what is an archive?"}))
+
+
+def test_default_chat_requests_avoid_the_reserved_prompts_and_are_distinct():
+    reserved = reserved_texts()
+    cfg = replace(GenConfig(), mix=(0, 0, 0, 1))
+    plans = [p for s in range(5) for p in plan_shard(cfg, default_sources(), s, reserved)]
+    assert_not_reserved([p.text for p in plans], reserved)
+    assert len({p.text for p in plans}) > 0.9 * len(plans)
+    assert not any(" black hole" in p.text or "water cycle" in p.text for p in plans)
+
+
 def test_chat_ids_formats_multi_turn_with_the_same_function():
     from treespark.chat import chat_ids
 
@@ -199,6 +242,8 @@ def test_generated_shard_is_well_formed_and_deterministic(pair, tmp_path: Path):
         assert s.tokens[s.answer_start - 1] == 3  # the answer follows the assistant marker
     temps = {s.temperature for s in a}
     assert 0.0 in temps and temps - {0.0}
+    chat = make_shard(pair, replace(CFG, mix=(0, 0, 0, 1), greedy_fraction=1.0, followup_fraction=0.0), SOURCES, 1)
+    assert chat and {s.kind for s in chat} == {KIND_CHAT} and {s.temperature for s in chat} == {0.0}
 
 
 def test_resume_writes_only_missing_shards(pair, tmp_path: Path, monkeypatch):

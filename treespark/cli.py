@@ -71,7 +71,8 @@ def cmd_train(args) -> None:
     if args.from_answers:
         base = AnswersRecipe()
         train = replace(base.train, **{k: v for k, v in (("steps", args.steps), ("lr", args.lr),
-                                                          ("seed", args.seed)) if v is not None})
+                                                          ("seed", args.seed),
+                                                          ("anchors_per_seq", args.anchors_per_seq)) if v is not None})
         recipe = replace(base, train=train, answers_dir=args.from_answers, shards=args.shards, init=args.init,
                          layers=args.layers)
         print(recipe)
@@ -264,7 +265,10 @@ def cmd_gen_data(args) -> None:
     base = GenConfig()
     cfg = replace(base, **{k: v for k, v in (("seed", args.seed), ("conversations", args.conversations),
                                              ("batch_size", args.batch_size),
-                                             ("max_answer_tokens", args.max_answer_tokens)) if v is not None})
+                                             ("max_answer_tokens", args.max_answer_tokens),
+                                             ("mix", tuple(args.mix) if args.mix else None),
+                                             ("greedy_fraction", args.greedy_fraction),
+                                             ("followup_fraction", args.followup_fraction)) if v is not None})
     print(cfg, file=sys.stderr)
     pair = load_pair(device=args.device)
     written = generate_shards(pair, cfg, default_sources(cfg.max_snippet_chars), Path(args.out),
@@ -306,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", help="--from-answers: continue from this drafter directory")
     t.add_argument("--layers", type=int, help="--from-answers with --init: grow the drafter to this many "
                                               "layers first (new layers start as the identity)")
+    t.add_argument("--anchors-per-seq", type=int,
+                   help="--from-answers: distinct answer anchors per sequence and step (default: AnswersRecipe's)")
     t.add_argument("--device")
     t.set_defaults(func=cmd_train)
 
@@ -397,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--conversations", type=int, help="first-turn requests per shard (default: GenConfig's)")
     d.add_argument("--batch-size", type=int, help="default: GenConfig's")
     d.add_argument("--max-answer-tokens", type=int, help="default: GenConfig's")
+    d.add_argument("--mix", type=float, nargs="+", metavar="W",
+                   help="weights of the request sources: self-written, documentation, code[, chat templates] "
+                        "(default: GenConfig's three)")
+    d.add_argument("--greedy-fraction", type=float, help="share of greedy answers (default: GenConfig's)")
+    d.add_argument("--followup-fraction", type=float, help="share of answers that get a follow-up turn "
+                                                           "(default: GenConfig's)")
     d.add_argument("--device")
     d.set_defaults(func=cmd_gen_data)
     return p

@@ -20,6 +20,7 @@ KIND_SELF = 1            # a target-written question -> its answer
 KIND_DOC = 2             # a request built from documentation text -> its answer
 KIND_CODE = 3            # a request about a stdlib function's source -> its answer
 KIND_FOLLOWUP = 4        # first turn, answer, follow-up -> the second answer
+KIND_CHAT = 5            # a templated chat request shaped like the held-out chat prompts -> its answer
 
 
 @dataclass(frozen=True)

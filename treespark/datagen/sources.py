@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from treespark.datagen.config import GenConfig
 from treespark.datagen.reserved import normalise
-from treespark.datagen.shards import KIND_CODE, KIND_DOC, KIND_SELF
+from treespark.datagen.shards import KIND_CHAT, KIND_CODE, KIND_DOC, KIND_SELF
 from treespark.prompts import load_prompts, tuning_prompts
 
 
@@ -111,6 +111,31 @@ CODE_TEMPLATES = (
     "Is there a bug or something to improve in this code?\n\n```python\n{x}\n```",
     "Rewrite this function to be simpler and easier to read:\n\n```python\n{x}\n```",
 )
+# Requests shaped like the held-out chat prompts (a plot to summarise, an email, a poem,
+# an explanation, tips, pros and cons, a description, a dialogue), on other subjects.
+CHAT_TEMPLATES = (
+    "Summarize the plot of a short story about {x}.",
+    "Write a friendly email to a friend telling them about {x}.",
+    "Write a short poem about {x}.",
+    "Explain what {x} is and why it matters.",
+    "Explain {x} in four or five sentences.",
+    "Give three tips for someone getting started with {x}.",
+    "What are the pros and cons of {x}?",
+    "Why do people find {x} interesting?",
+    "Describe {x} to someone who has never heard of it.",
+    "How do I start a conversation about {x} with a stranger?",
+    "Explain {x} in simple words.",
+    "Write a short dialogue between two friends about {x}.",
+    "Summarize what a beginner should know about {x}.",
+    "What is the polite way to tell a friend you are not interested in {x}?",
+    "Write a short story in which {x} plays a surprising role.",
+    "What are common misconceptions about {x}?",
+)
+# words a subject may share with a held-out or tuning prompt (the templates' own words)
+_GENERIC_WORDS = {"explain", "what", "write", "give", "short", "about", "three", "tip", "simple", "word",
+                  "difference", "between", "function", "python", "that", "with", "this", "someone", "when",
+                  "from", "your", "them", "their", "into", "they", "have", "make", "describe", "first",
+                  "year", "keep", "doe", "there"}
 FOLLOWUPS = (
     "Can you give me an example?", "Can you explain that more simply?", "Thanks! Can you make it shorter?",
     "Why is that?", "What are common mistakes to avoid?", "Can you go into more detail?",
@@ -139,6 +164,17 @@ def corpus_words(texts: list[str], min_count: int = 3) -> list[str]:
     counts = Counter(w.lower() for t in texts for w in re.findall(r"\b[Tt]he ([a-z]{5,14})\b", t))
     reserved = {w for p in tuning_prompts() for w in re.findall(r"[a-z]+", p.text.lower())}
     return sorted(w for w, c in counts.items() if c >= min_count and w not in _STOPWORDS and w not in reserved)
+
+
+def _content_words(text: str) -> set[str]:
+    return {w.rstrip("s") for w in re.findall(r"[a-z]{4,}", text.lower())}
+
+
+def chat_subjects(pool: tuple[str, ...], reserved: frozenset[str]) -> tuple[str, ...]:
+    """The subjects of ``pool`` that share no content word with a reserved (held-out or
+    tuning) prompt, so that no chat request asks a held-out question in other words."""
+    banned = set().union(*(_content_words(t) for t in reserved)) - _GENERIC_WORDS
+    return tuple(x for x in pool if not _content_words(x) & banned)
 
 
 def stdlib_snippets(max_chars: int, min_lines: int = 4, max_lines: int = 40) -> list[str]:
@@ -249,7 +285,7 @@ def _task(text: str) -> str | None:
 class Plan:
     """One first-turn request of a shard and its pre-drawn choices."""
 
-    kind: int                  # KIND_SELF, KIND_DOC or KIND_CODE
+    kind: int                  # KIND_SELF, KIND_DOC, KIND_CODE or KIND_CHAT
     text: str                  # the request; for KIND_SELF, the question-writing request
     temperature: float         # of its answers (first and follow-up)
     followup: str | None       # the follow-up turn, if this conversation gets one
@@ -258,9 +294,14 @@ class Plan:
 def plan_shard(cfg: GenConfig, sources: Sources, shard: int, reserved: frozenset[str]) -> list[Plan]:
     """The shard's requests: a pure function of (config, sources, shard index)."""
     rng = random.Random(f"{cfg.version}/{cfg.seed}/{shard}")
+    kinds = (KIND_SELF, KIND_DOC, KIND_CODE, KIND_CHAT)[: len(cfg.mix)]
+    chat_pools = (chat_subjects(sources.subjects, reserved), chat_subjects(sources.words, reserved)) \
+        if KIND_CHAT in kinds else ((), ())
+    if KIND_CHAT in kinds and not all(chat_pools):
+        raise ValueError("chat requests need subjects and words that share nothing with the reserved prompts")
     plans: list[Plan] = []
     while len(plans) < cfg.conversations:
-        kind = rng.choices((KIND_SELF, KIND_DOC, KIND_CODE), weights=cfg.mix)[0]
+        kind = rng.choices(kinds, weights=cfg.mix)[0]
         temperature = 0.0 if rng.random() < cfg.greedy_fraction else rng.choice(cfg.temperatures)
         followup = rng.choice(FOLLOWUPS) if rng.random() < cfg.followup_fraction else None
         if kind == KIND_SELF:
@@ -268,6 +309,9 @@ def plan_shard(cfg: GenConfig, sources: Sources, shard: int, reserved: frozenset
             text = rng.choice(QUESTION_TEMPLATES).format(x=rng.choice(pool))
         elif kind == KIND_CODE:
             text = rng.choice(CODE_TEMPLATES).format(x=rng.choice(sources.snippets))
+        elif kind == KIND_CHAT:
+            pool = chat_pools[0] if rng.random() < cfg.subject_fraction else chat_pools[1]
+            text = rng.choice(CHAT_TEMPLATES).format(x=rng.choice(pool))
         else:
             doc = rng.choice(sources.docs)
             task = _task(doc) if rng.random() < 0.25 else None
