@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -113,11 +114,7 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
         ours = run(ours_budget)
         record("adaptive tree", ours, ours_budget)
         if table is not None:
-            served = served_budget()
-
-            def allocator(table=table) -> StepAllocator:
-                return served_allocator(table)
-
+            served, allocator = served_budget(), partial(served_allocator, table)
             record("per-step (served default)", run(served, allocator=allocator()), served, allocator)
         chain_runs = {}
         for k in chains:

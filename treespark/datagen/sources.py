@@ -131,7 +131,8 @@ CHAT_TEMPLATES = (
     "Write a short story in which {x} plays a surprising role.",
     "What are common misconceptions about {x}?",
 )
-# words a subject may share with a held-out or tuning prompt (the templates' own words)
+# words a subject may share with a held-out or tuning prompt (the templates' own words),
+# spelt as _content_words leaves them ("tips" -> "tip", "does" -> "doe")
 _GENERIC_WORDS = {"explain", "what", "write", "give", "short", "about", "three", "tip", "simple", "word",
                   "difference", "between", "function", "python", "that", "with", "this", "someone", "when",
                   "from", "your", "them", "their", "into", "they", "have", "make", "describe", "first",
@@ -295,10 +296,11 @@ def plan_shard(cfg: GenConfig, sources: Sources, shard: int, reserved: frozenset
     """The shard's requests: a pure function of (config, sources, shard index)."""
     rng = random.Random(f"{cfg.version}/{cfg.seed}/{shard}")
     kinds = (KIND_SELF, KIND_DOC, KIND_CODE, KIND_CHAT)[: len(cfg.mix)]
-    chat_pools = (chat_subjects(sources.subjects, reserved), chat_subjects(sources.words, reserved)) \
-        if KIND_CHAT in kinds else ((), ())
-    if KIND_CHAT in kinds and not all(chat_pools):
-        raise ValueError("chat requests need subjects and words that share nothing with the reserved prompts")
+    chat_pools: tuple[tuple[str, ...], ...] = ((), ())
+    if KIND_CHAT in kinds:
+        chat_pools = (chat_subjects(sources.subjects, reserved), chat_subjects(sources.words, reserved))
+        if not all(chat_pools):
+            raise ValueError("chat requests need subjects and words that share nothing with the reserved prompts")
     plans: list[Plan] = []
     while len(plans) < cfg.conversations:
         kind = rng.choices(kinds, weights=cfg.mix)[0]
