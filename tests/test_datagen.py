@@ -11,7 +11,14 @@ import pytest
 
 from treespark import ModelPair, random_pair
 from treespark.datagen.config import GenConfig
-from treespark.datagen.generate import cut_repetition, generate_shards, is_degenerate, make_shard
+from treespark.datagen.generate import (
+    Capture,
+    cut_repetition,
+    generate_shards,
+    is_degenerate,
+    make_shard,
+    make_shard_captured,
+)
 from treespark.datagen.reserved import assert_not_reserved, normalise, reserved_texts
 from treespark.datagen.shards import (
     KIND_CHAT,
@@ -245,6 +252,65 @@ def test_generated_shard_is_well_formed_and_deterministic(pair, tmp_path: Path):
     assert 0.0 in temps and temps - {0.0}
     chat = make_shard(pair, replace(CFG, mix=(0, 0, 0, 1), greedy_fraction=1.0, followup_fraction=0.0), SOURCES, 1)
     assert chat and {s.kind for s in chat} == {KIND_CHAT} and {s.temperature for s in chat} == {0.0}
+
+
+def test_captured_features_equal_a_second_pass_where_training_reads_them(pair, tmp_path: Path, monkeypatch):
+    """``make_shard_captured`` gives ``make_shard``'s samples, and features from the
+    generating forwards equal to ``target_features`` over the stored tokens at every
+    position training reads; ``generate_shards(features_dir=...)`` caches them where
+    ``shard_features`` looks, so training runs no second pass over a new shard."""
+    import torch
+
+    from treespark import trainset
+    from treespark.train import draft_vocabulary, target_features
+
+    cfg = replace(CFG, ngram=1, ngram_repeats=2)   # a repeated token cuts an answer, and its capture
+    samples, feats = make_shard_captured(pair, cfg, SOURCES, 1, top_k=4)
+    assert samples == make_shard(pair, cfg, SOURCES, 1)
+    layers = tuple(pair.drafter.config.target_layer_ids)
+    ref = target_features(pair.target, layers, [s.tokens for s in samples],
+                          answer_starts=[s.answer_start for s in samples], top_k=4, progress=False)
+    for name in ("tokens", "starts", "answer_start"):
+        assert getattr(feats, name).equal(getattr(ref, name)), name
+    for i, s in enumerate(samples):
+        lo, hi = int(ref.starts[i]), int(ref.starts[i + 1])
+        ans = slice(lo + s.answer_start - 1, hi - 1)        # where each answer token was chosen
+        torch.testing.assert_close(feats.taps[lo:hi - 1].float(), ref.taps[lo:hi - 1].float(), atol=2e-3, rtol=2e-3)
+        assert feats.labels[ans].equal(ref.labels[ans])
+        assert feats.top_ids[ans].equal(ref.top_ids[ans])
+        torch.testing.assert_close(feats.top_logprobs[ans].float(), ref.top_logprobs[ans].float(), atol=1e-2, rtol=0)
+        assert int(feats.labels[hi - 1]) == -1 and bool((feats.labels[lo:lo + s.answer_start - 1] == -1).all())
+    # the placeholders never count toward the draft vocabulary
+    assert draft_vocabulary(feats.labels, 8, 64).equal(draft_vocabulary(ref.labels[feats.labels >= 0], 8, 64))
+
+    out, work = tmp_path / "answers", tmp_path / "work"
+    assert generate_shards(pair, cfg, SOURCES, out, max_shards=1, features_dir=work, top_k=4, progress=False) == [0]
+
+    def second_pass(*args, **kwargs):
+        raise AssertionError("a second pass over a captured shard")
+
+    monkeypatch.setattr(trainset, "target_features", second_pass)
+    cached = trainset.shard_features(pair.target, pair.tokenizer, out, 0, work, tap_layers=layers, top_k=4,
+                                     progress=False)
+    assert cached.tokens.tolist() == [t for s in read_shard(shard_path(out, 0))[0] for t in s.tokens]
+
+
+def test_captured_features_refuse_a_capture_that_does_not_cover_its_sample():
+    import torch
+
+    from treespark.trainset import captured_features
+
+    s = Sample([5, 6, 3, 7, 8, 9], 3, KIND_CHAT, 0.0)
+    ok = Capture(torch.ones(7, 2, dtype=torch.float16), torch.zeros(3, 2, dtype=torch.int32),
+                 torch.zeros(3, 2, dtype=torch.float16))
+    f = captured_features([s], [ok])            # a capture longer than the sample (a cut answer) is cut
+    assert f.taps.shape == (6, 2) and f.taps[-1].abs().sum() == 0 and f.labels.tolist() == [-1, -1, 0, 0, 0, -1]
+    with pytest.raises(ValueError, match="does not cover"):
+        captured_features([s], [Capture(ok.taps[:4], ok.top_ids, ok.top_logprobs)])
+    with pytest.raises(ValueError, match="does not cover"):
+        captured_features([s], [Capture(ok.taps, ok.top_ids[:2], ok.top_logprobs[:2])])
+    with pytest.raises(ValueError, match="one each"):
+        captured_features([s, s], [ok])
 
 
 def test_resume_writes_only_missing_shards(pair, tmp_path: Path, monkeypatch):

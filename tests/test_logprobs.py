@@ -109,3 +109,38 @@ def test_on_schedule_reports_each_request_once_before_its_first_token(pair64):
     # max_batch_size 1: each leaves the queue only when the one before has finished
     assert events == [("scheduled", "a"), ("first", "a"), ("scheduled", "b"), ("first", "b"),
                       ("scheduled", "c"), ("first", "c")]
+
+
+@pytest.mark.parametrize("budget", [Budget.off(), Budget(0.0, 8, 2)])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_captured_taps_are_the_targets_and_change_no_token(mimic16, budget, temperature):
+    """``capture_taps``: the finished output holds the tapped states of every position but
+    the last (prompt chunks, plain steps, accepted tree nodes, a round cut by max_tokens or
+    a stop token), equal to one teacher-forced forward; the tokens are those without it."""
+    from treespark.train import target_features
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [9]]
+    def reqs():
+        return [(f"r{i}", p, SamplingParams(temperature=temperature, max_tokens=11 + 3 * i, seed=3 + i,
+                                            stop_token_ids=(5,) if i == 2 else ()))
+                for i, p in enumerate(prompts)]
+    def run_capture(capture: bool):
+        engine = Engine(mimic16, EngineConfig(max_batch_size=2, max_context=64, prefill_chunk=4), budget=budget)
+        tokens, taps = {rid: [] for rid, _, _ in reqs()}, {}
+        for rid, prompt, params in reqs():
+            engine.add_request(rid, prompt, params, capture_taps=capture)
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                assert (out.taps is not None) == (capture and out.finished)
+                if out.taps is not None:
+                    taps[out.request_id] = out.taps
+        return tokens, taps
+    plain, none = run_capture(False)
+    tokens, taps = run_capture(True)
+    assert tokens == plain and none == {}
+    layers = mimic16.drafter.config.target_layer_ids
+    for rid, prompt, _ in reqs():
+        seq = prompt + tokens[rid]
+        ref = target_features(mimic16.target, layers, [seq], progress=False).taps
+        assert taps[rid].dtype == torch.float16 and taps[rid].shape == (len(seq) - 1, ref.shape[1])
+        torch.testing.assert_close(taps[rid].float(), ref[:-1].float(), atol=2e-3, rtol=2e-3)

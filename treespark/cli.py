@@ -259,6 +259,7 @@ def cmd_gen_data(args) -> None:
     from treespark.datagen.config import GenConfig
     from treespark.datagen.generate import generate_shards
     from treespark.datagen.sources import default_sources
+    from treespark.recipe import AnswersRecipe
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -272,7 +273,9 @@ def cmd_gen_data(args) -> None:
     print(cfg, file=sys.stderr)
     pair = load_pair(device=args.device)
     written = generate_shards(pair, cfg, default_sources(cfg.max_snippet_chars), Path(args.out),
-                              target_tokens=args.target_tokens, max_shards=args.shards)
+                              target_tokens=args.target_tokens, max_shards=args.shards,
+                              features_dir=Path(args.work_dir) / "features" if args.work_dir else None,
+                              top_k=AnswersRecipe().top_k)
     print(f"wrote shards {written} to {args.out}", file=sys.stderr)
 
 
@@ -409,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--greedy-fraction", type=float, help="share of greedy answers (default: GenConfig's)")
     d.add_argument("--followup-fraction", type=float, help="share of answers that get a follow-up turn "
                                                            "(default: GenConfig's)")
+    d.add_argument("--work-dir", help="also cache each new shard's training features in WORK_DIR/features, "
+                                      "from the forwards that generate it (train-drafter --work-dir WORK_DIR "
+                                      "then needs no second pass over those shards)")
     d.add_argument("--device")
     d.set_defaults(func=cmd_gen_data)
     return p

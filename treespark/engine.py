@@ -20,7 +20,9 @@ Each ``step()``:
 Host syncs per decode step: one per drafting wave (at most the drafter's block size),
 one for verification, one for the first token of a request whose prefill ends in the
 step, and on CUDA two waits that make the stage times device times; no copy to the
-host grows with the vocabulary (``StepStats.host_syncs`` / ``host_elements``).
+host grows with the vocabulary (``StepStats.host_syncs`` / ``host_elements``). A request
+that asked for its tapped states (``capture_taps``, for drafter training data) keeps them
+on the device and adds one copy when it finishes.
 
 The engine is synchronous and not thread-safe: one thread owns it.
 """
@@ -118,13 +120,16 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    *, budget: Budget | None = None) -> None:
-        """Queue a request; raises ValueError (saying what is wrong) if it can never run."""
+                    *, budget: Budget | None = None, capture_taps: bool = False) -> None:
+        """Queue a request; raises ValueError (saying what is wrong) if it can never run.
+        ``capture_taps``: its finished output carries the target's tapped states of every
+        position (``RequestOutput.taps``), as the decoding forwards computed them."""
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = check_request(prompt_ids, params, self.config.max_context, self.vocab_size)
         self._ids.add(request_id)
-        self._waiting.append(Request(request_id, prompt, params, TorchSampler(params.seed), budget))
+        self._waiting.append(Request(request_id, prompt, params, TorchSampler(params.seed), budget,
+                                     taps=[] if capture_taps else None))
 
     def abort(self, request_id: str) -> None:
         """Drop a request at once (its KV row is freed); reported finished with "abort"."""
@@ -195,6 +200,8 @@ class Engine:
         out = self.runner.forward(tokens, pos, pos, self.kv.target, rows, mask,
                                   logits_for="last" if last else "none")
         self._write_context(req.slot, out.taps[0], pos[0])
+        if req.taps is not None:
+            req.taps.append(out.taps[0])
         req.prefilled = end
         self.kv.lengths[req.slot] = end
         if last:
@@ -363,6 +370,8 @@ class Engine:
             req.rounds.append(RoundStats(tree.size, tree.depth, tree.width, result.accepted,
                                          (req.budget or self.budget).theta))
             length = lengths[i]
+            if req.taps is not None:  # the root and the accepted nodes (a finished row's may be cut)
+                req.taps.append(taps[i, [0, *result.path]])
             if self._emit(req, list(result.tokens), outputs, logprobs=logprobs.get(i)):
                 continue
             keep = [0, *result.path]
@@ -396,7 +405,11 @@ class Engine:
         if finished:
             self._ids.discard(req.id)
         lps = None if logprobs is None else tuple(logprobs[:len(tokens)])
-        outputs.append(RequestOutput(req.id, tokens, finished, reason, req.stats() if finished else None, lps))
+        taps = None
+        if finished and req.taps is not None:
+            positions = len(req.prompt) + len(req.output) - 1
+            taps = self.transfers.fetch(torch.cat(req.taps)[:positions].to(torch.float16))
+        outputs.append(RequestOutput(req.id, tokens, finished, reason, req.stats() if finished else None, lps, taps))
         return finished
 
     def _release(self, req: Request) -> None:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from treespark.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from treespark.sampling import validate_temperature, validate_top_p
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,10 @@ class RequestOutput:
     finish_reason: str | None          # "stop" | "length" | "abort"
     stats: RequestStats | None = None  # set when finished
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, when the request asked
+    # when finished and the request asked (capture_taps): the target's tapped hidden states
+    # [prompt + output - 1, n_taps * hidden] float16 on the host, one row per position before
+    # the last token, from the forwards that generated them (what the drafter trains on)
+    taps: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ class Request:
     slot: int = -1
     prefilled: int = 0
     rounds: list[RoundStats] = field(default_factory=list)
+    # the target's tapped states of the positions processed so far, in order (on the
+    # device), kept only when the request asked (``Engine.add_request(capture_taps=True)``)
+    taps: list[torch.Tensor] | None = None
 
     def stats(self) -> RequestStats:
         drafted = sum(r.tree_size for r in self.rounds)

@@ -141,8 +141,11 @@ def target_features(target, tap_layers: tuple[int, ...], sequences: Iterable[lis
 def draft_vocabulary(labels: torch.Tensor, size: int, vocab_size: int,
                      weights: torch.Tensor | None = None) -> torch.Tensor:
     """The ``size`` most frequent target labels (each counted with its weight, if
-    given), sorted by token id (the d2t map)."""
-    counts = torch.bincount(labels, weights=weights, minlength=vocab_size)
+    given; a label of -1, where no forward computed one, is not counted), sorted by
+    token id (the d2t map)."""
+    known = labels >= 0
+    counts = torch.bincount(labels[known], weights=None if weights is None else weights[known],
+                            minlength=vocab_size)
     return counts.topk(min(size, vocab_size)).indices.sort().values
 
 

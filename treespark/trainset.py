@@ -6,7 +6,9 @@ sequences (tapped hidden states, argmax labels, top-K log-probabilities), which 
 large and cheap to recompute: one teacher-forced target pass per sequence
 (``train.target_features``), cached per shard so that an interrupted build resumes.
 Each cache file is named after its shard's content digest and the feature settings,
-so a regenerated shard is never paired with stale features.
+so a regenerated shard is never paired with stale features. ``gen-data --work-dir``
+writes that cache itself from the forwards that generated the shard
+(``captured_features``), and then no second pass is needed.
 
 Held-out and tuning prompts must never reach training: ``leaked_prompts`` looks for
 their text in every training conversation (``datagen.reserved`` already refuses them
@@ -18,10 +20,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
 
 from treespark.datagen.reserved import normalise, reserved_texts
 from treespark.datagen.shards import Sample, finished_shards, read_shard, shard_path
 from treespark.train import Features, concat_features, target_features
+
+if TYPE_CHECKING:
+    from treespark.datagen.generate import Capture
 
 
 def leaked_prompts(samples: Sequence[Sample], tokenizer, reserved: frozenset[str] | None = None) -> list[str]:
@@ -39,13 +47,59 @@ def shard_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
+def feature_cache(answers_dir: Path, shard: int, cache_dir: Path, *, tap_layers: tuple[int, ...],
+                  top_k: int) -> Path:
+    """Where the features of committed shard ``shard`` are cached: named after its content
+    digest and the feature settings."""
+    path = shard_path(answers_dir, shard)
+    taps = "-".join(map(str, tap_layers))
+    return cache_dir / f"shard-{shard:05d}-{shard_digest(path)}-taps{taps}-top{top_k}.safetensors"
+
+
+def save_features(feats: Features, path: Path) -> None:
+    """Write atomically (a temp file, then a rename): a killed run leaves no half file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    feats.save(tmp)
+    tmp.replace(path)
+
+
+def captured_features(samples: Sequence[Sample], captures: Sequence[Capture]) -> Features:
+    """Training features from what the generating forwards computed (``make_shard_captured``)
+    instead of a second pass: the same as ``target_features`` where training reads them
+    (taps before the last position, labels and top-K at answer positions but the last).
+    Where no forward produced them they are placeholders training never reads: labels -1
+    and top-K ids -1 (log-probs -inf) at prompt positions and the last one, and the last
+    position's taps 0 (anchors stop ``block_size`` tokens before a sequence's end)."""
+    if len(samples) != len(captures) or not samples:
+        raise ValueError(f"{len(samples)} samples and {len(captures)} captures: one each, at least one")
+    toks, taps, labels, top_ids, top_lp, starts = [], [], [], [], [], [0]
+    for s, c in zip(samples, captures, strict=True):
+        n, a = len(s.tokens), s.answer_start
+        width, k = c.taps.shape[1], c.top_ids.shape[1]
+        if k < 1 or c.taps.shape[0] < n - 1 or c.top_ids.shape[0] != n - a:
+            raise ValueError(f"a capture of {c.taps.shape[0]} positions and {c.top_ids.shape[0]} answer tokens "
+                             f"(top {k}) does not cover a sample of {n} tokens, answer from {a}")
+        toks.append(torch.tensor(s.tokens))
+        taps.append(torch.cat([c.taps[: n - 1], torch.zeros(1, width, dtype=c.taps.dtype)]))
+        # answer token j was chosen at position a - 1 + j
+        ids = torch.full((n, k), -1, dtype=torch.int32)
+        lp = torch.full((n, k), float("-inf"), dtype=torch.float16)
+        ids[a - 1: n - 1], lp[a - 1: n - 1] = c.top_ids, c.top_logprobs
+        top_ids.append(ids)
+        top_lp.append(lp)
+        labels.append(ids[:, 0].long())
+        starts.append(starts[-1] + n)
+    return Features(torch.cat(toks), torch.cat(taps), torch.cat(labels), torch.tensor(starts),
+                    torch.tensor([s.answer_start for s in samples]), torch.cat(top_ids), torch.cat(top_lp))
+
+
 def shard_features(target, tokenizer, answers_dir: Path, shard: int, cache_dir: Path, *,
                    tap_layers: tuple[int, ...], top_k: int, progress: bool = True) -> Features:
     """The target's features of one shard's samples (answers marked), cached in
     ``cache_dir``. Refuses a shard in which a reserved prompt appears."""
     path = shard_path(answers_dir, shard)
-    taps = "-".join(map(str, tap_layers))
-    cache = cache_dir / f"shard-{shard:05d}-{shard_digest(path)}-taps{taps}-top{top_k}.safetensors"
+    cache = feature_cache(answers_dir, shard, cache_dir, tap_layers=tap_layers, top_k=top_k)
     if cache.exists():
         return Features.load(cache)
     samples, _ = read_shard(path)
@@ -55,10 +109,7 @@ def shard_features(target, tokenizer, answers_dir: Path, shard: int, cache_dir: 
     feats = target_features(target, tap_layers, [s.tokens for s in samples],
                             answer_starts=[s.answer_start for s in samples], top_k=top_k,
                             progress=progress, total=len(samples))
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    feats.save(tmp)
-    tmp.replace(cache)
+    save_features(feats, cache)
     return feats
 
 

@@ -1,7 +1,12 @@
 """The generation loop: the target writes a shard through the engine (questions, first
 turns, follow-ups; ``make_shard``), answers are cut at repetition loops and degenerate
 ones dropped, and ``generate_shards`` writes the missing shards, resuming from the
-committed ones."""
+committed ones.
+
+``make_shard_captured`` also keeps what the generating forwards computed for the drafter
+(the target's tapped states of every position and its top-k log-probabilities at every
+answer position; ``Engine.add_request(capture_taps=True)`` and ``SamplingParams.logprobs``),
+so a shard's training features need no second pass over its tokens."""
 
 from __future__ import annotations
 
@@ -10,9 +15,10 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from treespark.budget import Budget
@@ -32,7 +38,7 @@ from treespark.datagen.shards import (
 )
 from treespark.datagen.sources import Sources, clean_question, plan_shard
 from treespark.models import ModelPair
-from treespark.params import SamplingParams
+from treespark.params import RequestOutput, SamplingParams
 
 # -- answers kept ----------------------------------------------------------------------
 
@@ -66,25 +72,69 @@ def request_seed(cfg: GenConfig, shard: int, index: int, turn: int) -> int:
 Progress = Callable[[int], None]
 
 
+@dataclass(frozen=True)
+class Capture:
+    """What the forwards that generated one sample computed for the drafter."""
+
+    taps: torch.Tensor          # [>= len(tokens) - 1, n_taps * hidden] float16: every position but the last
+    top_ids: torch.Tensor       # [answer tokens, k] int32: the target's k likeliest tokens where each
+    top_logprobs: torch.Tensor  # [answer tokens, k] float16  answer token was chosen, and their log-probs
+
+    def cut(self, answer_tokens: int) -> Capture:
+        """The capture of the answer's first ``answer_tokens`` tokens."""
+        return Capture(self.taps, self.top_ids[:answer_tokens], self.top_logprobs[:answer_tokens])
+
+
+def _capture(outs: list[RequestOutput], answer: list[int]) -> Capture:
+    lps = [lp for o in outs for lp in o.logprobs]
+    assert len(lps) == len(answer) and outs[-1].taps is not None
+    return Capture(outs[-1].taps, torch.tensor([[i for i, _ in lp.top] for lp in lps], dtype=torch.int32),
+                   torch.tensor([[v for _, v in lp.top] for lp in lps], dtype=torch.float16))
+
+
 def run_requests(engine, tag: str, prompts: list[list[int]], params: list[SamplingParams],
-                 on_tokens: Progress | None = None) -> list[list[int]]:
-    """Each prompt's answer through ``engine`` (the public API only), in prompt order;
-    ``tag`` keeps request ids distinct between calls."""
+                 on_tokens: Progress | None = None, *, capture: bool = False,
+                 ) -> tuple[list[list[int]], list[Capture] | None]:
+    """Each prompt's answer through ``engine`` (the public API only), in prompt order, and
+    with ``capture`` (params asking for logprobs) what its forwards computed; ``tag`` keeps
+    request ids distinct between calls."""
     base = f"{tag}-"
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"{base}{i}", p, sp)
+        engine.add_request(f"{base}{i}", p, sp, capture_taps=capture)
     answers: list[list[int]] = [[] for _ in prompts]
+    outs: list[list[RequestOutput]] = [[] for _ in prompts]
     while engine.has_unfinished():
         for out in engine.step():
-            answers[int(out.request_id[len(base):])] += out.new_token_ids
+            i = int(out.request_id[len(base):])
+            answers[i] += out.new_token_ids
+            if capture:
+                outs[i].append(out)
             if on_tokens is not None:
                 on_tokens(len(out.new_token_ids))
-    return answers
+    return answers, ([_capture(o, a) for o, a in zip(outs, answers, strict=True)] if capture else None)
 
 
 def make_shard(pair: ModelPair, cfg: GenConfig, sources: Sources, shard: int,
                on_tokens: Progress | None = None) -> list[Sample]:
     """The samples of shard ``shard``: questions written, first turns and follow-ups answered."""
+    return _make_shard(pair, cfg, sources, shard, on_tokens, None)[0]
+
+
+def make_shard_captured(pair: ModelPair, cfg: GenConfig, sources: Sources, shard: int, top_k: int,
+                        on_tokens: Progress | None = None):
+    """``make_shard``'s samples (the same ones) and their training features
+    (``trainset.captured_features``: the drafter's taps, ``top_k`` soft labels) as the
+    generating forwards computed them."""
+    from treespark.trainset import captured_features
+
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1 (the labels are each position's likeliest token), got {top_k}")
+    samples, captures = _make_shard(pair, cfg, sources, shard, on_tokens, top_k)
+    return samples, captured_features(samples, captures)
+
+
+def _make_shard(pair: ModelPair, cfg: GenConfig, sources: Sources, shard: int,
+                on_tokens: Progress | None, top_k: int | None) -> tuple[list[Sample], list[Capture] | None]:
     from treespark.engine import Engine, EngineConfig
 
     tok = pair.tokenizer
@@ -95,7 +145,14 @@ def make_shard(pair: ModelPair, cfg: GenConfig, sources: Sources, shard: int,
                     budget=Budget.off())
     plans = plan_shard(cfg, sources, shard, reserved)
     samples: list[Sample] = []
+    captures: list[Capture] = []  # one per sample, when top_k is set
     requests: list[str] = []  # every user turn sent, checked against the reserved prompts
+    capture = top_k is not None
+
+    def add(sample: Sample, cap: list[Capture] | None, i: int) -> None:
+        samples.append(sample)
+        if cap is not None:
+            captures.append(cap[i].cut(len(sample.tokens) - sample.answer_start))
 
     def finish(ids: list[int]) -> tuple[list[int], bool]:
         kept = cut_repetition(ids, cfg.ngram, cfg.ngram_repeats)
@@ -106,13 +163,15 @@ def make_shard(pair: ModelPair, cfg: GenConfig, sources: Sources, shard: int,
     selfs = [j for j, p in enumerate(plans) if p.kind == KIND_SELF]
     q_prompts = [chat_ids(tok, plans[j].text) for j in selfs]
     q_params = [SamplingParams(temperature=cfg.question_temperature, max_tokens=cfg.max_question_tokens,
-                               stop_token_ids=stop, seed=request_seed(cfg, shard, j, 0)) for j in selfs]
+                               stop_token_ids=stop, seed=request_seed(cfg, shard, j, 0), logprobs=top_k)
+                for j in selfs]
     firsts: dict[int, str] = {j: p.text for j, p in enumerate(plans) if p.kind != KIND_SELF}
-    for j, prompt, ids in zip(selfs, q_prompts, run_requests(engine, "q", q_prompts, q_params, on_tokens), strict=True):
+    answers, cap = run_requests(engine, "q", q_prompts, q_params, on_tokens, capture=capture)
+    for n, (j, prompt, ids) in enumerate(zip(selfs, q_prompts, answers, strict=True)):
         requests.append(plans[j].text)
         kept, ok = finish(ids)
         if ok:
-            samples.append(Sample(prompt + kept, len(prompt), KIND_WRITE_QUESTION, cfg.question_temperature))
+            add(Sample(prompt + kept, len(prompt), KIND_WRITE_QUESTION, cfg.question_temperature), cap, n)
         q = clean_question(tok.decode(kept, skip_special_tokens=True), reserved) if ok else None
         if q is not None:
             firsts[j] = q
@@ -123,15 +182,17 @@ def make_shard(pair: ModelPair, cfg: GenConfig, sources: Sources, shard: int,
     keep = [k for k, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
     order, prompts = [order[k] for k in keep], [prompts[k] for k in keep]
     params = [SamplingParams(temperature=plans[j].temperature, max_tokens=cfg.max_answer_tokens,
-                             stop_token_ids=stop, seed=request_seed(cfg, shard, j, 1)) for j in order]
+                             stop_token_ids=stop, seed=request_seed(cfg, shard, j, 1), logprobs=top_k)
+              for j in order]
     f_prompts: list[list[int]] = []
     f_index: list[int] = []
-    for j, prompt, ids in zip(order, prompts, run_requests(engine, "a", prompts, params, on_tokens), strict=True):
+    answers, cap = run_requests(engine, "a", prompts, params, on_tokens, capture=capture)
+    for n, (j, prompt, ids) in enumerate(zip(order, prompts, answers, strict=True)):
         requests.append(firsts[j])
         kept, ok = finish(ids)
         if not ok:
             continue
-        samples.append(Sample(prompt + kept, len(prompt), plans[j].kind, plans[j].temperature))
+        add(Sample(prompt + kept, len(prompt), plans[j].kind, plans[j].temperature), cap, n)
         followup = plans[j].followup
         if followup is None or len(kept) < len(ids) or kept[-1] not in stop:
             continue  # only complete, uncut answers get a follow-up
@@ -146,23 +207,28 @@ def make_shard(pair: ModelPair, cfg: GenConfig, sources: Sources, shard: int,
 
     # 3. follow-ups
     f_params = [SamplingParams(temperature=plans[j].temperature, max_tokens=cfg.max_answer_tokens,
-                               stop_token_ids=stop, seed=request_seed(cfg, shard, j, 2)) for j in f_index]
-    for j, prompt, ids in zip(f_index, f_prompts, run_requests(engine, "f", f_prompts, f_params, on_tokens),
-                              strict=True):
+                               stop_token_ids=stop, seed=request_seed(cfg, shard, j, 2), logprobs=top_k)
+                for j in f_index]
+    answers, cap = run_requests(engine, "f", f_prompts, f_params, on_tokens, capture=capture)
+    for n, (j, prompt, ids) in enumerate(zip(f_index, f_prompts, answers, strict=True)):
         kept, ok = finish(ids)
         if ok:
-            samples.append(Sample(prompt + kept, len(prompt), KIND_FOLLOWUP, plans[j].temperature))
+            add(Sample(prompt + kept, len(prompt), KIND_FOLLOWUP, plans[j].temperature), cap, n)
     assert_not_reserved(requests, reserved)
-    return samples
+    return samples, (captures if capture else None)
 
 
 # -- the run: shard after shard, resumable ---------------------------------------------
 
 def generate_shards(pair: ModelPair, cfg: GenConfig, sources: Sources, out_dir: Path, *,
                     target_tokens: int | None = None, max_shards: int | None = None,
+                    features_dir: Path | None = None, top_k: int = 16,
                     progress: bool = True) -> list[int]:
     """Write missing shards (lowest index first) until the committed answer tokens reach
-    ``target_tokens`` or ``max_shards`` shards exist; returns the shards written."""
+    ``target_tokens`` or ``max_shards`` shards exist; returns the shards written.
+    ``features_dir``: also cache each new shard's training features there, from the
+    generating forwards (the drafter's taps, ``top_k`` soft labels), where
+    ``trainset.shard_features`` looks for them."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(".shard-*.npz.tmp"):
         stale.unlink()  # a run killed while writing
@@ -192,13 +258,21 @@ def generate_shards(pair: ModelPair, cfg: GenConfig, sources: Sources, out_dir: 
     while (target_tokens is None or total < target_tokens) and (max_shards is None or len(done) < max_shards):
         shard = next(i for i in range(len(done) + 1) if i not in done)
         t0, before = time.perf_counter(), made
-        samples = make_shard(pair, cfg, sources, shard, on_tokens)
+        if features_dir is None:
+            samples, feats = make_shard(pair, cfg, sources, shard, on_tokens), None
+        else:
+            samples, feats = make_shard_captured(pair, cfg, sources, shard, top_k, on_tokens)
         seconds = time.perf_counter() - t0
         answer_tokens = sum(len(s.tokens) - s.answer_start for s in samples)
         meta = {"shard": shard, "version": cfg.version, "seed": cfg.seed, "config": asdict(cfg),
                 "config_digest": cfg.digest(), "sources": sources.digest(), "sequences": len(samples),
                 "tokens": sum(len(s.tokens) for s in samples), "answer_tokens": answer_tokens}
         write_shard(shard_path(out_dir, shard), samples, meta)
+        if feats is not None:
+            from treespark.trainset import feature_cache, save_features
+
+            save_features(feats, feature_cache(out_dir, shard, features_dir, top_k=top_k,
+                                               tap_layers=tuple(pair.drafter.config.target_layer_ids)))
         write_manifest(out_dir)
         done = sorted([*done, shard])
         written.append(shard)
