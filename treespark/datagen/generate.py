@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -39,6 +40,9 @@ from treespark.datagen.shards import (
 from treespark.datagen.sources import Sources, clean_question, plan_shard
 from treespark.models import ModelPair
 from treespark.params import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from treespark.train import Features
 
 # -- answers kept ----------------------------------------------------------------------
 
@@ -121,7 +125,7 @@ def make_shard(pair: ModelPair, cfg: GenConfig, sources: Sources, shard: int,
 
 
 def make_shard_captured(pair: ModelPair, cfg: GenConfig, sources: Sources, shard: int, top_k: int,
-                        on_tokens: Progress | None = None):
+                        on_tokens: Progress | None = None) -> tuple[list[Sample], Features]:
     """``make_shard``'s samples (the same ones) and their training features
     (``trainset.captured_features``: the drafter's taps, ``top_k`` soft labels) as the
     generating forwards computed them."""
