@@ -370,13 +370,14 @@ class Engine:
             req.rounds.append(RoundStats(tree.size, tree.depth, tree.width, result.accepted,
                                          (req.budget or self.budget).theta))
             length = lengths[i]
-            if req.taps is not None:  # the root and the accepted nodes (a finished row's may be cut)
-                req.taps.append(taps[i, [0, *result.path]])
+            keep = [0, *result.path]                # the root and the accepted nodes
+            kept_taps = taps[i, keep]
+            if req.taps is not None:                # (a finished row's are cut to its output)
+                req.taps.append(kept_taps)
             if self._emit(req, list(result.tokens), outputs, logprobs=logprobs.get(i)):
                 continue
-            keep = [0, *result.path]
             self.kv.move_entries(req.slot, [length + s for s in keep], [length + j for j in range(len(keep))])
-            commit_taps.append(taps[i, keep])
+            commit_taps.append(kept_taps)
             commit_pos.append(torch.arange(length, length + len(keep), device=dev))
             commit_slot.append(req.slot)
             self.kv.lengths[req.slot] = length + len(keep)
