@@ -1,4 +1,5 @@
-"""treespark.linear: the CPU product layouts and packed weights give F.linear's values."""
+"""treespark.linear: the CPU product layouts and packed weights give F.linear's values,
+and the product plan picks the fastest measured layout per row count."""
 
 import pytest
 import torch
@@ -7,16 +8,24 @@ import torch.nn.functional as F
 from treespark import random_pair
 from treespark.kv import KVStore
 from treespark.linear import (
-    PACKED_MIN_ROWS,
+    F_LINEAR,
+    LAYOUTS,
+    PACKED,
+    SMALL,
     SMALL_ROWS,
     Linear,
+    ProductPlan,
     can_pack,
+    choose_plan,
     linear,
+    measure_plan,
     pack,
     packed_linear,
     padded_rows,
+    plan_sample,
+    planned_linear,
 )
-from treespark.target import TargetRunner
+from treespark.target import TargetRunner, product_plan
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 9, 10, 15, 16, 17, SMALL_ROWS, SMALL_ROWS + 1])
@@ -83,16 +92,18 @@ def test_pack_refuses_what_it_cannot_pack():
 
 
 @needs_onednn
-def test_target_runner_packs_and_matches_the_model_at_every_row_count():
-    """The runner's logits (plain products below PACKED_MIN_ROWS rows, packed ones
-    above) equal the transformers forward of the same sequence."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_target_runner_matches_the_model_at_every_row_count_in_every_layout(layout):
+    """With any one layout at every row count, the runner's logits equal the
+    transformers forward of the same sequence."""
     pair = random_pair(64, 3)
-    runner = TargetRunner(pair.target, (0,))
-    assert runner._packed, "a float32 CPU target gets packed weights"
+    runner = TargetRunner(pair.target, (0,), products=ProductPlan.fixed(layout))
+    assert bool(runner._packed) == (layout == PACKED), "packed copies only where the plan uses them"
+    assert runner.products.layout(1) == runner.products.layout(500) == layout
     seq = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = pair.target(seq).logits[0]
-    for k in (1, 2, PACKED_MIN_ROWS, 8, 20):
+    for k in (1, 2, 3, 8, 20):
         store = KVStore(runner.store_shape, 1, 32, torch.device("cpu"), torch.float32)
         n0 = 24 - k
         if n0:  # the prefix first, in one forward
@@ -105,8 +116,89 @@ def test_target_runner_packs_and_matches_the_model_at_every_row_count():
         torch.testing.assert_close(out.logits[0], ref[n0:], rtol=1e-4, atol=1e-4)
 
 
+def test_plan_maps_each_row_count_to_the_layout_measured_at_or_above_it():
+    plan = ProductPlan((1, 2, 4, 8), (F_LINEAR, F_LINEAR, PACKED, SMALL))
+    assert [plan.layout(n) for n in (1, 2, 3, 4, 5, 8, 9, 1000)] == [
+        F_LINEAR, F_LINEAR, PACKED, PACKED, SMALL, SMALL, SMALL, SMALL]
+    assert plan.describe() == "rows 1-2 F.linear, 3-4 oneDNN packed, 5+ treespark.linear"
+    assert ProductPlan.fixed(PACKED).describe() == "all rows oneDNN packed"
+    assert ProductPlan((1, 4), (SMALL, SMALL)).describe() == "all rows treespark.linear"
+
+
+def test_plan_refuses_malformed_plans():
+    with pytest.raises(ValueError, match="one layout per row count"):
+        ProductPlan((1, 2), (F_LINEAR,))
+    with pytest.raises(ValueError, match="increasing"):
+        ProductPlan((2, 1), (F_LINEAR, SMALL))
+    with pytest.raises(ValueError, match="unknown product layouts"):
+        ProductPlan((1,), ("cuBLAS",))
+
+
+@pytest.mark.parametrize("layout", [F_LINEAR, SMALL])
+def test_planned_linear_gives_f_linear_values_and_refuses_a_missing_packed_copy(layout):
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(10, 6, generator=g), torch.randn(10, generator=g), torch.randn(5, 6, generator=g)
+    torch.testing.assert_close(planned_linear(x, w, b, ProductPlan.fixed(layout)), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no packed copy"):
+        planned_linear(x, w, b, ProductPlan((4, 8), (layout, PACKED)))
+
+
+def test_choose_plan_keeps_the_fastest_layout_per_row_count():
+    ms = {1: {F_LINEAR: 29.0, SMALL: 75.0, PACKED: 45.0},
+          4: {F_LINEAR: 50.0, SMALL: 77.0, PACKED: 55.0},
+          8: {F_LINEAR: 67.5, SMALL: 79.0, PACKED: 54.3},
+          64: {F_LINEAR: 132.7, SMALL: 176.6, PACKED: 138.9}}
+    plan = choose_plan(ms)
+    assert plan.rows == (1, 4, 8, 64)
+    assert plan.layouts == (F_LINEAR, F_LINEAR, PACKED, F_LINEAR)
+    # a near-tie goes to F.linear: 3 % faster is within the 5 % margin, 7 % is not
+    assert choose_plan({2: {F_LINEAR: 100.0, SMALL: 97.0}}).layouts == (F_LINEAR,)
+    assert choose_plan({2: {F_LINEAR: 100.0, SMALL: 93.0}}).layouts == (SMALL,)
+    assert choose_plan({2: {F_LINEAR: 100.0, SMALL: 97.0}}, margin=0.0).layouts == (SMALL,)
+
+
+def test_plan_sample_takes_whole_layers_up_to_the_budget_and_the_head():
+    layer = [torch.zeros(8, 4), torch.zeros(4, 8)]  # 2 weights of 128 bytes a layer
+    head = torch.zeros(16, 4)
+    ws = layer * 5 + [head]
+    assert plan_sample(ws, per_layer=2, budget=300) == [0, 1, 2, 3, 10]
+    assert plan_sample(ws, per_layer=2, budget=10**9) == list(range(11))
+    assert plan_sample(layer * 3, per_layer=2, budget=1) == [0, 1]
+
+
+@needs_onednn
+def test_measure_plan_times_every_layout_at_every_row_count_and_keeps_the_fastest():
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g)]
+    plan, ms = measure_plan(ws, [pack(w) for w in ws], rows=(1, 3, 9), reps=1)
+    assert set(ms) == {1, 3, 9} and all(set(by) == set(LAYOUTS) for by in ms.values())
+    assert all(t > 0 for by in ms.values() for t in by.values())
+    assert plan == choose_plan(ms)
+    unpacked, ms = measure_plan(ws, None, rows=(2,), reps=1)
+    assert set(ms[2]) == {F_LINEAR, SMALL} and unpacked.rows == (2,)
+    with pytest.raises(ValueError, match="packed weights for"):
+        measure_plan(ws, [pack(ws[0])])
+
+
+def test_runner_measures_the_plan_once_per_model_and_can_be_given_one():
+    pair = random_pair(64, 3)
+    first, second = TargetRunner(pair.target, (0,)), TargetRunner(pair.target, (0,))
+    assert first.products is not None and first.products is second.products is product_plan(pair.target)
+    fixed = ProductPlan.fixed(SMALL)
+    assert TargetRunner(pair.target, (0,), products=fixed).products is fixed
+
+
+def test_a_packed_plan_needs_packable_weights():
+    pair = random_pair(64, 3)
+    pair.target.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="needs packed weights"):
+        TargetRunner(pair.target, (0,), products=ProductPlan.fixed(PACKED))
+    assert PACKED not in TargetRunner(pair.target, (0,)).products.layouts
+
+
 def _runner_logits(runner: TargetRunner, seq: torch.Tensor) -> torch.Tensor:
-    """The runner's logits over ``seq`` [1, n] in one causal forward (n >= PACKED_MIN_ROWS)."""
+    """The runner's logits over ``seq`` [1, n] in one causal forward."""
     n = seq.shape[1]
     store = KVStore(runner.store_shape, 1, n, torch.device("cpu"), torch.float32)
     pos = torch.arange(n)[None]
@@ -121,20 +213,22 @@ def test_runners_share_the_packed_weights_and_repack_after_a_change():
     replaced, multiplies by the new weight."""
     pair = random_pair(64, 3)
     seq = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
-    first, second = TargetRunner(pair.target, (0,)), TargetRunner(pair.target, (0,))
+    packed_plan = ProductPlan.fixed(PACKED)  # so that the products read the packed copies
+    first, second = (TargetRunner(pair.target, (0,), products=packed_plan),
+                     TargetRunner(pair.target, (0,), products=packed_plan))
     assert first._packed and first._packed is second._packed
 
     mlp = pair.target.model.layers[0].mlp
     with torch.no_grad():
         mlp.down_proj.weight.mul_(3.0)
-    changed = TargetRunner(pair.target, (0,))
+    changed = TargetRunner(pair.target, (0,), products=packed_plan)
     assert changed._packed is not first._packed
     with torch.no_grad():
         ref = pair.target(seq).logits[0]
     torch.testing.assert_close(_runner_logits(changed, seq), ref, rtol=1e-4, atol=1e-4)
 
     mlp.up_proj.weight = torch.nn.Parameter(torch.randn_like(mlp.up_proj.weight))
-    replaced = TargetRunner(pair.target, (0,))
+    replaced = TargetRunner(pair.target, (0,), products=packed_plan)
     with torch.no_grad():
         ref = pair.target(seq).logits[0]
     torch.testing.assert_close(_runner_logits(replaced, seq), ref, rtol=1e-4, atol=1e-4)

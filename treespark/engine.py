@@ -40,6 +40,7 @@ from treespark.budget import Budget
 from treespark.calibration import Calibration
 from treespark.drafting import RoundDraft, RowDraft, WaveDrafter
 from treespark.kv import KVCache, StoreShape, bytes_per_token, device_kv_budget, rows_within
+from treespark.linear import ProductPlan
 from treespark.logprobs import Emitted, TokenLogprob, step_logprobs
 from treespark.models import ModelPair
 from treespark.params import RequestOutput, RoundStats, SamplingParams, StepStats
@@ -83,11 +84,14 @@ class Engine:
         *,
         budget: Budget | None = None,
         calibration: Calibration | None = None,
+        products: ProductPlan | None = None,
     ) -> None:
+        """``products``: the target's CPU product layout per row count (default: timed on
+        this machine, once per model; ``treespark.target.product_plan``)."""
         self.pair = pair
         self.config = config or EngineConfig()
         self.drafter = pair.drafter
-        self.runner = TargetRunner(pair.target, self.drafter.config.target_layer_ids)
+        self.runner = TargetRunner(pair.target, self.drafter.config.target_layer_ids, products)
         self.device = self.runner.device
         dc = self.drafter.config
         shapes = (self.runner.store_shape, StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim))

@@ -43,7 +43,7 @@ from treespark.pricing.allocate import StepCosts
 from treespark.pricing.costmodel import CostModel, interp, monotone
 
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "step-costs"
-VERSION = 2
+VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -87,14 +87,15 @@ def _hardware() -> str:
 
 
 def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
-    """Hardware + model + dtype + threads + grid, hashed: the cache key."""
+    """Hardware + model + dtype + threads + grid + product plan, hashed: the cache key."""
     pair = engine.pair
     n_target = sum(p.numel() for p in pair.target.parameters())
     n_drafter = sum(p.numel() for p in pair.drafter.parameters())
     key = {"v": VERSION, "hw": _hardware(), "device": str(engine.device), "dtype": str(engine.runner.dtype),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "pair": pair.name,
            "params": [n_target, n_drafter], "vocab": engine.vocab_size, "grid": grid,
-           "max_batch": engine.config.max_batch_size}
+           "max_batch": engine.config.max_batch_size,
+           "products": None if engine.runner.products is None else engine.runner.products.describe()}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -8,11 +8,13 @@ the hidden states of the layers the drafter taps.
 We run the transformers model's own weights and modules (embeddings, norms, rotary
 embedding) through a small forward of our own instead of ``model(...)``: it writes
 into our preallocated per-request KV rows, computes logits only where needed, and
-multiplies on CPU in the layouts that run fastest there (``treespark.linear``: 2x
-faster than ``F.linear`` at 1-4 rows, oneDNN-packed weights from 3 rows on). The
-packed weights are copies (``packed_weights``): they double the weight memory on CPU
-and are shared by every runner over the same model while it lives (``generate``
-builds an engine per call). A runner takes them at construction, packed again if a
+multiplies on CPU in the layouts that run fastest there: at each row count the
+fastest of ``F.linear``, ``treespark.linear`` and oneDNN-packed weights, as timed on
+this machine when the first runner over a model is built (``product_plan``, a few
+seconds for the default target; pass ``products`` to fix it instead). Packed
+weights are made only where the plan uses them. They are copies
+(``packed_weights``): they double the weight memory on CPU and are shared by every
+runner over the same model while it lives (``generate`` builds an engine per call). A runner takes them at construction, packed again if a
 weight changed in place or was replaced since they were packed (each weight's tensor
 version and storage are compared; a change made through ``weight.data`` bypasses the
 version counter and is not seen). A change during a runner's life is seen by the
@@ -32,7 +34,16 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from treespark.kv import KVStore, StoreShape
-from treespark.linear import PACKED_MIN_ROWS, PackedWeight, can_pack, linear, pack, packed_linear
+from treespark.linear import (
+    PACKED,
+    PackedWeight,
+    ProductPlan,
+    can_pack,
+    measure_plan,
+    pack,
+    plan_sample,
+    planned_linear,
+)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +91,29 @@ def packed_weights(model: PreTrainedModel) -> PackedWeights | None:
     return cached
 
 
+_PLANS: weakref.WeakKeyDictionary[PreTrainedModel, ProductPlan] = weakref.WeakKeyDictionary()
+
+
+def product_plan(model: PreTrainedModel) -> ProductPlan | None:
+    """Which product layout a forward of ``model`` runs at each row count on this
+    machine (``treespark.linear.measure_plan`` over a sample of its weights), measured
+    once per model and process; None off CPU, where every product is ``F.linear``."""
+    if next(model.parameters()).device.type != "cpu":
+        return None
+    plan = _PLANS.get(model)
+    if plan is None:
+        linears = product_layers(model)
+        per_layer = sum(isinstance(m, torch.nn.Linear) for m in model.model.layers[0].modules())
+        idx = plan_sample([m.weight for m in linears], per_layer)
+        packs = packed_weights(model)
+        plan, _ = measure_plan([linears[i].weight.detach() for i in idx],
+                               None if packs is None else [packs.weights[linears[i]] for i in idx])
+        if PACKED not in plan.layouts:  # the copies would double the weights' memory for nothing
+            _PACKED.pop(model, None)
+        _PLANS[model] = plan
+    return plan
+
+
 @dataclass(frozen=True)
 class ForwardOutput:
     logits: torch.Tensor | None  # [B, K, V] float32 ([B, 1, V] for "last"; None for "none")
@@ -89,7 +123,10 @@ class ForwardOutput:
 class TargetRunner:
     """Runs a transformers causal LM (Llama family) against a ``KVStore``."""
 
-    def __init__(self, model: PreTrainedModel, tap_layers: tuple[int, ...]) -> None:
+    def __init__(self, model: PreTrainedModel, tap_layers: tuple[int, ...],
+                 products: ProductPlan | None = None) -> None:
+        """``products``: the CPU product layout per row count (default: ``product_plan``,
+        timed on this machine); ignored off CPU."""
         self.model = model
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
@@ -109,20 +146,26 @@ class TargetRunner:
         self.hidden_size = cfg.hidden_size
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # on CPU, a copy of every product weight in oneDNN's layout (treespark.linear)
-        packs = packed_weights(model)
-        self._packed: dict[torch.nn.Module, PackedWeight] = {} if packs is None else packs.weights
+        # on CPU: which layout each row count runs in (treespark.linear), and a copy of
+        # every product weight in oneDNN's layout where the plan multiplies by one
+        self.products: ProductPlan | None = None
+        self._packed: dict[torch.nn.Module, PackedWeight] = {}
+        if self.device.type == "cpu":
+            self.products = products or product_plan(model)
+            if PACKED in self.products.layouts:
+                packs = packed_weights(model)
+                if packs is None:
+                    raise ValueError(f"product plan {self.products.describe()!r} needs packed weights, and this "
+                                     f"{self.dtype} model has none (oneDNN: {torch.backends.mkldnn.is_available()})")
+                self._packed = packs.weights
 
     @property
     def store_shape(self) -> StoreShape:
         return StoreShape(self.num_layers, self.num_kv_heads, self.head_dim)
 
     def _linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-        """x: [N, in] -> [N, out] (row-major)."""
-        packed = self._packed.get(layer) if x.shape[0] >= PACKED_MIN_ROWS else None
-        if packed is not None:
-            return packed_linear(x, packed)
-        return linear(x, layer.weight, layer.bias)
+        """x: [N, in] -> [N, out] (row-major), in the plan's layout for N rows."""
+        return planned_linear(x, layer.weight, layer.bias, self.products, self._packed.get(layer))
 
     def _attention(self, layer, x, cos, sin, store, idx, rows, write_pos, mask, b, k):
         attn = layer.self_attn

@@ -11,8 +11,10 @@ run (median of ``reps`` passes):
   up to ``SMALL_ROWS`` rows, ``F.linear`` above;
 - oneDNN packed: ``packed_linear`` on weights packed once (where ``can_pack``).
 
-This is how ``treespark.linear``'s rules and constants were chosen (``TargetRunner``
-uses ``linear`` below ``PACKED_MIN_ROWS`` rows and packed weights from there on).
+This is how ``treespark.linear``'s rules and constants were chosen. ``TargetRunner``
+does not use fixed rules: it runs each row count in the fastest of ``F.linear``,
+``treespark.linear`` and oneDNN packed, timed when it starts (``product_plan``); the
+table ends with the plan these passes choose.
 """
 
 from __future__ import annotations
@@ -24,15 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from treespark.bench.common import markdown_table
-from treespark.linear import linear, packed_linear
+from treespark.linear import F_LINEAR, PACKED, SMALL, choose_plan, linear, packed_linear
 from treespark.models import ModelPair
 from treespark.target import packed_weights, product_layers
 
 LAYOUTS = {
-    "F.linear": lambda x, w: F.linear(x, w),
+    F_LINEAR: lambda x, w: F.linear(x, w),
     "W @ X (col-major)": lambda x, w: w @ x.T.contiguous(),
     "W @ x^T (row-major)": lambda x, w: (w @ x.T).T.contiguous(),
-    "treespark.linear": linear,
+    SMALL: linear,
 }
 
 
@@ -61,11 +63,14 @@ def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 12
     packs = packed_weights(pair.target)  # the copy TargetRunner multiplies by
     if packs is not None:
         by_weight = {id(m.weight): packs.weights[m] for m in layers}
-        layouts["oneDNN packed"] = lambda x, w: packed_linear(x, by_weight[id(w)])
-    out = []
+        layouts[PACKED] = lambda x, w: packed_linear(x, by_weight[id(w)])
+    out, candidates = [], {}
     for n in rows:
         ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in layouts.items()}
         log(f"rows={n:>3} " + "  ".join(f"{k} {v:6.1f} ms" for k, v in ms.items()))
         best = min(ms.values())
         out.append([str(n)] + [f"{v:.1f}" + (" *" if v == best else "") for v in ms.values()])
-    return markdown_table(["rows"] + [f"{k} (ms per pass)" for k in layouts], out)
+        candidates[n] = {k: ms[k] for k in (F_LINEAR, SMALL, PACKED) if k in ms}
+    plan = choose_plan(candidates)
+    return (markdown_table(["rows"] + [f"{k} (ms per pass)" for k in layouts], out)
+            + f"\n\nThe plan these passes choose (of {', '.join(candidates[rows[0]])}): {plan.describe()}.\n")
