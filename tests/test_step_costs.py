@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from treespark.engine import Engine, EngineConfig
+from treespark.linear import F_LINEAR, SMALL, ProductPlan
 from treespark.params import SamplingParams
 from treespark.step_costs import StepCostTable, fingerprint, startup_step_costs
 
@@ -18,7 +19,7 @@ def test_measured_once_then_read_from_the_cache(pair64, tmp_path):
     first = startup_step_costs(engine, time_budget_s=20, cache_dir=tmp_path)
     assert first.source == "measured" and first.measured_s > 0
     v = first.verify
-    assert v.batch_sizes == (1, 2, 4) and v.tokens == (1, 2, 4, 8, 9)
+    assert v.batch_sizes == (1, 2, 4) and v.tokens == (1, 2, 3, 4, 6, 8, 9)  # dense at few tokens
     assert all(t > 0 for row in v.seconds for t in row)
     assert min(first.draft_base_s, first.draft_row_s, first.draft_node_s, first.host_node_s) >= 0
     assert first.draft_base_s + first.draft_row_s + first.draft_node_s > 0   # drafting is not free
@@ -48,6 +49,16 @@ def test_other_threads_or_batch_sizes_are_another_fingerprint(pair64):
         torch.set_num_threads(n)
     bigger = Engine(pair64, EngineConfig(max_batch_size=8, max_context=96, max_tree_nodes=8))
     assert fingerprint(bigger, grid) != fp
+
+
+def test_another_product_plan_is_another_fingerprint(pair64):
+    """A table timed with one product layout does not price steps run in another."""
+    cfg = EngineConfig(max_batch_size=4, max_context=96, max_tree_nodes=8)
+    grid = ((1, 2, 4), (1, 2, 4, 8, 9))
+    plans = [ProductPlan.fixed(F_LINEAR), ProductPlan.fixed(SMALL), ProductPlan((2, 4), (F_LINEAR, SMALL))]
+    fps = {fingerprint(Engine(pair64, cfg, products=p), grid) for p in plans}
+    assert len(fps) == 3
+    assert fingerprint(Engine(pair64, cfg, products=ProductPlan.fixed(SMALL)), grid) in fps
 
 
 def test_the_replica_factory_installs_the_allocation_for_perstep():

@@ -4,10 +4,10 @@ per-step allocation (``treespark.step_alloc``) prices every step on.
 ``startup_step_costs(engine)``:
 
 1. looks for a cached table under a *fingerprint* of the hardware, the model pair, the
-   dtype and the threads (``fingerprint``): the same replica on the same machine starts
+   dtype, the threads and the product plan (``fingerprint``): the same replica on the same machine starts
    in milliseconds, and a replica on other hardware measures its own;
 2. otherwise measures, in at most ``time_budget_s`` (20 s by default):
-   * the verify forward ``T(bs, k)`` on a coarse grid (each cell the median of a few
+   * the verify forward ``T(bs, k)`` on a grid (``GRID_TOKENS``; each cell the median of a few
      forwards, ``treespark.cost_measure.time_forward``; cells past the budget or above
      ``max_step_tokens`` are extrapolated along k);
    * drafting and host costs, from real engine steps on a few synthetic requests under
@@ -99,11 +99,18 @@ def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
+# tokens per row the verify grid times: dense where steps are small, since on CPU the
+# time of a few-row forward jumps where the product kernel changes (3 -> 4 rows on one
+# machine: +38 %, docs/benchmarks.md), and interpolating over such a jump misprices
+# every step between two cells
+GRID_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
 def _grid(engine) -> tuple[tuple[int, ...], tuple[int, ...]]:
     b = engine.config.max_batch_size
     bs = tuple(sorted({x for x in (1, 2, 4, 8, 16, 32) if x < b} | {b}))
     kmax = engine.config.max_tree_nodes + 1
-    ks = tuple(sorted({x for x in (1, 2, 4, 8, 16, 32, 64) if x < kmax} | {kmax}))
+    ks = tuple(sorted({x for x in GRID_TOKENS if x < kmax} | {kmax}))
     return bs, ks
 
 
