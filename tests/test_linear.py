@@ -1,6 +1,8 @@
 """treespark.linear: the CPU product layouts and packed weights give F.linear's values,
 and the product plan picks the fastest measured layout per row count."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -123,6 +125,8 @@ def test_plan_maps_each_row_count_to_the_layout_measured_at_or_above_it():
     assert plan.describe() == "rows 1-2 F.linear, 3-4 oneDNN packed, 5+ treespark.linear"
     assert ProductPlan.fixed(PACKED).describe() == "all rows oneDNN packed"
     assert ProductPlan((1, 4), (SMALL, SMALL)).describe() == "all rows treespark.linear"
+    assert ProductPlan((3, 4, 8), (F_LINEAR, PACKED, F_LINEAR)).describe() == (
+        "rows 1-3 F.linear, 4 oneDNN packed, 5+ F.linear")
 
 
 def test_plan_refuses_malformed_plans():
@@ -187,6 +191,24 @@ def test_runner_measures_the_plan_once_per_model_and_can_be_given_one():
     assert first.products is not None and first.products is second.products is product_plan(pair.target)
     fixed = ProductPlan.fixed(SMALL)
     assert TargetRunner(pair.target, (0,), products=fixed).products is fixed
+
+
+def test_the_plan_is_kept_on_disk_per_machine_and_model_shape(tmp_path):
+    """A second model of the same shapes on this machine reads the plan the first one
+    measured (so every process multiplies alike); an unreadable file is measured again."""
+    first = random_pair(64, 3).target
+    plan = product_plan(first, cache_dir=tmp_path)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["layouts"] == list(plan.layouts)
+    files[0].write_text(json.dumps({"rows": [1, 2], "layouts": [SMALL, F_LINEAR]}))
+    assert product_plan(random_pair(64, 4).target, cache_dir=tmp_path) == ProductPlan((1, 2), (SMALL, F_LINEAR))
+    files[0].write_text("{not json")
+    again = product_plan(random_pair(64, 5).target, cache_dir=tmp_path)
+    assert set(again.layouts) <= set(LAYOUTS)
+    assert ProductPlan(**{k: tuple(v) for k, v in json.loads(files[0].read_text()).items()
+                          if k in ("rows", "layouts")}) == again
+    other_shape = product_plan(random_pair(96, 3).target, cache_dir=tmp_path)  # another vocabulary
+    assert other_shape is not None and len(list(tmp_path.glob("*.json"))) == 2
 
 
 def test_a_packed_plan_needs_packable_weights():

@@ -30,8 +30,9 @@ beat ``F.linear`` 1.5x at 1-4 rows, on a two-core AVX-512 + AMX Xeon ``F.linear`
 it 2.6x. So the target's forward does not fix the choice: ``measure_plan`` times one
 pass over the weights in each layout at a few row counts, and ``choose_plan`` keeps
 the fastest per row count as a ``ProductPlan`` (measured once per model and process,
-``treespark.target.product_plan``). Every layout gives ``F.linear``'s values to
-float rounding; a plan fixes which rounding a forward of n rows gets.
+``treespark.target.product_plan``, which keeps it on disk per machine). Every layout
+gives ``F.linear``'s values to float rounding; a plan fixes which rounding a forward of
+n rows gets.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class ProductPlan:
             last = i == len(self.rows) - 1
             if not last and self.layouts[i + 1] == name:
                 continue
-            parts.append(f"{lo}+ {name}" if last else f"{lo}-{hi} {name}")
+            parts.append(f"{lo}+ {name}" if last else f"{lo}-{hi} {name}" if hi > lo else f"{lo} {name}")
             lo = hi + 1
         return ("rows " + ", ".join(parts)).replace("rows 1+ ", "all rows ")
 

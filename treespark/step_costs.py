@@ -24,7 +24,6 @@ import datetime
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -38,6 +37,7 @@ from filelock import FileLock
 from treespark.budget import Budget
 from treespark.cost_measure import time_forward
 from treespark.kv import KVStore
+from treespark.machine import hardware_name
 from treespark.params import SamplingParams, StepStats
 from treespark.pricing.allocate import StepCosts
 from treespark.pricing.costmodel import CostModel, interp, monotone
@@ -74,24 +74,12 @@ class StepCostTable:
         return cls(**{**d, "verify": CostModel.from_json(d["verify"])})
 
 
-def _hardware() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
     """Hardware + model + dtype + threads + grid + product plan, hashed: the cache key."""
     pair = engine.pair
     n_target = sum(p.numel() for p in pair.target.parameters())
     n_drafter = sum(p.numel() for p in pair.drafter.parameters())
-    key = {"v": VERSION, "hw": _hardware(), "device": str(engine.device), "dtype": str(engine.runner.dtype),
+    key = {"v": VERSION, "hw": hardware_name(), "device": str(engine.device), "dtype": str(engine.runner.dtype),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "pair": pair.name,
            "params": [n_target, n_drafter], "vocab": engine.vocab_size, "grid": grid,
            "max_batch": engine.config.max_batch_size,

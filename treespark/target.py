@@ -11,7 +11,8 @@ into our preallocated per-request KV rows, computes logits only where needed, an
 multiplies on CPU in the layouts that run fastest there: at each row count the
 fastest of ``F.linear``, ``treespark.linear`` and oneDNN-packed weights, as timed on
 this machine when the first runner over a model is built (``product_plan``, a few
-seconds for the default target; pass ``products`` to fix it instead). Packed
+seconds for the default target, then read from a cache on disk; pass ``products`` to
+fix it instead). Packed
 weights are made only where the plan uses them. They are copies
 (``packed_weights``): they double the weight memory on CPU and are shared by every
 runner over the same model while it lives (``generate`` builds an engine per call). A runner takes them at construction, packed again if a
@@ -26,16 +27,22 @@ q/k norms).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from filelock import FileLock
 from transformers import PreTrainedModel
 
 from treespark.kv import KVStore, StoreShape
 from treespark.linear import (
     PACKED,
+    PLAN_ROWS,
     PackedWeight,
     ProductPlan,
     can_pack,
@@ -44,6 +51,7 @@ from treespark.linear import (
     plan_sample,
     planned_linear,
 )
+from treespark.machine import hardware_name
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -94,23 +102,63 @@ def packed_weights(model: PreTrainedModel) -> PackedWeights | None:
 _PLANS: weakref.WeakKeyDictionary[PreTrainedModel, ProductPlan] = weakref.WeakKeyDictionary()
 
 
-def product_plan(model: PreTrainedModel) -> ProductPlan | None:
+PLAN_CACHE_DIR = Path.home() / ".cache" / "treespark" / "product-plans"
+
+
+def plan_key(weights: list[torch.Tensor], packable: bool) -> str:
+    """What a plan is valid for, hashed: the machine, torch and its threads, and the
+    shapes and dtype of the weights it times (not their values)."""
+    key = {"hw": hardware_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "dtype": str(weights[0].dtype), "shapes": [list(w.shape) for w in weights], "packed": packable,
+           "rows": list(PLAN_ROWS)}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def product_plan(model: PreTrainedModel, cache_dir: Path | None = PLAN_CACHE_DIR) -> ProductPlan | None:
     """Which product layout a forward of ``model`` runs at each row count on this
-    machine (``treespark.linear.measure_plan`` over a sample of its weights), measured
-    once per model and process; None off CPU, where every product is ``F.linear``."""
+    machine (``treespark.linear.measure_plan`` over a sample of its weights); None off
+    CPU, where every product is ``F.linear``. Measured once per machine and model
+    shape: kept for the model's life, and in ``cache_dir`` (None: not on disk) under
+    ``plan_key``, so that every process on one machine multiplies alike (the
+    measurement varies from run to run where two layouts are within noise) and the
+    step-cost cache, whose key holds the plan, is found again."""
     if next(model.parameters()).device.type != "cpu":
         return None
     plan = _PLANS.get(model)
-    if plan is None:
-        linears = product_layers(model)
-        per_layer = sum(isinstance(m, torch.nn.Linear) for m in model.model.layers[0].modules())
-        idx = plan_sample([m.weight for m in linears], per_layer)
-        packs = packed_weights(model)
-        plan, _ = measure_plan([linears[i].weight.detach() for i in idx],
-                               None if packs is None else [packs.weights[linears[i]] for i in idx])
-        if PACKED not in plan.layouts:  # the copies would double the weights' memory for nothing
-            _PACKED.pop(model, None)
-        _PLANS[model] = plan
+    if plan is not None:
+        return plan
+    linears = product_layers(model)
+    per_layer = sum(isinstance(m, torch.nn.Linear) for m in model.model.layers[0].modules())
+    idx = plan_sample([m.weight for m in linears], per_layer)
+    packable = all(can_pack(m.weight) for m in linears)
+    path = None if cache_dir is None else Path(cache_dir) / f"{plan_key([linears[i].weight for i in idx], packable)}.json"
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"):
+            if path.exists():
+                try:
+                    d = json.loads(path.read_text())
+                    plan = ProductPlan(tuple(d["rows"]), tuple(d["layouts"]))
+                except (ValueError, KeyError, TypeError):
+                    plan = None  # unreadable: measure again
+            if plan is None:
+                plan = _measure_plan(model, linears, idx)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({"rows": plan.rows, "layouts": plan.layouts,
+                                           "describe": plan.describe()}, indent=1) + "\n")
+                tmp.replace(path)
+    else:
+        plan = _measure_plan(model, linears, idx)
+    _PLANS[model] = plan
+    return plan
+
+
+def _measure_plan(model: PreTrainedModel, linears: list[torch.nn.Linear], idx: list[int]) -> ProductPlan:
+    packs = packed_weights(model)
+    plan, _ = measure_plan([linears[i].weight.detach() for i in idx],
+                           None if packs is None else [packs.weights[linears[i]] for i in idx])
+    if PACKED not in plan.layouts:  # the copies would double the weights' memory for nothing
+        _PACKED.pop(model, None)
     return plan
 
 
