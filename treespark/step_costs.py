@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -32,12 +31,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from filelock import FileLock
 
 from treespark.budget import Budget
 from treespark.cost_measure import time_forward
 from treespark.kv import KVStore
-from treespark.machine import hardware_name
+from treespark.machine import hardware_name, read_cached, write_cached
 from treespark.params import SamplingParams, StepStats
 from treespark.pricing.allocate import StepCosts
 from treespark.pricing.costmodel import CostModel, interp, monotone
@@ -198,23 +196,17 @@ def startup_step_costs(engine, *, time_budget_s: float = 20.0, cache_dir: Path |
     grid = _grid(engine)
     fp = fingerprint(engine, grid)
     path = None if cache_dir is None else Path(cache_dir) / f"{fp}.json"
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(path) + ".lock"):
-            if path.exists():
-                try:
-                    d = json.loads(path.read_text())
-                    return StepCostTable.from_json({**d, "source": "cache", "measured_s": 0.0})
-                except (ValueError, KeyError, TypeError):
-                    pass  # a table of an older layout: measure again
+    cached = None if path is None else read_cached(path)
+    if cached is not None:
+        try:
+            return StepCostTable.from_json({**cached, "source": "cache", "measured_s": 0.0})
+        except (ValueError, KeyError, TypeError):
+            pass  # a table of an older layout: measure again
     t0 = time.perf_counter()
     deadline = t0 + 0.6 * time_budget_s
     verify = measure_verify(engine, *grid, deadline=deadline)
     base, row, node, host = measure_drafting(engine, verify, deadline=t0 + 0.95 * time_budget_s)
     table = StepCostTable(verify, base, row, node, host, fp, time.perf_counter() - t0, "measured")
     if path is not None:
-        with FileLock(str(path) + ".lock"):
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table.to_json(), indent=1) + "\n")
-            tmp.replace(path)
+        write_cached(path, table.to_json())
     return table

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from filelock import FileLock
 from transformers import PreTrainedModel
 
 from treespark.kv import KVStore, StoreShape
@@ -51,7 +49,7 @@ from treespark.linear import (
     plan_sample,
     planned_linear,
 )
-from treespark.machine import hardware_name
+from treespark.machine import hardware_name, read_cached, write_cached
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -132,23 +130,15 @@ def product_plan(model: PreTrainedModel, cache_dir: Path | None = PLAN_CACHE_DIR
     idx = plan_sample([m.weight for m in linears], per_layer)
     packable = all(can_pack(m.weight) for m in linears)
     path = None if cache_dir is None else Path(cache_dir) / f"{plan_key([linears[i].weight for i in idx], packable)}.json"
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(path) + ".lock"):
-            if path.exists():
-                try:
-                    d = json.loads(path.read_text())
-                    plan = ProductPlan(tuple(d["rows"]), tuple(d["layouts"]))
-                except (ValueError, KeyError, TypeError):
-                    plan = None  # unreadable: measure again
-            if plan is None:
-                plan = _measure_plan(model, linears, idx)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({"rows": plan.rows, "layouts": plan.layouts,
-                                           "describe": plan.describe()}, indent=1) + "\n")
-                tmp.replace(path)
-    else:
+    cached = None if path is None else read_cached(path)
+    try:
+        plan = None if cached is None else ProductPlan(tuple(cached["rows"]), tuple(cached["layouts"]))
+    except (ValueError, KeyError, TypeError):
+        plan = None  # unreadable: measure again
+    if plan is None:
         plan = _measure_plan(model, linears, idx)
+        if path is not None:
+            write_cached(path, {"rows": plan.rows, "layouts": plan.layouts, "describe": plan.describe()})
     _PLANS[model] = plan
     return plan
 
