@@ -12,14 +12,14 @@ multiplies on CPU in the layouts that run fastest there: at each row count the
 fastest of ``F.linear``, ``treespark.linear`` and oneDNN-packed weights, as timed on
 this machine when the first runner over a model is built (``product_plan``, a few
 seconds for the default target, then read from a cache on disk; pass ``products`` to
-fix it instead). Packed
-weights are made only where the plan uses them. They are copies
-(``packed_weights``): they double the weight memory on CPU and are shared by every
-runner over the same model while it lives (``generate`` builds an engine per call). A runner takes them at construction, packed again if a
-weight changed in place or was replaced since they were packed (each weight's tensor
-version and storage are compared; a change made through ``weight.data`` bypasses the
-version counter and is not seen). A change during a runner's life is seen by the
-next runner, not by that one.
+fix it instead). Packed weights are made only where the plan uses them. They are
+copies (``packed_weights``): they double the weight memory on CPU and are shared by
+every runner over the same model while it lives (``generate`` builds an engine per
+call). A runner takes them at construction, packed again if a weight changed in
+place or was replaced since they were packed (each weight's tensor version and
+storage are compared; a change made through ``weight.data`` bypasses the version
+counter and is not seen). A change during a runner's life is seen by the next
+runner, not by that one.
 
 Supported: the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
 q/k norms).
