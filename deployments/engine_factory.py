@@ -70,7 +70,7 @@ def install_allocator(engine: Any, args: AppArgs) -> dict[str, Any]:
     v = table.verify
     return {"fingerprint": table.fingerprint, "source": table.source, "measured_s": table.measured_s,
             "device": v.device, "threads": v.threads,
-            "products": None if engine.runner.products is None else engine.runner.products.describe(), "verify_1x1_s": v.time(1, 1),
+            "products": engine.runner.products_described, "verify_1x1_s": v.time(1, 1),
             "verify_max_batch_x1_s": v.time(v.batch_sizes[-1], 1), "draft_base_s": table.draft_base_s,
             "draft_row_s": table.draft_row_s, "draft_node_s": table.draft_node_s,
             "host_node_s": table.host_node_s, "table": table.to_json()}

@@ -102,6 +102,7 @@ def test_target_runner_matches_the_model_at_every_row_count_in_every_layout(layo
     runner = TargetRunner(pair.target, (0,), products=ProductPlan.fixed(layout))
     assert bool(runner._packed) == (layout == PACKED), "packed copies only where the plan uses them"
     assert runner.products.layout(1) == runner.products.layout(500) == layout
+    assert runner.products_described == ProductPlan.fixed(layout).describe()
     seq = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = pair.target(seq).logits[0]

@@ -81,7 +81,7 @@ def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
            "torch": torch.__version__, "threads": torch.get_num_threads(), "pair": pair.name,
            "params": [n_target, n_drafter], "vocab": engine.vocab_size, "grid": grid,
            "max_batch": engine.config.max_batch_size,
-           "products": None if engine.runner.products is None else engine.runner.products.describe()}
+           "products": engine.runner.products_described}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 

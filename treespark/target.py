@@ -82,12 +82,16 @@ def _weight_state(linears: list[torch.nn.Linear]) -> tuple[tuple[int, int, int],
                  for m in linears)
 
 
+def _packable(linears: list[torch.nn.Linear]) -> bool:
+    return all(can_pack(m.weight) for m in linears)
+
+
 def packed_weights(model: PreTrainedModel) -> PackedWeights | None:
     """The packed copies of ``model``'s product weights (None where ``can_pack`` is
     False for any of them): one set per model, packed again when a weight has changed
     in place or been replaced since it was packed."""
     linears = product_layers(model)
-    if not all(can_pack(m.weight) for m in linears):
+    if not _packable(linears):
         return None
     state = _weight_state(linears)
     cached = _PACKED.get(model)
@@ -128,7 +132,7 @@ def product_plan(model: PreTrainedModel, cache_dir: Path | None = PLAN_CACHE_DIR
     linears = product_layers(model)
     per_layer = sum(isinstance(m, torch.nn.Linear) for m in model.model.layers[0].modules())
     idx = plan_sample([m.weight for m in linears], per_layer)
-    packable = all(can_pack(m.weight) for m in linears)
+    packable = _packable(linears)
     path = None if cache_dir is None else Path(cache_dir) / f"{plan_key([linears[i].weight for i in idx], packable)}.json"
     cached = None if path is None else read_cached(path)
     try:
@@ -196,6 +200,11 @@ class TargetRunner:
                     raise ValueError(f"product plan {self.products.describe()!r} needs packed weights, and this "
                                      f"{self.dtype} model has none (oneDNN: {torch.backends.mkldnn.is_available()})")
                 self._packed = packs.weights
+
+    @property
+    def products_described(self) -> str | None:
+        """The product plan in words (``ProductPlan.describe``); None off CPU."""
+        return None if self.products is None else self.products.describe()
 
     @property
     def store_shape(self) -> StoreShape:
