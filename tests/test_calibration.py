@@ -131,7 +131,7 @@ def test_calibrate_pair_stores_the_map_in_use_and_its_variant(tmp_path):
     """`treespark calibrate` on a tiny random pair: both fits land in calibration.json,
     the one in use on top and the other under ``variant``; the flag swaps them."""
     from treespark import random_pair
-    from treespark.calibrate_cmd import calibrate_pair
+    from treespark.calibrate_cmd import DRAFT_SCALES, calibrate_pair
     from treespark.calibration import load_variant
 
     pair = random_pair(64, 0, block_size=3)
@@ -149,6 +149,15 @@ def test_calibrate_pair_stores_the_map_in_use_and_its_variant(tmp_path):
     stored = json.loads(path.read_text())
     assert stored["n"] > 0 and stored["sampled"]["n"] > 0 and stored["sampled"]["temperature"] == 1.0
     assert (tmp_path / "ranked" / "reliability.png").stat().st_size > 0
+    # the drafting scale at T > 0: the best first-token acceptance of those tried, kept
+    # by both sampled maps (the records they were fitted on were drafted at it)
+    by_scale = {float(s): a for s, a in stored["sampled"]["first_token_by_scale"].items()}
+    assert set(by_scale) == set(DRAFT_SCALES) and all(0 < a <= 1 for a in by_scale.values())
+    assert len(set(by_scale.values())) > 1, "the scale changes what is accepted"
+    best = max(by_scale, key=lambda s: (by_scale[s], s))
+    assert used.sampled.temperature_scale == other.sampled.temperature_scale == best
+    assert used.temperature_scale == 1.0 and used.draft_temperature(0.0) == 0.0
+    assert used.draft_temperature(0.5) == 0.5 * best
     assert load_variant(tmp_path / "missing.json") is None
 
 
@@ -162,3 +171,18 @@ def test_calibration_for_a_drafter(tmp_path):
     assert calibration_for(tmp_path, "someone/else") == Calibration()
     Calibration(a=0.9, b=-0.2).save(tmp_path / "calibration.json")
     assert calibration_for(tmp_path, public) == Calibration(a=0.9, b=-0.2)
+
+
+def test_temperature_scale_round_trips_and_survives_a_refit(tmp_path):
+    """The sampled map's drafting scale is stored, read back (1 where a file has
+    none), kept by an online (a, b) refit, and must be a positive number."""
+    cal = Calibration(1.0, 0.0, sampled=Calibration(0.3, -1.0, temperature_scale=0.6))
+    cal.save(tmp_path / "c.json")
+    assert Calibration.load(tmp_path / "c.json") == cal
+    assert Calibration.from_dict({"a": 1.0, "b": 0.0}).temperature_scale == 1.0
+    assert cal.draft_temperature(1.0) == pytest.approx(0.6) and cal.draft_temperature(0.0) == 0.0
+    assert cal.with_ab(0.9, 0.1).sampled.temperature_scale == 0.6
+    assert Calibration(temperature_scale=0.5).draft_temperature(2.0) == 1.0  # one map at every T
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature_scale"):
+            Calibration(temperature_scale=bad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespark import Budget, generate
+from treespark import Budget, Calibration, generate
 from treespark.engine import Engine, EngineConfig
 from treespark.params import SamplingParams, StepStats
 
@@ -175,3 +175,24 @@ def test_node_caps_are_clipped_to_max_tree_nodes(mimic16):
     for _ in range(3):
         engine.step()
     assert stats and all(s.node_caps == (5,) and s.tree_sizes[0] <= 5 for s in stats)
+
+
+def test_sampled_drafts_are_drawn_at_the_calibrations_scale(pair64):
+    """The sampled map's ``temperature_scale`` reaches the device drafting: a sharper
+    drafting temperature puts the first children's q (the q each was drawn from, and is
+    verified against) near 1."""
+    def first_children_q(scale):
+        cal = Calibration(1.0, 0.0, sampled=Calibration(1.0, 0.0, temperature_scale=scale))
+        engine = Engine(pair64, EngineConfig(max_batch_size=1, max_context=64), budget=Budget(0.0, 8, 3),
+                        calibration=cal)
+        stats: list[StepStats] = []
+        engine.on_step = stats.append
+        engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=24, temperature=1.0, seed=1))
+        while engine.has_unfinished():
+            engine.step()
+        q = [q for s in stats for q, _, rank in s.sampled_records if rank == 0]
+        assert q
+        return sum(q) / len(q)
+
+    sharp, plain = first_children_q(0.05), first_children_q(1.0)
+    assert sharp > 0.95 and plain < 0.5, (sharp, plain)

@@ -17,7 +17,7 @@ import torch
 
 from treespark import Budget, Calibration
 from treespark.expand import expand
-from treespark.sampling import target_probs
+from treespark.sampling import TorchSampler, target_probs
 from treespark.verify import residual, verify_sampled
 
 V, D = 3, 3
@@ -138,6 +138,16 @@ def test_sibling_rank_offsets_stay_lossless(temperature):
     for budget in BUDGETS:
         dist = enumerate_round(budget, temperature, cal=cal)
         assert tv(dist, target_joint(temperature)) < 1e-6
+
+
+def test_drafting_at_a_scaled_temperature_stays_lossless():
+    """Drafts drawn from q at scale x T (``Calibration.temperature_scale``) are
+    verified against that q: the output is still the target's at T."""
+    temperature, scale = 1.0, 0.5
+    cal = Calibration(1.2, -0.3, sampled=Calibration(1.2, -0.3, temperature_scale=scale))
+    tree = expand(TableProposal(), 0, BUDGETS[0], cal, temperature, TorchSampler(0))
+    assert torch.allclose(tree.child_q[0], target_probs(logits_for((0, 1), salt=1), scale * temperature))
+    assert tv(enumerate_round(BUDGETS[0], temperature, cal=cal), target_joint(temperature)) < 1e-6
 
 
 def test_trees_in_the_enumeration_are_wide_and_deep():

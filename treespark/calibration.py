@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,18 +60,30 @@ class Calibration:
     b: float = 0.0
     sibling_bias: tuple[float, ...] = ()   # c_1, c_2, ...: logit offsets of the 2nd, 3rd, ... child
     sampled: Calibration | None = None     # the map at T > 0; None: this one at every T
+    # at T > 0, drafts are drawn from q at temperature_scale x T (and verified against
+    # that q, so the output keeps the target's distribution at any scale): a drafter
+    # more diffuse than the target accepts more drawn from a sharper q
+    temperature_scale: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sibling_bias", tuple(float(c) for c in self.sibling_bias))
         if not all(math.isfinite(v) for v in (self.a, self.b, *self.sibling_bias)):
             raise ValueError(f"calibration (a, b, sibling_bias) must be finite, got "
                              f"({self.a}, {self.b}, {self.sibling_bias})")
+        if not (math.isfinite(self.temperature_scale) and self.temperature_scale > 0):
+            raise ValueError(f"temperature_scale must be finite and > 0, got {self.temperature_scale}")
         if self.sampled is not None and self.sampled.sampled is not None:
             raise ValueError("a calibration's sampled map cannot hold a sampled map of its own")
 
     def at(self, temperature: float) -> Calibration:
         """The map for drafting at ``temperature``: ``sampled`` at T > 0 if there is one."""
         return self.sampled if temperature > 0 and self.sampled is not None else self
+
+    def draft_temperature(self, temperature: float) -> float:
+        """The temperature a request at ``temperature`` draws its drafts at: T times the
+        ``temperature_scale`` of the map in force at T (``at``); 0 at T = 0, where drafts
+        are ranked, not drawn."""
+        return temperature * self.at(temperature).temperature_scale if temperature > 0 else 0.0
 
     def offset(self, rank: int) -> float:
         """c_rank: 0 for a first child; the last offset for ranks beyond the fitted ones."""
@@ -93,10 +105,11 @@ class Calibration:
     def with_ab(self, a: float, b: float) -> Calibration:
         """New (a, b) for this map, the same sibling offsets and sampled map (what an
         online refit of the T = 0 map pushes)."""
-        return Calibration(a=a, b=b, sibling_bias=self.sibling_bias, sampled=self.sampled)
+        return replace(self, a=a, b=b)
 
     def to_dict(self) -> dict[str, object]:
-        d: dict[str, object] = {"a": self.a, "b": self.b, "sibling_bias": list(self.sibling_bias)}
+        d: dict[str, object] = {"a": self.a, "b": self.b, "sibling_bias": list(self.sibling_bias),
+                                "temperature_scale": self.temperature_scale}
         if self.sampled is not None:
             d["sampled"] = self.sampled.to_dict()
         return d
@@ -104,10 +117,11 @@ class Calibration:
     @classmethod
     def from_dict(cls, data: dict) -> Calibration:
         """The map in ``data`` (other keys ignored; no ``sibling_bias``: the two-scalar map;
-        no ``sampled``: this map at every temperature)."""
+        no ``sampled``: this map at every temperature; no ``temperature_scale``: 1)."""
         sampled = data.get("sampled")
         return cls(a=float(data["a"]), b=float(data["b"]),
                    sibling_bias=tuple(float(c) for c in data.get("sibling_bias", ())),
+                   temperature_scale=float(data.get("temperature_scale", 1.0)),
                    sampled=None if sampled is None else cls.from_dict(sampled))
 
     def save(self, path: str | Path, **report: object) -> None:

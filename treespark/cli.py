@@ -112,7 +112,7 @@ def cmd_judge(args) -> None:
     import json
 
     from treespark import load_pair
-    from treespark.judge import engine_chain_tau, heldout_features, judge, judgement_table
+    from treespark.judge import engine_chain_tau, greedy_answer_features, judge, judgement_table
     from treespark.train import Features
 
     pair = load_pair(drafter=args.drafter, device=args.device)
@@ -121,7 +121,7 @@ def cmd_judge(args) -> None:
     if cache.exists():
         feats = Features.load(cache)
     else:
-        feats = heldout_features(pair, n_prompts=args.prompts, max_tokens=args.max_tokens)
+        feats = greedy_answer_features(pair, n_prompts=args.prompts, max_tokens=args.max_tokens)
         cache.parent.mkdir(parents=True, exist_ok=True)
         feats.save(cache)
     result = {"heldout": judge(pair.drafter, feats, max_tokens=args.max_tokens)}

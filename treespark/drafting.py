@@ -154,8 +154,8 @@ class RowDraft:
     root: int
     budget: Budget
     depth_limit: int
-    temperature: float
-    calibration: Calibration       # the map in force at ``temperature``
+    temperature: float             # the drafting temperature (``Calibration.draft_temperature``; 0: rank)
+    calibration: Calibration       # the map in force at the request's temperature
     sampler: Sampler
 
 

@@ -296,7 +296,7 @@ class Engine:
         """One drafter backbone pass for the batch, then the trees in depth waves."""
         block = self.drafter.config.block_size
         rows = [RowDraft(root=r.root, budget=b, depth_limit=min(block, r.params.max_tokens - len(r.output) - 1),
-                         temperature=r.params.temperature,
+                         temperature=self.calibration.draft_temperature(r.params.temperature),
                          calibration=self.calibration.at(r.params.temperature), sampler=r.sampler)
                 for r, b in zip(batch, budgets, strict=True)]
         base = None

@@ -8,7 +8,8 @@ replacement), so the exact-enumeration tests can branch on every outcome, and it
 each opened node's drawing distribution on the tree for ``verify_sampled``.
 
 * T = 0: a node's children are the top-k of q(. | parent, depth) (q at T = 1).
-* T > 0: siblings are drawn without replacement from the temperature-scaled q.
+* T > 0: siblings are drawn without replacement from q at the drafting temperature
+  (``Calibration.draft_temperature``: T times the calibration's ``temperature_scale``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def expand(
     while opens := builder.to_open():
         for n in opens:
             q = draft_probs(proposal.logits(builder.token(n), builder.nodes[n].depth + 1),
-                            temperature).to(torch.float64)
+                            calibration.draft_temperature(temperature)).to(torch.float64)
             q = q / q.sum()
             dists[n] = q
             builder.open(n, open_on_host(q, budget.branch_cap, temperature, cal, sampler))
