@@ -41,3 +41,12 @@ def test_goal_rows_are_the_full_tables():
         elif name.startswith("adaptive"):
             theta = name.split("theta ")[1].rstrip(")")
             assert full[(t, f"adaptive (theta {theta}, cheap verify)")] == tau
+
+
+def test_goal_rows_at_one_temperature_are_those_rows_of_both():
+    pair = random_pair(8, 4, block_size=3)
+    kw = dict(n_prompts=3, max_tokens=12, chain_lengths=[1, 2], log=lambda *a: None)
+    both = goals_benchmark(pair, **kw).splitlines()
+    one = goals_benchmark(pair, temperatures=(1.0,), **kw).splitlines()
+    assert one[:2] == both[:2] and one[2:] == [line for line in both[2:] if line.startswith("| 1 |")]
+    assert len(one) == 5

@@ -73,14 +73,15 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
 
 
 def goals_benchmark(pair: ModelPair, *, n_prompts: int = 12, max_tokens: int = 48, chain_lengths=(1, 2, 3, 4, 5),
-                    seed: int = 0, log=print) -> str:
+                    seed: int = 0, temperatures: tuple[float, ...] = (0.0, 1.0), log=print) -> str:
     """The rows the drafter is judged by (issue #18), a subset of ``acceptance_benchmark``
     on the same prompts and seeds: first-token acceptance (the 1-chain's tau - 1), the
     tuned chain, and the adaptive tree at a low price (theta 0.003 at T = 0, 0.01 at
-    T = 1), each at T = 0 and T = 1."""
+    T > 0), at each of ``temperatures``."""
     prompts = bench_prompts(pair, n_prompts)
     rows = []
-    for t, theta in ((0.0, 0.003), (1.0, 0.01)):
+    for t in temperatures:
+        theta = 0.003 if t == 0 else 0.01
         def tau(budget: Budget, t: float = t) -> tuple[float, float]:
             r = run_engine(pair, prompts, budget, max_tokens=max_tokens, batch_size=8, temperature=t, seed=seed)
             log(f"T={t} {budget}: tau {r.tau:.3f}")
