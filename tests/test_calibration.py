@@ -131,7 +131,7 @@ def test_calibrate_pair_stores_the_map_in_use_and_its_variant(tmp_path):
     """`treespark calibrate` on a tiny random pair: both fits land in calibration.json,
     the one in use on top and the other under ``variant``; the flag swaps them."""
     from treespark import random_pair
-    from treespark.calibrate_cmd import DRAFT_SCALES, calibrate_pair
+    from treespark.calibrate_cmd import calibrate_pair
     from treespark.calibration import load_variant
 
     pair = random_pair(64, 0, block_size=3)
@@ -149,15 +149,17 @@ def test_calibrate_pair_stores_the_map_in_use_and_its_variant(tmp_path):
     stored = json.loads(path.read_text())
     assert stored["n"] > 0 and stored["sampled"]["n"] > 0 and stored["sampled"]["temperature"] == 1.0
     assert (tmp_path / "ranked" / "reliability.png").stat().st_size > 0
-    # the drafting scale at T > 0: the best first-token acceptance of those tried, kept
-    # by both sampled maps (the records they were fitted on were drafted at it)
-    by_scale = {float(s): a for s, a in stored["sampled"]["first_token_by_scale"].items()}
-    assert set(by_scale) == set(DRAFT_SCALES) and all(0 < a <= 1 for a in by_scale.values())
-    assert len(set(by_scale.values())) > 1, "the scale changes what is accepted"
-    best = max(by_scale, key=lambda s: (by_scale[s], s))
-    assert used.sampled.temperature_scale == other.sampled.temperature_scale == best
-    assert used.temperature_scale == 1.0 and used.draft_temperature(0.0) == 0.0
-    assert used.draft_temperature(0.5) == 0.5 * best
+    # drafts at T > 0 are drawn at q's own temperature unless told otherwise, and the
+    # sampled maps keep the scale their records were drafted at
+    assert used.sampled.temperature_scale == other.sampled.temperature_scale == 1.0
+    fixed = calibrate_pair(pair, tmp_path / "fixed", temperature_scale=0.3, **quiet)
+    assert fixed.sampled.temperature_scale == 0.3
+    assert (fixed.sampled.a, fixed.sampled.b) != (used.sampled.a, used.sampled.b), "fitted on drafts at 0.3 T"
+    assert (fixed.a, fixed.b) == (used.a, used.b), "T = 0 drafts are ranked, not drawn: no scale"
+    assert json.loads((tmp_path / "fixed" / "calibration.json").read_text())["sampled"]["temperature_scale"] == 0.3
+    assert fixed.draft_temperature(0.5) == pytest.approx(0.15) and fixed.draft_temperature(0.0) == 0.0
+    with pytest.raises(ValueError, match="temperature_scale"):
+        calibrate_pair(pair, tmp_path / "bad", temperature_scale=0.0, **quiet)
     assert load_variant(tmp_path / "missing.json") is None
 
 

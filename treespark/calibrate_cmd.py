@@ -12,21 +12,7 @@ import numpy as np
 from treespark.bench.common import bench_prompts, run_engine
 from treespark.budget import Budget
 from treespark.calibration import Calibration, CalibrationReport, calibrate, p_hat_of
-from treespark.judge import greedy_answer_features, sampled_acceptance
 from treespark.models import ModelPair
-
-# the drafting temperature scales tried at T > 0 (``Calibration.temperature_scale``)
-DRAFT_SCALES = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-
-
-def choose_temperature_scale(pair: ModelPair, *, n_prompts: int, max_tokens: int, temperature: float,
-                             scales: tuple[float, ...] = DRAFT_SCALES) -> tuple[float, dict[float, float]]:
-    """The drafting scale whose first draft token is accepted most at ``temperature``
-    (``treespark.judge.sampled_acceptance``, exact) on the target's greedy answers to
-    the tuning prompts, and the acceptance at every scale. Ties go to the larger scale."""
-    feats = greedy_answer_features(pair, n_prompts=n_prompts, max_tokens=max_tokens, split="tune", progress=False)
-    acceptance = sampled_acceptance(pair.drafter, pair.target, feats, scales, temperature=temperature)
-    return max(scales, key=lambda s: (acceptance[s], s)), acceptance
 
 
 def collect_records(pair: ModelPair, prompts, *, temperature: float, max_tokens: int,
@@ -92,22 +78,19 @@ def _report_fields(r: CalibrationReport) -> dict:
 
 def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_tokens: int = 64,
                    sampled_temperature: float = 1.0, sibling_offsets: bool = False,
-                   log=print) -> Calibration:
-    """Choose the drafting temperature scale at T > 0 (``choose_temperature_scale``),
-    then fit the T = 0 map on greedy verification traces of the tuning prompts and the
+                   temperature_scale: float = 1.0, log=print) -> Calibration:
+    """Fit the T = 0 map on greedy verification traces of the tuning prompts and the
     sampled map (used at every T > 0) on traces at ``sampled_temperature``, drafted at
-    that scale; each map both ways, (a, b) alone and with sibling-rank offsets. The
-    maps in use (``sibling_offsets``) go to calibration.json with their reports; the
-    other pair of maps is stored under ``variant`` for side-by-side benchmarks."""
+    ``temperature_scale`` x T (``Calibration.temperature_scale``; default 1, the
+    drafter's own q); each map both ways, (a, b) alone and with sibling-rank offsets.
+    The maps in use (``sibling_offsets``) go to calibration.json with their reports;
+    the other pair of maps is stored under ``variant`` for side-by-side benchmarks."""
     if not sampled_temperature > 0:
         raise ValueError(f"sampled_temperature must be > 0, got {sampled_temperature}")
-    scale, by_scale = choose_temperature_scale(pair, n_prompts=n_prompts, max_tokens=max_tokens,
-                                               temperature=sampled_temperature)
-    log(f"T={sampled_temperature:g}: first draft token accepted, by drafting scale: "
-        + "  ".join(f"{s:g}x {a:.4f}" for s, a in by_scale.items()) + f"  -> drafting at {scale:g}x T")
+    Calibration(temperature_scale=temperature_scale)  # a bad scale fails here, before any decoding
     prompts = bench_prompts(pair, n_prompts, split="tune")
     drafting = replace(pair, calibration=replace(
-        pair.calibration, sampled=replace(pair.calibration.at(sampled_temperature), temperature_scale=scale)))
+        pair.calibration, sampled=replace(pair.calibration.at(sampled_temperature), temperature_scale=temperature_scale)))
     fits = []
     for t in (0.0, sampled_temperature):
         q, y, rank = collect_records(drafting, prompts, temperature=t, max_tokens=max_tokens,
@@ -116,7 +99,7 @@ def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_t
             raise RuntimeError(f"no calibration records at T={t:g}: the drafter never drafted")
         plain, ranked = calibrate(q, y), calibrate(q, y, rank)
         if t > 0:  # the sampled map keeps the scale its records were drafted at
-            plain, ranked = (replace(r, calibration=replace(r.calibration, temperature_scale=scale))
+            plain, ranked = (replace(r, calibration=replace(r.calibration, temperature_scale=temperature_scale))
                              for r in (plain, ranked))
         fit = RegimeFit(f"T={t:g}", q, y, rank, plain, ranked)
         log(f"{fit.label}: {len(q)} edge records, acceptance {float(y.mean()):.3f}")
@@ -135,8 +118,7 @@ def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_t
         """The T = 0 map and its report, the sampled map and its report nested under "sampled"."""
         return {**greedy.chosen(offsets).calibration.to_dict(), **_report_fields(greedy.chosen(offsets)),
                 "sampled": {**sampled.chosen(offsets).calibration.to_dict(),
-                            "temperature": sampled_temperature, **_report_fields(sampled.chosen(offsets)),
-                            "first_token_by_scale": {f"{s:g}": round(a, 4) for s, a in by_scale.items()}}}
+                            "temperature": sampled_temperature, **_report_fields(sampled.chosen(offsets))}}
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "calibration.json"

@@ -105,14 +105,14 @@ def cmd_calibrate(args) -> None:
                          "goes with --out (load_pair reads it from the drafter's directory)")
     pair = load_pair(args.target, args.drafter, device=args.device)
     calibrate_pair(pair, Path(args.out or args.drafter or _default_dir()), sibling_offsets=args.sibling_offsets,
-                   sampled_temperature=args.sampled_temperature)
+                   sampled_temperature=args.sampled_temperature, temperature_scale=args.temperature_scale)
 
 
 def cmd_judge(args) -> None:
     import json
 
     from treespark import load_pair
-    from treespark.judge import engine_chain_tau, greedy_answer_features, judge, judgement_table
+    from treespark.judge import engine_chain_tau, heldout_features, judge, judgement_table
     from treespark.train import Features
 
     pair = load_pair(drafter=args.drafter, device=args.device)
@@ -121,7 +121,7 @@ def cmd_judge(args) -> None:
     if cache.exists():
         feats = Features.load(cache)
     else:
-        feats = greedy_answer_features(pair, n_prompts=args.prompts, max_tokens=args.max_tokens)
+        feats = heldout_features(pair, n_prompts=args.prompts, max_tokens=args.max_tokens)
         cache.parent.mkdir(parents=True, exist_ok=True)
         feats.save(cache)
     result = {"heldout": judge(pair.drafter, feats, max_tokens=args.max_tokens)}
@@ -328,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device")
     c.add_argument("--sampled-temperature", type=float, default=1.0,
                    help="the temperature of the traces the T > 0 map is fitted on (default 1)")
+    c.add_argument("--temperature-scale", type=float, default=1.0,
+                   help="draw drafts at T > 0 from q at this multiple of T, and fit the sampled map on such "
+                        "drafts (default 1: q itself; lossless at any scale; see docs/benchmarks.md)")
     c.add_argument("--sibling-offsets", action="store_true",
                    help="use the fit with sibling-rank offsets (both are fitted and stored)")
     c.set_defaults(func=cmd_calibrate)

@@ -113,55 +113,19 @@ def judge(drafter: DSparkDrafter, feats: Features, *, max_tokens: int) -> Judgem
     return Judgement(agreement, agreement[0], tau, anchors, len(feats), max_tokens)
 
 
-def greedy_answer_features(pair, *, n_prompts: int, max_tokens: int, split: str = "heldout",
-                           batch_size: int = 16, progress: bool = True) -> Features:
+def heldout_features(pair, *, n_prompts: int, max_tokens: int, batch_size: int = 16,
+                     progress: bool = True) -> Features:
     """The target's greedy answers (at most ``max_tokens``) to the first ``n_prompts``
-    prompts of ``split`` ("heldout": what ``judge`` scores a drafter on; "tune": what
-    ``treespark calibrate`` fits on), teacher-forced."""
+    held-out prompts, teacher-forced: what ``judge`` scores a drafter on."""
     from treespark.bench.common import bench_prompts
-    from treespark.prompts import load_prompts, tuning_prompts
+    from treespark.prompts import load_prompts
     from treespark.recipe import target_answers
     from treespark.train import target_features
 
-    available = len(tuning_prompts() if split == "tune" else load_prompts(split))
-    prompts = bench_prompts(pair, min(n_prompts, available), split=split)
+    prompts = bench_prompts(pair, min(n_prompts, len(load_prompts("heldout"))))
     seqs = target_answers(pair, prompts, max_tokens, batch_size=batch_size, progress=progress)
     return target_features(pair.target, pair.drafter.config.target_layer_ids, seqs,
                            answer_starts=[len(p) for p in prompts], progress=progress)
-
-
-@torch.no_grad()
-def sampled_acceptance(drafter: DSparkDrafter, target, feats: Features, scales: tuple[float, ...], *,
-                       temperature: float = 1.0) -> dict[float, float]:
-    """What a first draft token drawn at ``scale`` x T is accepted with at T, per scale:
-    the mean over answer anchors of sum_x min(p(x), q(x)) (exact, no draws), where p is
-    the target's next-token distribution at T after the anchor and q the drafter's row 0
-    at scale x T (mass p puts outside the draft vocabulary cannot be drafted)."""
-    if not temperature > 0 or not all(s > 0 for s in scales):
-        raise ValueError(f"temperature and scales must be > 0, got {temperature} and {scales}")
-    blk = drafter.config.block_size
-    dev = drafter.fc.weight.device
-    sums = dict.fromkeys(scales, 0.0)
-    anchors = 0
-    for seq in range(len(feats)):
-        sl = feats.sequence(seq)
-        tokens = feats.tokens[sl].to(dev)
-        n, start = tokens.numel(), int(feats.answer_start[seq])
-        if start >= n - 1:
-            continue
-        at = torch.arange(start, n - 1, device=dev)                        # anchors with a next token
-        p = torch.softmax(target(tokens[None]).logits[0, at].float() / temperature, -1)  # [A, V]
-        if drafter.d2t is not None:
-            p = p[:, drafter.d2t.to(dev)]
-        padded = torch.cat([tokens, torch.full((blk,), drafter.config.mask_token_id, device=dev)])
-        taps = feats.taps[sl].to(dev, drafter.fc.weight.dtype)
-        taps = torch.cat([taps, taps.new_zeros(blk, taps.shape[1])])
-        logits = drafter.train_logits(taps, padded, at)[:, 0].float()     # [A, Vd]
-        for s in scales:
-            q = torch.softmax(logits / (s * temperature), -1)
-            sums[s] += float(torch.minimum(p, q).sum())
-        anchors += at.numel()
-    return {s: v / max(anchors, 1) for s, v in sums.items()}
 
 
 def engine_chain_tau(pair, n_prompts: int, max_tokens: int, chains: tuple[int, ...]) -> dict[int, float]:

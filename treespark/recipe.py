@@ -35,7 +35,7 @@ from treespark.budget import Budget
 from treespark.chat import chat_ids
 from treespark.corpus import training_texts
 from treespark.drafter import grown, load_drafter, save_drafter
-from treespark.judge import greedy_answer_features, judge
+from treespark.judge import heldout_features, judge
 from treespark.models import ModelPair
 from treespark.params import SamplingParams
 from treespark.prompts import load_prompts, synthetic_prompts, varied_prompts
@@ -243,8 +243,8 @@ def build_from_answers(recipe: AnswersRecipe, target, tokenizer, work_dir: Path,
     pair = ModelPair(target, drafter, tokenizer)
     taps = "-".join(map(str, recipe.tap_layers))
     held = _cached(work_dir / f"heldout-p{recipe.heldout_prompts}-n{recipe.heldout_max_tokens}-taps{taps}.safetensors",
-                   lambda: greedy_answer_features(pair, n_prompts=recipe.heldout_prompts,
-                                                  max_tokens=recipe.heldout_max_tokens, progress=progress))
+                   lambda: heldout_features(pair, n_prompts=recipe.heldout_prompts,
+                                            max_tokens=recipe.heldout_max_tokens, progress=progress))
     before = judge(drafter, held, max_tokens=recipe.heldout_max_tokens)
     result = train_drafter(drafter, feats, recipe.train, work_dir / "checkpoint", target=target, progress=progress)
     after = judge(drafter, held, max_tokens=recipe.heldout_max_tokens)
