@@ -87,10 +87,10 @@ def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_t
     the other pair of maps is stored under ``variant`` for side-by-side benchmarks."""
     if not sampled_temperature > 0:
         raise ValueError(f"sampled_temperature must be > 0, got {sampled_temperature}")
-    Calibration(temperature_scale=temperature_scale)  # a bad scale fails here, before any decoding
-    prompts = bench_prompts(pair, n_prompts, split="tune")
+    # the sampled map in force while drafting (a bad scale fails here, before any decoding)
     drafting = replace(pair, calibration=replace(
         pair.calibration, sampled=replace(pair.calibration.at(sampled_temperature), temperature_scale=temperature_scale)))
+    prompts = bench_prompts(pair, n_prompts, split="tune")
     fits = []
     for t in (0.0, sampled_temperature):
         q, y, rank = collect_records(drafting, prompts, temperature=t, max_tokens=max_tokens,

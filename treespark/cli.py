@@ -166,7 +166,7 @@ def cmd_bench(args) -> None:
 
         _write(goals_benchmark(pair, n_prompts=args.prompts, max_tokens=args.max_tokens,
                                chain_lengths=tuple(args.chains or (1, 2, 3, 4, 5)), seed=args.seed,
-                               temperatures=tuple(args.temperatures or (0.0, 1.0))), args.out)
+                               temperatures=tuple(args.temperatures)), args.out)
         return
     if args.what == "engine":
         from treespark.bench.engine_bench import engine_benchmark

@@ -64,6 +64,7 @@ def expand(
 ) -> DraftTree:
     """Grow one draft tree under ``budget`` (see ``treespark.select``)."""
     cal = calibration.at(temperature)
+    drawn_at = calibration.draft_temperature(temperature)
     limit = proposal.max_depth if max_depth is None else min(proposal.max_depth, max_depth)
     d2t = proposal.draft_to_target
     builder = TreeBuilder(root_token, budget, limit, None if d2t is None else d2t.tolist())
@@ -71,7 +72,7 @@ def expand(
     while opens := builder.to_open():
         for n in opens:
             q = draft_probs(proposal.logits(builder.token(n), builder.nodes[n].depth + 1),
-                            calibration.draft_temperature(temperature)).to(torch.float64)
+                            drawn_at).to(torch.float64)
             q = q / q.sum()
             dists[n] = q
             builder.open(n, open_on_host(q, budget.branch_cap, temperature, cal, sampler))
