@@ -73,7 +73,7 @@ def cmd_train(args) -> None:
         train = replace(base.train, **{k: v for k, v in (("steps", args.steps), ("lr", args.lr),
                                                           ("seed", args.seed),
                                                           ("anchors_per_seq", args.anchors_per_seq)) if v is not None})
-        recipe = replace(base, train=train, answers_dir=args.from_answers, shards=args.shards, init=args.init,
+        recipe = replace(base, train=train, answers_dirs=tuple(args.from_answers), shards=args.shards, init=args.init,
                          layers=args.layers)
         print(recipe)
         target, tok = load_default_target(device=args.device)
@@ -308,9 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--corpus-tokens", type=int, help="default: the shipped recipe's")
     t.add_argument("--answer-tokens", type=int, help="default: the shipped recipe's")
     t.add_argument("--seed", type=int, help="default: the shipped recipe's")
-    t.add_argument("--from-answers", metavar="DIR",
-                   help="train on the committed answer shards in DIR (AnswersRecipe; e.g. data/answers)")
-    t.add_argument("--shards", type=int, help="--from-answers: the first N shards (default: all)")
+    t.add_argument("--from-answers", metavar="DIR", nargs="+",
+                   help="train on the committed answer shards in these folders (AnswersRecipe; e.g. "
+                        "data/answers-chat data/answers-chat-sampled)")
+    t.add_argument("--shards", type=int, help="--from-answers: the first N shards of each folder (default: all)")
     t.add_argument("--init", help="--from-answers: continue from this drafter directory")
     t.add_argument("--layers", type=int, help="--from-answers with --init: grow the drafter to this many "
                                               "layers first (new layers start as the identity)")

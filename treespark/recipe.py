@@ -196,8 +196,8 @@ class AnswersRecipe:
     with the offset, several sequences per step. ``init``: continue from this drafter
     (its shape and draft vocabulary) instead of a fresh one."""
 
-    answers_dir: str = "data/answers"
-    shards: int | None = None        # the first N committed shards (None: every one)
+    answers_dirs: tuple[str, ...] = ("data/answers",)   # answer folders, their features concatenated in order
+    shards: int | None = None        # the first N committed shards of each folder (None: every one)
     top_k: int = 16                  # target log-probabilities kept per position (soft labels)
     init: str | None = None          # a drafter directory to start from
     layers: int | None = None        # grow ``init`` to this many layers (``drafter.grown``)
@@ -229,9 +229,9 @@ def build_from_answers(recipe: AnswersRecipe, target, tokenizer, work_dir: Path,
             raise ValueError(f"init drafter taps {drafter.config.target_layer_ids} != recipe {recipe.tap_layers}")
         if recipe.layers is not None:
             drafter = grown(drafter, recipe.layers)
-    feats, shards = trainset.answer_features(target, tokenizer, Path(recipe.answers_dir), work_dir / "features",
-                                    shards=recipe.shards, tap_layers=recipe.tap_layers, top_k=recipe.top_k,
-                                    progress=progress)
+    feats, shards = trainset.answer_features(target, tokenizer, [Path(d) for d in recipe.answers_dirs],
+                                             work_dir / "features", shards=recipe.shards,
+                                             tap_layers=recipe.tap_layers, top_k=recipe.top_k, progress=progress)
     if recipe.init is None:
         lengths = feats.starts[1:] - feats.starts[:-1]
         in_answer = torch.arange(int(feats.starts[-1])) >= torch.repeat_interleave(
