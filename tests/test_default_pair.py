@@ -37,9 +37,9 @@ def test_committed_drafter_loads_strictly(pair):
 
 
 def test_default_pair_accepts_and_stays_greedy(pair):
-    """A floor that catches a broken or weakened checkpoint: >= 1.9 tokens per round at
-    T = 0 with 32-node trees (the shipped drafter: 2.14 on these prompts; the one before
-    it 2.20; an untrained drafter ~1)."""
+    """A floor that catches a broken or weakened checkpoint: >= 2.0 tokens per round at
+    T = 0 with 32-node trees (the shipped drafter: 2.20 on these prompts; the ones before
+    it 2.04 (60 chat shards), 2.14 (30) and 2.20 (base); an untrained drafter ~1)."""
     rounds = tokens = 0
     eos = (pair.tokenizer.eos_token_id,)
     for text in PROMPTS:
@@ -49,7 +49,7 @@ def test_default_pair_accepts_and_stays_greedy(pair):
         assert out.token_ids == plain.token_ids
         rounds += len(out.rounds)
         tokens += len(out.token_ids) - 1       # the first token comes from prefill
-    assert tokens / rounds >= 1.9
+    assert tokens / rounds >= 2.0
 
 
 def test_cli_generate_check():
