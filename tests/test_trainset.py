@@ -71,12 +71,14 @@ def test_several_answer_folders_are_concatenated_in_order(tmp_path: Path):
                                   tap_layers=(0, 2), top_k=4, progress=False)
     assert used == {str(tmp_path / "sampled"): [0], str(tmp_path / "greedy"): [0]}
     assert first.tokens.tolist() == c.tokens + a.tokens
+    # a bad folder list is refused before any features are computed
     with pytest.raises(ValueError, match="given twice"):
-        answer_features(pair.target, tok, [tmp_path / "greedy", tmp_path / "greedy"], tmp_path / "cache",
+        answer_features(pair.target, tok, [tmp_path / "greedy", tmp_path / "greedy"], tmp_path / "fresh",
                         shards=None, tap_layers=(0, 2), top_k=4, progress=False)
     with pytest.raises(ValueError, match="no answer shards in"):
-        answer_features(pair.target, tok, [tmp_path / "greedy", tmp_path / "empty"], tmp_path / "cache",
+        answer_features(pair.target, tok, [tmp_path / "greedy", tmp_path / "empty"], tmp_path / "fresh",
                         shards=None, tap_layers=(0, 2), top_k=4, progress=False)
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_a_reserved_prompt_in_a_conversation_is_refused(tmp_path: Path, monkeypatch):

@@ -229,7 +229,7 @@ def build_from_answers(recipe: AnswersRecipe, target, tokenizer, work_dir: Path,
             raise ValueError(f"init drafter taps {drafter.config.target_layer_ids} != recipe {recipe.tap_layers}")
         if recipe.layers is not None:
             drafter = grown(drafter, recipe.layers)
-    feats, shards = trainset.answer_features(target, tokenizer, [Path(d) for d in recipe.answers_dirs],
+    feats, shards = trainset.answer_features(target, tokenizer, recipe.answers_dirs,
                                              work_dir / "features", shards=recipe.shards,
                                              tap_layers=recipe.tap_layers, top_k=recipe.top_k, progress=progress)
     if recipe.init is None:

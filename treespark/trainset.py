@@ -113,24 +113,23 @@ def shard_features(target, tokenizer, answers_dir: Path, shard: int, cache_dir: 
     return feats
 
 
-def answer_features(target, tokenizer, answers_dirs: Sequence[Path], cache_dir: Path, *, shards: int | None,
-                    tap_layers: tuple[int, ...], top_k: int,
+def answer_features(target, tokenizer, answers_dirs: Sequence[str | Path], cache_dir: Path, *,
+                    shards: int | None, tap_layers: tuple[int, ...], top_k: int,
                     progress: bool = True) -> tuple[Features, dict[str, list[int]]]:
     """Features of the first ``shards`` committed shards (all if None) of each folder in
-    ``answers_dirs``, in that order, and the shard indices used per folder. Shards of
-    different folders share ``cache_dir``: their cache names carry their content digest."""
+    ``answers_dirs``, in that order, and the shard indices used per folder. Every folder
+    is checked before any features are computed. Shards of different folders share
+    ``cache_dir``: their cache names carry their content digest."""
     if not answers_dirs:
         raise ValueError("no answer folders given")
     used: dict[str, list[int]] = {}
-    parts = []
     for answers_dir in map(Path, answers_dirs):
-        done = finished_shards(answers_dir)
-        use = done[:shards] if shards is not None else done
-        if not use:
-            raise ValueError(f"no answer shards in {answers_dir}: run `treespark gen-data` first")
         if str(answers_dir) in used:
             raise ValueError(f"answer folder {answers_dir} given twice")
-        used[str(answers_dir)] = use
-        parts += [shard_features(target, tokenizer, answers_dir, i, Path(cache_dir), tap_layers=tap_layers,
-                                 top_k=top_k, progress=progress) for i in use]
+        done = finished_shards(answers_dir)
+        used[str(answers_dir)] = done[:shards] if shards is not None else done
+        if not used[str(answers_dir)]:
+            raise ValueError(f"no answer shards in {answers_dir}: run `treespark gen-data` first")
+    parts = [shard_features(target, tokenizer, Path(d), i, Path(cache_dir), tap_layers=tap_layers, top_k=top_k,
+                            progress=progress) for d, use in used.items() for i in use]
     return concat_features(*parts), used
