@@ -71,6 +71,13 @@ def test_several_answer_folders_are_concatenated_in_order(tmp_path: Path):
                                   tap_layers=(0, 2), top_k=4, progress=False)
     assert used == {str(tmp_path / "sampled"): [0], str(tmp_path / "greedy"): [0]}
     assert first.tokens.tolist() == c.tokens + a.tokens
+    # --first-shard skips the shards before it in each folder (a continuation on new shards)
+    rest, used = answer_features(pair.target, tok, [tmp_path / "greedy"], tmp_path / "cache", shards=None,
+                                 first_shard=1, tap_layers=(0, 2), top_k=4, progress=False)
+    assert used == {str(tmp_path / "greedy"): [1]} and rest.tokens.tolist() == b.tokens
+    with pytest.raises(ValueError, match="from shard 1 to None: it has 1"):
+        answer_features(pair.target, tok, dirs, tmp_path / "fresh", shards=None, first_shard=1,
+                        tap_layers=(0, 2), top_k=4, progress=False)
     # a bad folder list is refused before any features are computed
     with pytest.raises(ValueError, match="given twice"):
         answer_features(pair.target, tok, [tmp_path / "greedy", tmp_path / "greedy"], tmp_path / "fresh",
@@ -102,3 +109,7 @@ def test_train_drafter_takes_several_answer_folders():
     args = build_parser().parse_args(["train-drafter", "--out", "D", "--from-answers", "data/answers-chat",
                                       "data/answers-chat-sampled", "--shards", "3"])
     assert args.from_answers == ["data/answers-chat", "data/answers-chat-sampled"] and args.shards == 3
+    assert args.first_shard == 0
+    args = build_parser().parse_args(["train-drafter", "--out", "D", "--from-answers", "data/answers-chat",
+                                      "--first-shard", "47"])
+    assert args.first_shard == 47 and args.shards is None

@@ -73,8 +73,8 @@ def cmd_train(args) -> None:
         train = replace(base.train, **{k: v for k, v in (("steps", args.steps), ("lr", args.lr),
                                                           ("seed", args.seed),
                                                           ("anchors_per_seq", args.anchors_per_seq)) if v is not None})
-        recipe = replace(base, train=train, answers_dirs=tuple(args.from_answers), shards=args.shards, init=args.init,
-                         layers=args.layers)
+        recipe = replace(base, train=train, answers_dirs=tuple(args.from_answers), shards=args.shards,
+                         first_shard=args.first_shard, init=args.init, layers=args.layers)
         print(recipe)
         target, tok = load_default_target(device=args.device)
         report = build_from_answers(recipe, target, tok, Path(args.work_dir), Path(args.out))
@@ -312,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on the committed answer shards in these folders (AnswersRecipe; e.g. "
                         "data/answers-chat data/answers-chat-sampled)")
     t.add_argument("--shards", type=int, help="--from-answers: the first N shards of each folder (default: all)")
+    t.add_argument("--first-shard", type=int, default=0,
+                   help="--from-answers: skip the shards before this one in each folder (default: 0)")
     t.add_argument("--init", help="--from-answers: continue from this drafter directory")
     t.add_argument("--layers", type=int, help="--from-answers with --init: grow the drafter to this many "
                                               "layers first (new layers start as the identity)")

@@ -197,7 +197,8 @@ class AnswersRecipe:
     (its shape and draft vocabulary) instead of a fresh one."""
 
     answers_dirs: tuple[str, ...] = ("data/answers",)   # answer folders, their features concatenated in order
-    shards: int | None = None        # the first N committed shards of each folder (None: every one)
+    shards: int | None = None        # the first N committed shards of each folder (None: every one) ...
+    first_shard: int = 0             # ... from this one on (a continuation on the shards added since)
     top_k: int = 16                  # target log-probabilities kept per position (soft labels)
     init: str | None = None          # a drafter directory to start from
     layers: int | None = None        # grow ``init`` to this many layers (``drafter.grown``)
@@ -231,6 +232,7 @@ def build_from_answers(recipe: AnswersRecipe, target, tokenizer, work_dir: Path,
             drafter = grown(drafter, recipe.layers)
     feats, shards = trainset.answer_features(target, tokenizer, recipe.answers_dirs,
                                              work_dir / "features", shards=recipe.shards,
+                                             first_shard=recipe.first_shard,
                                              tap_layers=recipe.tap_layers, top_k=recipe.top_k, progress=progress)
     if recipe.init is None:
         lengths = feats.starts[1:] - feats.starts[:-1]

@@ -114,22 +114,28 @@ def shard_features(target, tokenizer, answers_dir: Path, shard: int, cache_dir: 
 
 
 def answer_features(target, tokenizer, answers_dirs: Sequence[str | Path], cache_dir: Path, *,
-                    shards: int | None, tap_layers: tuple[int, ...], top_k: int,
+                    shards: int | None, tap_layers: tuple[int, ...], top_k: int, first_shard: int = 0,
                     progress: bool = True) -> tuple[Features, dict[str, list[int]]]:
-    """Features of the first ``shards`` committed shards (all if None) of each folder in
-    ``answers_dirs``, in that order, and the shard indices used per folder. Every folder
+    """Features of the committed shards ``first_shard`` up to ``shards`` (the end if None)
+    of each folder in ``answers_dirs``, in that order, and the shard indices used per
+    folder. Every folder
     is checked before any features are computed. Shards of different folders share
     ``cache_dir``: their cache names carry their content digest."""
     if not answers_dirs:
         raise ValueError("no answer folders given")
+    if first_shard < 0:
+        raise ValueError(f"first_shard must be >= 0, got {first_shard}")
     used: dict[str, list[int]] = {}
     for answers_dir in map(Path, answers_dirs):
         if str(answers_dir) in used:
             raise ValueError(f"answer folder {answers_dir} given twice")
         done = finished_shards(answers_dir)
-        used[str(answers_dir)] = done[:shards] if shards is not None else done
-        if not used[str(answers_dir)]:
+        used[str(answers_dir)] = done[first_shard:shards]
+        if not done:
             raise ValueError(f"no answer shards in {answers_dir}: run `treespark gen-data` first")
+        if not used[str(answers_dir)]:
+            raise ValueError(f"no answer shards in {answers_dir} from shard {first_shard} to {shards}: "
+                             f"it has {len(done)}")
     parts = [shard_features(target, tokenizer, Path(d), i, Path(cache_dir), tap_layers=tap_layers, top_k=top_k,
                             progress=progress) for d, use in used.items() for i in use]
     return concat_features(*parts), used
