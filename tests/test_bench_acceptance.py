@@ -50,3 +50,21 @@ def test_goal_rows_at_one_temperature_are_those_rows_of_both():
     one = goals_benchmark(pair, temperatures=(1.0,), **kw).splitlines()
     assert one[:2] == both[:2] and one[2:] == [line for line in both[2:] if line.startswith("| 1 |")]
     assert len(one) == 5
+
+
+def test_variant_rows_only_where_its_map_differs():
+    """The stored variant is compared at each T where its map is not the pair's own:
+    offsets on the sampled map only give T = 1 rows and no T = 0 rows."""
+    from dataclasses import replace
+
+    from treespark.calibration import Calibration
+
+    pair = random_pair(64, 0, block_size=3)
+    pair = replace(pair, calibration=Calibration(1.0, 0.0, sampled=Calibration(0.5, 0.0, sibling_bias=(-1.0,))))
+    variant = Calibration(1.0, 0.0, sampled=Calibration(0.5, 0.0))
+    table = acceptance_benchmark(pair, n_prompts=2, max_tokens=8, temperatures=(0.0, 1.0), chain_lengths=[1],
+                                 variant=variant, log=lambda *a: None)
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    named = [(c[0].strip("| "), c[1]) for c in rows if "(a, b) only" in c[1] or "sibling offsets" in c[1]]
+    assert named and {t for t, _ in named} == {"1"}
+    assert all("(a, b) only" in name for _, name in named)

@@ -129,26 +129,37 @@ def test_bad_inputs():
 
 def test_calibrate_pair_stores_the_map_in_use_and_its_variant(tmp_path):
     """`treespark calibrate` on a tiny random pair: both fits land in calibration.json,
-    the one in use on top and the other under ``variant``; the flag swaps them."""
+    the ones in use on top and the others under ``variant``. By default only the sampled
+    map carries sibling offsets; "none" and "all" put them nowhere or in both maps."""
     from treespark import random_pair
     from treespark.calibrate_cmd import calibrate_pair
     from treespark.calibration import load_variant
 
     pair = random_pair(64, 0, block_size=3)
     quiet = dict(n_prompts=3, max_tokens=12, log=lambda *a: None)
-    returned = calibrate_pair(pair, tmp_path / "ab", **quiet)
-    used, other = Calibration.load(tmp_path / "ab" / "calibration.json"), load_variant(tmp_path / "ab" / "calibration.json")
+    returned = calibrate_pair(pair, tmp_path / "default", **quiet)
+    used, other = (Calibration.load(tmp_path / "default" / "calibration.json"),
+                   load_variant(tmp_path / "default" / "calibration.json"))
     assert used == returned
-    assert used.sibling_bias == () and len(other.sibling_bias) == 3
+    assert used.sibling_bias == () and len(used.sampled.sibling_bias) == 3
     # each regime has its own fit: the sampled map comes from T = 1 records
-    assert used.sampled is not None and used.sampled.sibling_bias == () and (used.sampled.a, used.sampled.b) != (used.a, used.b)
-    assert other.sampled is not None and len(other.sampled.sibling_bias) == 3
-    calibrate_pair(pair, tmp_path / "ranked", sibling_offsets=True, **quiet)
-    path = tmp_path / "ranked" / "calibration.json"
-    assert Calibration.load(path) == other and load_variant(path) == used
+    assert (used.sampled.a, used.sampled.b) != (used.a, used.b)
+    # the variant beside offsets in use is the two-scalar pair of maps
+    assert other.sibling_bias == () and other.sampled.sibling_bias == ()
+    assert (other.a, other.b) == (used.a, used.b) and other.sampled != used.sampled
+    none = calibrate_pair(pair, tmp_path / "none", sibling_offsets="none", **quiet)
+    assert none == other, "the same records, the same fits"
+    ranked = load_variant(tmp_path / "none" / "calibration.json")
+    assert len(ranked.sibling_bias) == 3 and ranked.sampled == used.sampled
+    everywhere = calibrate_pair(pair, tmp_path / "all", sibling_offsets="all", **quiet)
+    path = tmp_path / "all" / "calibration.json"
+    assert everywhere == ranked == Calibration.load(path) and load_variant(path) == none
     stored = json.loads(path.read_text())
     assert stored["n"] > 0 and stored["sampled"]["n"] > 0 and stored["sampled"]["temperature"] == 1.0
-    assert (tmp_path / "ranked" / "reliability.png").stat().st_size > 0
+    assert (tmp_path / "all" / "reliability.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="sibling_offsets"):
+        calibrate_pair(pair, tmp_path / "bad", sibling_offsets="some", **quiet)
+    assert not (tmp_path / "bad").exists(), "a bad choice fails before any decoding or writing"
     # drafts at T > 0 are drawn at q's own temperature unless told otherwise, and the
     # sampled maps keep the scale their records were drafted at
     assert used.sampled.temperature_scale == other.sampled.temperature_scale == 1.0

@@ -11,7 +11,13 @@ import numpy as np
 
 from treespark.bench.common import bench_prompts, run_engine
 from treespark.budget import Budget
-from treespark.calibration import Calibration, CalibrationReport, calibrate, p_hat_of
+from treespark.calibration import (
+    Calibration,
+    CalibrationReport,
+    calibrate,
+    offsets_in_use,
+    p_hat_of,
+)
 from treespark.models import ModelPair
 
 
@@ -43,15 +49,15 @@ class RegimeFit:
         return self.ranked if sibling_offsets else self.plain
 
 
-def reliability_png(fits: list[RegimeFit], sibling_offsets: bool, path: Path) -> None:
+def reliability_png(fits: list[RegimeFit], offsets: tuple[bool, ...], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(fits), figsize=(4.5 * len(fits), 4.5), squeeze=False)
-    for ax, f in zip(axes[0], fits, strict=True):
-        report = f.chosen(sibling_offsets)
+    for ax, f, o in zip(axes[0], fits, offsets, strict=True):
+        report = f.chosen(o)
         for label, p in (("raw q", f.q), ("calibrated p_hat", p_hat_of(report.calibration, f.q, f.rank))):
             idx = np.minimum((p * 10).astype(np.int64), 9)
             xs, ys = [], []
@@ -77,14 +83,19 @@ def _report_fields(r: CalibrationReport) -> dict:
 
 
 def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_tokens: int = 64,
-                   sampled_temperature: float = 1.0, sibling_offsets: bool = False,
+                   sampled_temperature: float = 1.0, sibling_offsets: str = "sampled",
                    temperature_scale: float = 1.0, log=print) -> Calibration:
     """Fit the T = 0 map on greedy verification traces of the tuning prompts and the
     sampled map (used at every T > 0) on traces at ``sampled_temperature``, drafted at
     ``temperature_scale`` x T (``Calibration.temperature_scale``; default 1, the
     drafter's own q); each map both ways, (a, b) alone and with sibling-rank offsets.
-    The maps in use (``sibling_offsets``) go to calibration.json with their reports;
-    the other pair of maps is stored under ``variant`` for side-by-side benchmarks."""
+    The records come from trees of the default branch cap (``Budget.adaptive``), so the
+    ranks fitted are the ranks served. The maps in use (``sibling_offsets``, one of
+    ``SIBLING_OFFSETS``) go to calibration.json with their reports; under ``variant``
+    goes the pair of maps without offsets (or, if the maps in use have none, with
+    offsets in both) for side-by-side benchmarks."""
+    use = offsets_in_use(sibling_offsets)
+    other = (False, False) if any(use) else (True, True)
     if not sampled_temperature > 0:
         raise ValueError(f"sampled_temperature must be > 0, got {sampled_temperature}")
     # the sampled map in force while drafting (a bad scale fails here, before any decoding)
@@ -94,7 +105,7 @@ def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_t
     fits = []
     for t in (0.0, sampled_temperature):
         q, y, rank = collect_records(drafting, prompts, temperature=t, max_tokens=max_tokens,
-                                     budget=Budget(0.0, 24, 4))
+                                     budget=Budget(0.0, 24, Budget.adaptive().branch_cap))
         if len(q) == 0:
             raise RuntimeError(f"no calibration records at T={t:g}: the drafter never drafted")
         plain, ranked = calibrate(q, y), calibrate(q, y, rank)
@@ -111,22 +122,21 @@ def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_t
         fits.append(fit)
     greedy, sampled = fits
 
-    def combined(offsets: bool) -> Calibration:
-        return replace(greedy.chosen(offsets).calibration, sampled=sampled.chosen(offsets).calibration)
+    def combined(offsets: tuple[bool, bool]) -> Calibration:
+        return replace(greedy.chosen(offsets[0]).calibration, sampled=sampled.chosen(offsets[1]).calibration)
 
-    def with_reports(offsets: bool) -> dict:
+    def with_reports(offsets: tuple[bool, bool]) -> dict:
         """The T = 0 map and its report, the sampled map and its report nested under "sampled"."""
-        return {**greedy.chosen(offsets).calibration.to_dict(), **_report_fields(greedy.chosen(offsets)),
-                "sampled": {**sampled.chosen(offsets).calibration.to_dict(),
-                            "temperature": sampled_temperature, **_report_fields(sampled.chosen(offsets))}}
+        g, s = greedy.chosen(offsets[0]), sampled.chosen(offsets[1])
+        return {**g.calibration.to_dict(), **_report_fields(g),
+                "sampled": {**s.calibration.to_dict(), "temperature": sampled_temperature, **_report_fields(s)}}
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "calibration.json"
-    path.write_text(json.dumps({**with_reports(sibling_offsets), "variant": with_reports(not sibling_offsets)},
-                               indent=2) + "\n")
+    path.write_text(json.dumps({**with_reports(use), "variant": with_reports(other)}, indent=2) + "\n")
     try:
-        reliability_png(fits, sibling_offsets, out_dir / "reliability.png")
+        reliability_png(fits, use, out_dir / "reliability.png")
     except ImportError:
         log("matplotlib is not installed: no reliability diagram (pip install '.[loadtest]')")
-    log(f"wrote {path} ({'with' if sibling_offsets else 'without'} sibling offsets)")
-    return combined(sibling_offsets)
+    log(f"wrote {path} (sibling offsets: {sibling_offsets})")
+    return combined(use)

@@ -9,10 +9,10 @@ drives expansion, stopping and the serving budget. Reported with ECE and Brier.
 Optionally, one offset ``c_r`` per *sibling rank* r (the r-th child of its parent,
 0-based; c_0 = 0, the last offset repeats for deeper ranks). A second child with
 q = 0.3 sits beside a first child that usually holds more of the mass, and at most one
-child is accepted, so it survives less often than a first child with q = 0.3. On the
-default pair the offsets fit the T = 1 records better (log-loss 0.332 -> 0.312; at T = 0
-they come out near zero) but did not buy tokens per forward (docs/benchmarks.md), so
-the shipped maps are the paper's two scalars (``sibling_bias = ()``).
+child is accepted, so it survives less often than a first child with q = 0.3. The
+shipped T = 0 map is the paper's two scalars (``sibling_bias = ()``: there q ranks the
+siblings and the offsets bought nothing); the shipped sampled map has offsets
+(``SIBLING_OFFSETS``: where the maps in use carry them).
 
 Acceptance means different things at T = 0 (the target's argmax equals the child) and
 at T > 0 (rejection sampling accepts the drawn child with probability min(1, p/q)), so
@@ -157,6 +157,22 @@ def load_variant(path: str | Path) -> Calibration | None:
         return None
     v = json.loads(path.read_text()).get("variant")
     return None if v is None else Calibration.from_dict(v)
+
+
+# Where the maps in use carry sibling-rank offsets: "sampled" (the default) gives them
+# to the T > 0 map only. At T > 0 sibling j is accepted only after siblings 0 .. j-1 were
+# rejected, so its q says little without its rank (default pair, T = 1: log-loss
+# 0.364 -> 0.314 and ECE 0.030 -> 0.011 with offsets, and the adaptive tree at theta 0.01
+# accepts more, docs/benchmarks.md); at T = 0 a child is accepted iff it is the target's
+# argmax, q ranks the siblings already, and the offsets bought nothing.
+SIBLING_OFFSETS = ("none", "sampled", "all")
+
+
+def offsets_in_use(sibling_offsets: str) -> tuple[bool, bool]:
+    """(T = 0 map, sampled map) with offsets, for a ``SIBLING_OFFSETS`` choice."""
+    if sibling_offsets not in SIBLING_OFFSETS:
+        raise ValueError(f"sibling_offsets must be one of {SIBLING_OFFSETS}, got {sibling_offsets!r}")
+    return sibling_offsets == "all", sibling_offsets != "none"
 
 
 @dataclass(frozen=True)

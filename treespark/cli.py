@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from treespark.budget import Budget
+from treespark.calibration import SIBLING_OFFSETS
 from treespark.cost_measure import MeasureConfig
 
 
@@ -323,8 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     c = sub.add_parser("calibrate", help="fit the calibration (a, b) on greedy verification traces and a "
-                                         "second map for T > 0 on sampled ones (and the variant with "
-                                         "sibling-rank offsets); writes calibration.json")
+                                         "second map for T > 0 on sampled ones, with sibling-rank offsets (and the "
+                                         "variant without them); writes calibration.json")
     c.add_argument("--target", help="a Llama-family causal LM: local directory or hub id (default: the embedded one)")
     c.add_argument("--drafter", help="its DSpark drafter: directory or hub id (default: the shipped one)")
     c.add_argument("--out", help="where calibration.json goes (default: the drafter's directory)")
@@ -334,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature-scale", type=float, default=1.0,
                    help="draw drafts at T > 0 from q at this multiple of T, and fit the sampled map on such "
                         "drafts (default 1: q itself; lossless at any scale; see docs/benchmarks.md)")
-    c.add_argument("--sibling-offsets", action="store_true",
-                   help="use the fit with sibling-rank offsets (both are fitted and stored)")
+    c.add_argument("--sibling-offsets", choices=SIBLING_OFFSETS, default="sampled",
+                   help="which maps in use carry sibling-rank offsets: none, the T > 0 map only "
+                        "(default), or all (both fits are made and stored)")
     c.set_defaults(func=cmd_calibrate)
 
     j = sub.add_parser("judge-drafter", help="score a drafter on the target's greedy answers to held-out "
