@@ -80,7 +80,7 @@ def test_price_rises_monotonically_with_batch_size():
 def test_free_verification_gives_theta_zero():
     flat = CostModel((1, 16), (1, 64), ((0.1, 0.1), (0.2, 0.2)))
     p = plan_budget(flat, AcceptanceProfile.saturating(max_nodes=32), active=1)
-    assert p.theta == 0.0 and p.nodes == 32 and p.branch_cap == 4
+    assert p.theta == 0.0 and p.nodes == 32 and p.branch_cap == 8  # plan_budget's default max_branch
 
 
 def test_a_step_in_the_forward_time_is_filled_or_avoided():
@@ -151,7 +151,7 @@ def test_policy_shrinks_trees_to_chains_then_off():
     p = CostModelPolicy(AFFINE)
     bs = _budgets(p, range(0, 33))
     assert bs[0] == p.budget_for(LoadSnapshot.idle(), "r")
-    assert bs[0].node_cap >= 8 and bs[0].branch_cap == 4
+    assert bs[0].node_cap >= 8 and bs[0].branch_cap == p.max_branch
     for a, b in zip(bs, bs[1:], strict=False):
         assert b.theta >= a.theta and b.node_cap <= a.node_cap and b.branch_cap <= a.branch_cap
     assert bs[-1].is_off and bs[-1].theta >= 1.0 and bs[-1].node_cap == 0

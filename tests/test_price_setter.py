@@ -132,7 +132,7 @@ def test_local_only_replicas_report_but_price_themselves(monkeypatch):
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
     priced = {"budget": {"theta": 0.4, "node_cap": 8, "branch_cap": 2}, "priced_at": 1.0,
               "registered": True, "calibration": None}
-    for pricing, expect in ((False, Budget(0.0, 32, 4)), (True, Budget(0.4, 8, 2))):
+    for pricing, expect in ((False, Budget(0.0, 32, 8)), (True, Budget(0.4, 8, 2))):
         args = AppArgs(model="random", engine_factory="serving.fake_engine:build_fake_engine", max_context=64,
                        max_batch_size=2, policy={"kind": "perstep"}, controller={"pricing": pricing})
         core = ReplicaCore(args, "r0", connect=None)

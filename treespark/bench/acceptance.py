@@ -28,15 +28,22 @@ def ranked_by_marginals(pair: ModelPair) -> ModelPair:
     return replace(pair, drafter=drafter)
 
 
+def _map_at(cal: Calibration, t: float) -> Calibration:
+    """The map that drafts at ``t``, without the other regime's."""
+    return replace(cal.at(t), sampled=None)
+
+
 def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: int = 96,
                          temperatures=(0.0, 1.0), equal_budget: int = 16, chain_lengths=None,
                          variant: Calibration | None = None, seed: int = 0, log=print) -> str:
     """tau of every policy on the held-out prompts. ``variant``: another calibration of
-    the same drafter (``treespark calibrate`` stores it: with sibling offsets if the
-    pair's has none) compared at equal budget and at the default theta. ``seed``: the
+    the same drafter (``treespark calibrate`` stores it: without sibling offsets if the
+    pair's has some) compared at equal budget and at the default theta, at each T where
+    its map differs from the pair's. ``seed``: the
     first request's sampling seed (request i draws with seed + i; T > 0 rows only)."""
     prompts = bench_prompts(pair, n_prompts)
     block = pair.drafter.config.block_size
+    branch = Budget.adaptive().branch_cap  # every tree here may branch as wide as the default
     rows = []
     for t in temperatures:
         def tau(budget: Budget, t: float = t, on: ModelPair = pair) -> tuple[float, float]:
@@ -51,16 +58,16 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
         best_k = max(chains, key=lambda k: chains[k][0])
         results[f"tuned chain (k={best_k})"] = chains[best_k]
         for cap in (16, 32, 64):
-            results[f"fixed tree {cap}"] = tau(Budget(0.0, cap, 4))
-        at_equal = Budget(0.0, equal_budget, 4)
+            results[f"fixed tree {cap}"] = tau(Budget(0.0, cap, branch))
+        at_equal = Budget(0.0, equal_budget, branch)
         results[f"logq @ {equal_budget} nodes"] = tau(at_equal, on=ranked_by_logq(pair))
         results[f"marginal @ {equal_budget} nodes"] = tau(at_equal, on=ranked_by_marginals(pair))
         results[f"calibrated @ {equal_budget} nodes"] = tau(at_equal)
         default = Budget.adaptive()
-        if variant is not None:
+        if variant is not None and _map_at(variant, t) != _map_at(pair.calibration, t):  # the same map: no rows
             other = replace(pair, calibration=variant)
-            label = "sibling offsets" if variant.sibling_bias else "(a, b) only"
-            results[f"calibrated, {label} @ {equal_budget} nodes"] = tau(Budget(0.0, equal_budget, 4), on=other)
+            label = "sibling offsets" if variant.at(t).sibling_bias else "(a, b) only"
+            results[f"calibrated, {label} @ {equal_budget} nodes"] = tau(at_equal, on=other)
             results[f"adaptive (theta {default.theta:g}), {label}"] = tau(default, on=other)
             results[f"adaptive (theta 0.01), {label}"] = tau(Budget.adaptive(theta=0.01), on=other)
         results[f"adaptive (theta {default.theta:g}, default)"] = tau(default)

@@ -139,12 +139,12 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
 
 def theta_sweep(pair: ModelPair, *, thetas=(0.02, 0.05, 0.08, 0.12), chains=(2, 3, 4),
                 n_prompts: int = 3, max_tokens: int = 48, log=print) -> str:
-    """Batch-1 tokens/s of adaptive trees (node_cap 32, branch_cap 4) at several prices,
+    """Batch-1 tokens/s of adaptive trees (``Budget.adaptive``'s caps) at several prices,
     beside chains and plain decoding, on the *tuning* prompts: how the default theta
     of ``Budget.adaptive`` is chosen without touching the heldout ones."""
     prompts = bench_prompts(pair, n_prompts, split="tune")
     budgets = {"plain": Budget.off()}
-    budgets.update({f"adaptive theta={t:g}": Budget(t, 32, 4) for t in thetas})
+    budgets.update({f"adaptive theta={t:g}": Budget.adaptive(theta=t) for t in thetas})
     budgets.update({f"chain k={k}": Budget.chain(k) for k in chains})
     rows = []
     for name, b in budgets.items():
