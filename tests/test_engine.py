@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -180,7 +182,8 @@ def test_node_caps_are_clipped_to_max_tree_nodes(mimic16):
 def test_sampled_drafts_are_drawn_at_the_calibrations_scale(pair64):
     """The sampled map's ``temperature_scale`` reaches the device drafting: a sharper
     drafting temperature puts the first children's q (the q each was drawn from, and is
-    verified against) near 1."""
+    verified against) near 1, in the median (the mean read 0.93 on one machine: a
+    child is still drawn from q, and one drawn at q = 0.01 pulls the mean down)."""
     def first_children_q(scale):
         cal = Calibration(1.0, 0.0, sampled=Calibration(1.0, 0.0, temperature_scale=scale))
         engine = Engine(pair64, EngineConfig(max_batch_size=1, max_context=64), budget=Budget(0.0, 8, 3),
@@ -192,7 +195,7 @@ def test_sampled_drafts_are_drawn_at_the_calibrations_scale(pair64):
             engine.step()
         q = [q for s in stats for q, _, rank in s.sampled_records if rank == 0]
         assert q
-        return sum(q) / len(q)
+        return statistics.median(q)  # one child drawn at q = 0.01 must not swing it
 
     sharp, plain = first_children_q(0.05), first_children_q(1.0)
     assert sharp > 0.95 and plain < 0.5, (sharp, plain)
