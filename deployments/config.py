@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from treespark.budget import Budget
+from treespark.budget import DEFAULT_BRANCH_CAP, Budget
 from treespark.pricing.costmodel import AcceptanceProfile, CostModel
 from treespark.pricing.policy import (
     BudgetPolicy,
@@ -66,7 +66,7 @@ class PolicyArgs(_Strict):
     budget: BudgetArgs | None = None
     cost_model: str | dict[str, Any] | None = None
     max_nodes: int = Field(32, ge=0)
-    max_branch: int = Field(8, ge=1)
+    max_branch: int = Field(DEFAULT_BRANCH_CAP, ge=1)
     queue_weight: float = Field(1.0, ge=0)
     prior_ceiling: float = Field(1.3, ge=0)
     prior_scale: float = Field(5.0, gt=0)

@@ -17,6 +17,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The most children one node may have unless told otherwise: the library's adaptive tree,
+# the pricing policies and the served config all start from it. At a low price the
+# wider candidate set buys tokens (theta 0.003, T = 0, tuning prompts: tau 2.414 with 4,
+# 2.498 with 6 or 8), and at the default price the cap hardly binds (docs/benchmarks.md).
+DEFAULT_BRANCH_CAP = 8
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -43,16 +49,13 @@ class Budget:
         return cls(theta=0.0, node_cap=0, branch_cap=1)
 
     @classmethod
-    def adaptive(cls, theta: float = 0.08, node_cap: int = 32, branch_cap: int = 8) -> Budget:
+    def adaptive(cls, theta: float = 0.08, node_cap: int = 32, branch_cap: int = DEFAULT_BRANCH_CAP) -> Budget:
         """The default adaptive tree: best-first under calibrated survival, stopped by theta.
 
         The default price (0.08) is the fastest at batch 1 for the default pair on a
         2-core CPU (chosen on the tuning prompts, docs/benchmarks.md); where a verify
         forward is cheaper (a GPU at light load) a lower theta buys more tokens per
-        forward. The serving policy sets theta from a measured cost model instead.
-        Up to 8 children per node: at a low price the wider candidate set buys tokens
-        (theta 0.003, T = 0, tuning prompts: tau 2.414 with 4, 2.498 with 6 or 8), and
-        at the default price the cap hardly binds."""
+        forward. The serving policy sets theta from a measured cost model instead."""
         return cls(theta=theta, node_cap=node_cap, branch_cap=branch_cap)
 
     @property

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from treespark.bench.common import bench_prompts, run_engine
-from treespark.budget import Budget
+from treespark.budget import DEFAULT_BRANCH_CAP, Budget
 from treespark.calibration import (
     Calibration,
     CalibrationReport,
@@ -89,7 +89,7 @@ def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_t
     sampled map (used at every T > 0) on traces at ``sampled_temperature``, drafted at
     ``temperature_scale`` x T (``Calibration.temperature_scale``; default 1, the
     drafter's own q); each map both ways, (a, b) alone and with sibling-rank offsets.
-    The records come from trees of the default branch cap (``Budget.adaptive``), so the
+    The records come from trees of the default branch cap (``DEFAULT_BRANCH_CAP``), so the
     ranks fitted are the ranks served. The maps in use (``sibling_offsets``, one of
     ``SIBLING_OFFSETS``) go to calibration.json with their reports; under ``variant``
     goes the pair of maps without offsets (or, if the maps in use have none, with
@@ -105,7 +105,7 @@ def calibrate_pair(pair: ModelPair, out_dir: Path, *, n_prompts: int = 48, max_t
     fits = []
     for t in (0.0, sampled_temperature):
         q, y, rank = collect_records(drafting, prompts, temperature=t, max_tokens=max_tokens,
-                                     budget=Budget(0.0, 24, Budget.adaptive().branch_cap))
+                                     budget=Budget(0.0, 24, DEFAULT_BRANCH_CAP))
         if len(q) == 0:
             raise RuntimeError(f"no calibration records at T={t:g}: the drafter never drafted")
         plain, ranked = calibrate(q, y), calibrate(q, y, rank)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from treespark.bench.common import bench_prompts, markdown_table, run_engine
-from treespark.budget import Budget
+from treespark.budget import DEFAULT_BRANCH_CAP, Budget
 from treespark.calibration import Calibration
 from treespark.models import ModelPair
 
@@ -43,7 +43,6 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
     first request's sampling seed (request i draws with seed + i; T > 0 rows only)."""
     prompts = bench_prompts(pair, n_prompts)
     block = pair.drafter.config.block_size
-    branch = Budget.adaptive().branch_cap  # every tree here may branch as wide as the default
     rows = []
     for t in temperatures:
         def tau(budget: Budget, t: float = t, on: ModelPair = pair) -> tuple[float, float]:
@@ -58,8 +57,8 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
         best_k = max(chains, key=lambda k: chains[k][0])
         results[f"tuned chain (k={best_k})"] = chains[best_k]
         for cap in (16, 32, 64):
-            results[f"fixed tree {cap}"] = tau(Budget(0.0, cap, branch))
-        at_equal = Budget(0.0, equal_budget, branch)
+            results[f"fixed tree {cap}"] = tau(Budget(0.0, cap, DEFAULT_BRANCH_CAP))
+        at_equal = Budget(0.0, equal_budget, DEFAULT_BRANCH_CAP)  # as wide as the default
         results[f"logq @ {equal_budget} nodes"] = tau(at_equal, on=ranked_by_logq(pair))
         results[f"marginal @ {equal_budget} nodes"] = tau(at_equal, on=ranked_by_marginals(pair))
         results[f"calibrated @ {equal_budget} nodes"] = tau(at_equal)

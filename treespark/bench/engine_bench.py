@@ -74,11 +74,10 @@ def engine_benchmark(pair: ModelPair, *, batch_sizes=(1, 4, 8, 16), max_tokens: 
             best = max((n for n in configs if n != PER_STEP), key=rate.__getitem__)
             row.append(f"{rate[PER_STEP] / rate[best]:.2f} ({best})")
         rows.append(row)
-    served = served_budget()
     header = ["batch"] + list(configs) + (["per-step / best fixed"] if per_step else [])
     note = (f"\n\n{batches} batch(es) of held-out prompts per cell, {max_tokens} tokens each, T = {temperature:g}; "
             f"tokens/s (ratio to plain, tau); the median of {repeats} pass(es)."
-            + (f" per-step: budget (theta {served.theta:g}, {served.node_cap} nodes, {served.branch_cap} wide) cut "
-               "every step by the per-step allocation on the startup step-cost table, as served with no queue."
-               if per_step else ""))
+            + (f" per-step: budget (theta {configs[PER_STEP].theta:g}, {configs[PER_STEP].node_cap} nodes, "
+               f"{configs[PER_STEP].branch_cap} wide) cut every step by the per-step allocation on the startup "
+               "step-cost table, as served with no queue." if per_step else ""))
     return markdown_table(header, rows) + note

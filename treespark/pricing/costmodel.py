@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from treespark.budget import DEFAULT_BRANCH_CAP
+
 # -- the cost model ----------------------------------------------------------------------
 
 
@@ -256,7 +258,7 @@ def branch_cap_for(theta: float, max_branch: int) -> int:
 
 
 def plan_budget(cost: CostModel, profile: AcceptanceProfile, *, active: float, queued: float = 0.0,
-                max_batch: int | None = None, max_nodes: int = 32, max_branch: int = 8,
+                max_batch: int | None = None, max_nodes: int = 32, max_branch: int = DEFAULT_BRANCH_CAP,
                 queue_weight: float = 1.0, min_gain: float = 1.0, node_s: float = 0.0) -> Plan:
     """The tree size and price for a replica running ``active`` rows with ``queued``
     more waiting (both per replica). Queued requests that fit the batch (``max_batch``

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from treespark.budget import Budget
+from treespark.budget import DEFAULT_BRANCH_CAP, Budget
 from treespark.pricing.costmodel import (
     AcceptanceProfile,
     AcceptanceStats,
@@ -163,7 +163,7 @@ class CostModelPolicy:
     cost: CostModel
     prior: AcceptanceProfile = field(default_factory=AcceptanceProfile.saturating)
     max_nodes: int = 32
-    max_branch: int = 8
+    max_branch: int = DEFAULT_BRANCH_CAP
     queue_weight: float = 1.0
     prior_weight: float = 200.0
     min_gain: float = 1.0
@@ -216,7 +216,7 @@ class PerStepPolicy:
     that may be drafted (the engine drafts less when its plan says so)."""
 
     max_nodes: int = 32
-    max_branch: int = 8
+    max_branch: int = DEFAULT_BRANCH_CAP
     max_batch: int | None = None
     queue_weight: float = 1.0
     trend_weight: float = 1.0
