@@ -11,11 +11,11 @@ from typing import Any
 import ray
 from ray.serve import Application
 
-from deployments.api import Api
 from deployments.config import AppArgs
-from deployments.controller import get_or_create_controller
+from deployments.controller.controller import get_or_create_controller
+from deployments.http.api import Api
 from deployments.placement import on_head
-from deployments.replica import Replica
+from deployments.replica.replica import Replica
 
 
 def replica_options(args: AppArgs) -> dict[str, Any]:

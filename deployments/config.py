@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from treespark.budget import DEFAULT_BRANCH_CAP, Budget
 from treespark.pricing.costmodel import AcceptanceProfile, CostModel
 from treespark.pricing.policy import (
     BudgetPolicy,
@@ -23,6 +22,7 @@ from treespark.pricing.policy import (
     LadderPolicy,
     PerStepPolicy,
 )
+from treespark.spec.budget import DEFAULT_BRANCH_CAP, Budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,7 +202,7 @@ class AppArgs(_Strict):
     max_tree_nodes: int = Field(64, ge=0)
     default_max_tokens: int = Field(256, ge=1)  # chat requests without max_tokens
     device: str | None = None
-    engine_factory: str = "deployments.engine_factory:build_engine"  # "module:callable(AppArgs) -> EngineBundle", run on the engine thread
+    engine_factory: str = "deployments.replica.engine_factory:build_engine"  # "module:callable(AppArgs) -> EngineBundle", run on the engine thread
     policy: PolicyArgs = Field(default_factory=PolicyArgs)
     replica: ReplicaArgs = Field(default_factory=ReplicaArgs)
     controller: ControllerArgs = Field(default_factory=ControllerArgs)

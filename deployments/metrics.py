@@ -21,7 +21,7 @@ was accepted in every draft that accepted more than ``p`` tokens. Inter-token la
 observed once per engine step that emitted tokens for a request (as vLLM does; with
 speculation one step may emit several); ``request_time_per_output_token_seconds`` is the
 per-request mean. Queue time ends when the engine schedules the request, which an engine
-reports through an optional ``on_schedule`` hook (``deployments.engine_loop``); engines
+reports through an optional ``on_schedule`` hook (``deployments.replica.engine_loop``); engines
 without the hook leave that histogram empty.
 """
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from treespark.budget import Budget
+from treespark.spec.budget import Budget
 
 COUNTERS = (
     "requests",

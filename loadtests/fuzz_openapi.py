@@ -40,7 +40,7 @@ def steer(path: str, body: Any, model: str = MODEL, max_n: int = MAX_N, max_toke
     """A *valid* generation body (for ``path``) steered to the engine; anything else as it is."""
     from pydantic import ValidationError
 
-    from deployments.schemas import ChatRequest, CompletionRequest
+    from deployments.http.schemas import ChatRequest, CompletionRequest
 
     schema = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}.get(path)
     if schema is None or not isinstance(body, dict):

@@ -22,7 +22,7 @@ import time
 from locust import HttpUser, LoadTestShape, events, task
 
 from loadtests.shapes import parse_shape, users_at
-from treespark.prompts import load_prompts
+from treespark.models.prompts import load_prompts
 
 
 @events.init_command_line_parser.add_listener

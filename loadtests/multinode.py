@@ -94,7 +94,7 @@ def per_second(records: list[dict], t0: float, kind: str) -> dict[int, dict]:
     return {s: {**b, "kind": kind} for s, b in out.items()}
 
 
-API_LOG_LINES = {"api_retries": "engine replica failed",                     # a resend (deployments.api)
+API_LOG_LINES = {"api_retries": "engine replica failed",                     # a resend (deployments.http.api)
                  "stream_errors": "the engine replica serving this request failed"}  # an SSE error event
 
 

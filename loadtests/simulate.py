@@ -41,7 +41,6 @@ from pathlib import Path
 
 from loadtests.common import percentile
 from loadtests.traces import Traces, record_traces
-from treespark.budget import Budget
 from treespark.pricing.allocate import StepCosts, plan_drafting
 from treespark.pricing.costmodel import AcceptanceProfile, CostModel, step_time
 from treespark.pricing.estimators import RoundWindow
@@ -52,6 +51,7 @@ from treespark.pricing.policy import (
     LoadSnapshot,
     PerStepPolicy,
 )
+from treespark.spec.budget import Budget
 
 FLOOR_FROM = ("cluster", "local", "max")
 
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
                         "model; runs the per-step floor from the cluster, local and max, and off, at --rates")
     args = p.parse_args(argv)
     if args.cmd == "record":
-        from treespark.bench.common import pair_by_name
+        from treespark.models.pair import pair_by_name
 
         budgets = [Budget.chain(k) for k in (1, 2, 4)] + [Budget(0.0, n, 4) for n in (2, 4, 8, 16, 32)]
         traces = record_traces(pair_by_name(args.pair), budgets, args.prompts, args.max_tokens, args.batch_size,

@@ -19,8 +19,8 @@ def main() -> None:
     import torch
 
     import treespark
-    from treespark.engine import Engine, EngineConfig
-    from treespark.step_costs import startup_step_costs
+    from treespark.engine.core import Engine, EngineConfig
+    from treespark.engine.step_costs import startup_step_costs
 
     torch.set_num_threads(args.threads)
     engine = Engine(treespark.load_pair(progress=False), EngineConfig(max_batch_size=8, max_context=1024))

@@ -11,8 +11,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from treespark.budget import Budget
 from treespark.pricing.costmodel import AcceptanceProfile
+from treespark.spec.budget import Budget
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,10 @@ class Traces:
 def record_traces(pair, budgets: list[Budget], n_prompts: int, max_tokens: int, batch_size: int,
                   log=print) -> Traces:
     """Run the engine on held-out prompts under each budget; keep (tree size, accepted)."""
-    from treespark.bench.common import bench_prompts, run_engine
+    from treespark.engine.run import run_engine
+    from treespark.models.prompts import pair_prompts
 
-    prompts = bench_prompts(pair, n_prompts)
+    prompts = pair_prompts(pair, n_prompts)
     by: dict[int, list[int]] = {}
     for b in budgets:
         r = run_engine(pair, prompts, b, max_tokens=max_tokens, batch_size=batch_size)

@@ -7,7 +7,7 @@ Public API (a contract that outside checks call):
 * ``Budget(theta, node_cap, branch_cap)``, ``Budget.chain(k)``, ``Budget.off()``
 * ``generate(pair, prompt_ids, *, max_new_tokens, temperature=0.0, seed=None, budget=None) -> Generation``
 
-The names resolve on first use (PEP 562), so ``import treespark.budget`` or
+The names resolve on first use (PEP 562), so ``import treespark.spec.budget`` or
 ``import treespark.pricing`` loads no torch: the serving control plane (controller,
 HTTP ingress) imports the library without the model code.
 """
@@ -18,22 +18,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _HOMES = {
-    "Budget": "treespark.budget",
-    "Calibration": "treespark.calibration",
-    "Generation": "treespark.decode",
-    "generate": "treespark.decode",
-    "ModelPair": "treespark.models",
-    "load_pair": "treespark.models",
-    "random_pair": "treespark.models",
+    "Budget": "treespark.spec.budget",
+    "Calibration": "treespark.spec.calibration",
+    "Generation": "treespark.engine.run",
+    "generate": "treespark.engine.run",
+    "ModelPair": "treespark.models.pair",
+    "load_pair": "treespark.models.pair",
+    "random_pair": "treespark.models.pair",
 }
 
 __all__ = ["Budget", "Calibration", "Generation", "ModelPair", "generate", "load_pair", "random_pair"]
 
 if TYPE_CHECKING:
-    from treespark.budget import Budget
-    from treespark.calibration import Calibration
-    from treespark.decode import Generation, generate
-    from treespark.models import ModelPair, load_pair, random_pair
+    from treespark.engine.run import Generation, generate
+    from treespark.models.pair import ModelPair, load_pair, random_pair
+    from treespark.spec.budget import Budget
+    from treespark.spec.calibration import Calibration
 
 
 def __getattr__(name: str) -> Any:

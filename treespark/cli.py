@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from treespark.budget import Budget
-from treespark.calibration import SIBLING_OFFSETS
-from treespark.cost_measure import MeasureConfig
+from treespark.engine.cost_measure import MeasureConfig
+from treespark.spec.budget import Budget
+from treespark.spec.calibration import SIBLING_OFFSETS
 
 
 def parse_budget(text: str) -> Budget:
@@ -34,14 +34,14 @@ def _write(text: str, out: str | None) -> None:
 
 
 def cmd_fetch(args) -> None:
-    from treespark.fetch import fetch_default_target
+    from treespark.models.fetch import fetch_default_target
 
     print(fetch_default_target(Path(args.cache_dir) if args.cache_dir else None))
 
 
 def cmd_generate(args) -> None:
     from treespark import generate, load_pair
-    from treespark.chat import chat_ids
+    from treespark.models.chat import chat_ids
 
     pair = load_pair(device=args.device)
     ids = chat_ids(pair.tokenizer, args.prompt) if not args.raw else pair.tokenizer.encode(args.prompt)
@@ -66,8 +66,13 @@ def cmd_generate(args) -> None:
 def cmd_train(args) -> None:
     from dataclasses import replace
 
-    from treespark.fetch import load_default_target
-    from treespark.recipe import AnswersRecipe, DrafterRecipe, build_drafter, build_from_answers
+    from treespark.models.fetch import load_default_target
+    from treespark.training.recipe import (
+        AnswersRecipe,
+        DrafterRecipe,
+        build_drafter,
+        build_from_answers,
+    )
 
     if args.from_answers:
         base = AnswersRecipe()
@@ -97,7 +102,7 @@ def cmd_train(args) -> None:
 
 def cmd_calibrate(args) -> None:
     from treespark import load_pair
-    from treespark.calibrate_cmd import calibrate_pair
+    from treespark.training.calibrate import calibrate_pair
 
     if args.target and not args.drafter:
         raise SystemExit("calibrate: --target needs its --drafter")
@@ -113,8 +118,9 @@ def cmd_judge(args) -> None:
     import json
 
     from treespark import load_pair
-    from treespark.judge import engine_chain_tau, heldout_features, judge, judgement_table
-    from treespark.train import Features
+    from treespark.bench.judge import judgement_table
+    from treespark.training.judge import engine_chain_tau, heldout_features, judge
+    from treespark.training.train import Features
 
     pair = load_pair(drafter=args.drafter, device=args.device)
     taps = "-".join(map(str, pair.drafter.config.target_layer_ids))
@@ -146,13 +152,13 @@ def cmd_judge(args) -> None:
 
 
 def _default_dir() -> str:
-    from treespark.models import default_drafter_dir
+    from treespark.models.pair import default_drafter_dir
 
     return str(default_drafter_dir())
 
 
 def cmd_bench(args) -> None:
-    from treespark.bench.common import pair_by_name
+    from treespark.models.pair import pair_by_name
 
     if args.what == "rounds":  # builds its own random pair at the given vocabulary
         from treespark.bench.rounds import rounds_benchmark
@@ -177,7 +183,7 @@ def cmd_bench(args) -> None:
                                  per_step=not args.no_per_step)
     elif args.what == "acceptance":
         from treespark.bench.acceptance import acceptance_benchmark
-        from treespark.calibration import load_variant
+        from treespark.spec.calibration import load_variant
 
         cal = Path(args.drafter or _default_dir()) / "calibration.json"
         variant = load_variant(cal) if args.pair == "default" else None
@@ -207,7 +213,7 @@ def cmd_cost_model(args) -> None:
 
     import torch
 
-    from treespark.cost_measure import measure_cost_model
+    from treespark.engine.cost_measure import measure_cost_model
     from treespark.pricing.costmodel import format_table
 
     if args.threads:
@@ -215,7 +221,7 @@ def cmd_cost_model(args) -> None:
     if args.target:  # only the target is timed: no drafter needed
         from transformers import AutoModelForCausalLM
 
-        from treespark.models import pick_device
+        from treespark.models.pair import pick_device
 
         dev = pick_device(args.device)
         target = AutoModelForCausalLM.from_pretrained(
@@ -223,11 +229,11 @@ def cmd_cost_model(args) -> None:
             dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).eval().to(dev)
         name = args.target
     elif args.pair == "default":
-        from treespark.fetch import load_default_target
+        from treespark.models.fetch import load_default_target
 
         target, name = load_default_target()[0], "smollm2-135m-instruct"
     else:
-        from treespark.bench.common import pair_by_name
+        from treespark.models.pair import pair_by_name
 
         target, name = pair_by_name("random").target, "random-v512-s0"
     cfg = MeasureConfig(tuple(args.batch_sizes), tuple(args.tokens), args.context, args.repeats,
@@ -258,10 +264,10 @@ def cmd_gen_data(args) -> None:
     import torch
 
     from treespark import load_pair
-    from treespark.datagen.config import GenConfig
-    from treespark.datagen.generate import generate_shards
-    from treespark.datagen.sources import default_sources
-    from treespark.recipe import AnswersRecipe
+    from treespark.training.datagen.config import GenConfig
+    from treespark.training.datagen.generate import generate_shards
+    from treespark.training.datagen.sources import default_sources
+    from treespark.training.recipe import AnswersRecipe
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -342,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     j = sub.add_parser("judge-drafter", help="score a drafter on the target's greedy answers to held-out "
                                              "prompts: agreement by offset, first-token acceptance, "
-                                             "simulated T = 0 chain tau (treespark.judge)")
+                                             "simulated T = 0 chain tau (treespark.training.judge)")
     j.add_argument("--drafter", help="drafter directory (default: the shipped one)")
     j.add_argument("--prompts", type=int, default=34, help="held-out prompts (34: all of them)")
     j.add_argument("--max-tokens", type=int, default=128, help="answer tokens per prompt")

@@ -1,4 +1,4 @@
-"""A fake ``treespark.engine.Engine`` with the same contract (and the engine's own
+"""A fake ``treespark.engine.core.Engine`` with the same contract (and the engine's own
 request and step types), for serving tests that isolate the deployments from the model:
 deterministic tokens (``prev + 1 mod V``), ``1 + min(node_cap, 2)`` tokens per round, an
 optional sleep per step."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from deployments.engine_factory import EngineBundle
-from deployments.text import ByteTokenizer
-from treespark.budget import Budget
-from treespark.calibration import Calibration
-from treespark.params import RequestOutput, RequestStats, SamplingParams, StepStats
+from deployments.replica.engine_factory import EngineBundle
+from deployments.replica.text import ByteTokenizer
+from treespark.spec.budget import Budget
+from treespark.spec.calibration import Calibration
+from treespark.spec.params import RequestOutput, RequestStats, SamplingParams, StepStats
 
 
 @dataclass

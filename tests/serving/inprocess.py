@@ -15,10 +15,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.api import Api, app
 from deployments.config import AppArgs
-from deployments.controller_state import ControllerState
-from deployments.replica_core import ReplicaCore
+from deployments.controller.state import ControllerState
+from deployments.http.api import Api, app
+from deployments.replica.core import ReplicaCore
 
 _END = object()
 

@@ -7,10 +7,12 @@ from dataclasses import replace
 
 import torch
 
-from treespark.bench.common import bench_prompts, markdown_table, run_engine
-from treespark.budget import DEFAULT_BRANCH_CAP, Budget
-from treespark.calibration import Calibration
-from treespark.models import ModelPair
+from treespark.bench.common import markdown_table
+from treespark.engine.run import run_engine
+from treespark.models.pair import ModelPair
+from treespark.models.prompts import pair_prompts
+from treespark.spec.budget import DEFAULT_BRANCH_CAP, Budget
+from treespark.spec.calibration import Calibration
 
 
 def ranked_by_logq(pair: ModelPair) -> ModelPair:
@@ -41,7 +43,7 @@ def acceptance_benchmark(pair: ModelPair, *, n_prompts: int = 34, max_tokens: in
     pair's has some) compared at equal budget and at the default theta, at each T where
     its map differs from the pair's. ``seed``: the
     first request's sampling seed (request i draws with seed + i; T > 0 rows only)."""
-    prompts = bench_prompts(pair, n_prompts)
+    prompts = pair_prompts(pair, n_prompts)
     block = pair.drafter.config.block_size
     rows = []
     for t in temperatures:
@@ -84,7 +86,7 @@ def goals_benchmark(pair: ModelPair, *, n_prompts: int = 12, max_tokens: int = 4
     on the same prompts and seeds: first-token acceptance (the 1-chain's tau - 1), the
     tuned chain, and the adaptive tree at a low price (theta 0.003 at T = 0, 0.01 at
     T > 0), at each of ``temperatures``."""
-    prompts = bench_prompts(pair, n_prompts)
+    prompts = pair_prompts(pair, n_prompts)
     rows = []
     for t in temperatures:
         theta = 0.003 if t == 0 else 0.01

@@ -29,12 +29,12 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from treespark.bench.common import markdown_table
-from treespark.budget import Budget
-from treespark.cost_measure import MeasureConfig, measure_cost_model
-from treespark.drafter import DSparkConfig, DSparkDrafter
-from treespark.engine import Engine, EngineConfig
-from treespark.models import ModelPair, init_weights, pick_device
-from treespark.params import SamplingParams, StepStats
+from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.cost_measure import MeasureConfig, measure_cost_model
+from treespark.models.drafter import DSparkConfig, DSparkDrafter
+from treespark.models.pair import ModelPair, init_weights, pick_device
+from treespark.spec.budget import Budget
+from treespark.spec.params import SamplingParams, StepStats
 
 
 @dataclass(frozen=True)

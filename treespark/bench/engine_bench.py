@@ -6,18 +6,12 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from treespark.bench.common import (
-    RunResult,
-    bench_prompts,
-    markdown_table,
-    run_engine,
-    served_allocator,
-    served_budget,
-    served_table,
-)
-from treespark.budget import Budget
-from treespark.models import ModelPair
-from treespark.step_alloc import StepAllocator
+from treespark.bench.common import markdown_table, served_allocator, served_budget, served_table
+from treespark.engine.run import RunResult, run_engine
+from treespark.engine.step_alloc import StepAllocator
+from treespark.models.pair import ModelPair
+from treespark.models.prompts import pair_prompts
+from treespark.spec.budget import Budget
 
 PER_STEP = "per-step"
 
@@ -36,15 +30,15 @@ def engine_benchmark(pair: ModelPair, *, batch_sizes=(1, 4, 8, 16), max_tokens: 
     engine of ``bs`` rows; ``repeats`` passes over the decoders (in reversed order every
     other pass, so a drifting machine does not favour one), the median reported. With
     ``per_step``, the served default too: ``served_budget()`` with the per-step allocation on the
-    step-cost table measured at startup (``treespark.step_costs``, cached), and its ratio
+    step-cost table measured at startup (``treespark.engine.step_costs``, cached), and its ratio
     to the best fixed decoder of the row (``cost_cache``: the table cache's folder, None:
-    ``treespark.step_costs.CACHE_DIR``)."""
+    ``treespark.engine.step_costs.CACHE_DIR``)."""
     configs = fixed_budgets(chains)
     table = None
     if per_step:
-        from treespark.step_costs import CACHE_DIR
+        from treespark.engine.step_costs import CACHE_DIR
 
-        longest = max(len(p) for p in bench_prompts(pair, max(batch_sizes) * batches))
+        longest = max(len(p) for p in pair_prompts(pair, max(batch_sizes) * batches))
         table = served_table(pair, max_batch=max(batch_sizes), max_context=longest + max_tokens,
                              profile_s=profile_s, cache_dir=cost_cache or CACHE_DIR)
         log(f"step-cost table: {table.source} ({table.measured_s:.1f} s)")
@@ -54,11 +48,11 @@ def engine_benchmark(pair: ModelPair, *, batch_sizes=(1, 4, 8, 16), max_tokens: 
         return served_allocator(table) if name == PER_STEP else None
 
     for name, budget in configs.items():  # warm-up: the first forwards of a process are slow
-        run_engine(pair, bench_prompts(pair, 1), budget, max_tokens=8, batch_size=1, temperature=temperature,
+        run_engine(pair, pair_prompts(pair, 1), budget, max_tokens=8, batch_size=1, temperature=temperature,
                    allocator=allocator(name))
     rows = []
     for bs in batch_sizes:
-        prompts = bench_prompts(pair, bs * batches)
+        prompts = pair_prompts(pair, bs * batches)
         runs: dict[str, list[RunResult]] = {name: [] for name in configs}
         for rep in range(repeats):
             for name in (list(configs) if rep % 2 == 0 else list(configs)[::-1]):

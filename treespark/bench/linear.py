@@ -7,13 +7,13 @@ run (median of ``reps`` passes):
 - ``F.linear``: ``x @ W^T``;
 - ``W @ X``, X column-major: what chaining ``(W @ x^T).T`` into the next product hands it;
 - ``W @ x^T``, x row-major;
-- ``treespark.linear``: ``W @ x^T`` row-major with its padding (1 -> 2 rows, 10-15 -> 16)
+- ``treespark.kernels.linear``: ``W @ x^T`` row-major with its padding (1 -> 2 rows, 10-15 -> 16)
   up to ``SMALL_ROWS`` rows, ``F.linear`` above;
 - oneDNN packed: ``packed_linear`` on weights packed once (where ``can_pack``).
 
-This is how ``treespark.linear``'s rules and constants were chosen. ``TargetRunner``
+This is how ``treespark.kernels.linear``'s rules and constants were chosen. ``TargetRunner``
 does not use fixed rules: it runs each row count in the fastest of ``F.linear``,
-``treespark.linear`` and oneDNN packed, timed when it starts (``product_plan``); the
+``treespark.kernels.linear`` and oneDNN packed, timed when it starts (``product_plan``); the
 table ends with the plan these passes choose.
 """
 
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from treespark.bench.common import markdown_table
-from treespark.linear import F_LINEAR, PACKED, SMALL, choose_plan, linear, packed_linear
-from treespark.models import ModelPair
-from treespark.target import packed_weights, product_layers
+from treespark.engine.target import packed_weights, product_layers
+from treespark.kernels.linear import F_LINEAR, PACKED, SMALL, choose_plan, linear, packed_linear
+from treespark.models.pair import ModelPair
 
 LAYOUTS = {
     F_LINEAR: lambda x, w: F.linear(x, w),

@@ -15,10 +15,10 @@ import statistics
 import time
 
 from treespark.bench.common import markdown_table
-from treespark.budget import Budget
-from treespark.engine import Engine, EngineConfig
-from treespark.models import random_pair
-from treespark.params import SamplingParams, StepStats
+from treespark.engine.core import Engine, EngineConfig
+from treespark.models.pair import random_pair
+from treespark.spec.budget import Budget
+from treespark.spec.params import SamplingParams, StepStats
 
 POLICIES = {"plain": Budget.off(), "chain of 4": Budget.chain(4), "tree of 32": Budget(0.0, 32, 4)}
 

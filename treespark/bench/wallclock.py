@@ -7,18 +7,12 @@ from functools import partial
 
 import torch
 
-from treespark.bench.common import (
-    RunResult,
-    bench_prompts,
-    markdown_table,
-    run_engine,
-    served_allocator,
-    served_budget,
-    served_table,
-)
-from treespark.budget import Budget
-from treespark.models import ModelPair
-from treespark.step_alloc import StepAllocator
+from treespark.bench.common import markdown_table, served_allocator, served_budget, served_table
+from treespark.engine.run import RunResult, run_engine
+from treespark.engine.step_alloc import StepAllocator
+from treespark.models.pair import ModelPair
+from treespark.models.prompts import pair_prompts
+from treespark.spec.budget import Budget
 
 
 @torch.no_grad()
@@ -85,9 +79,9 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
     clock) and our plain decoding, beside HF ``generate()`` (greedy and prompt lookup
     at T = 0, sampling at T > 0) on the same prompts; with each decoder's host share
     (``host_share``, one profiled request). ``profile_s``: also the served default, the
-    per-step allocation (``treespark.step_alloc``) on a step-cost table measured here in
+    per-step allocation (``treespark.engine.step_alloc``) on a step-cost table measured here in
     that many seconds (None: not run)."""
-    prompts = bench_prompts(pair, n_prompts)
+    prompts = pair_prompts(pair, n_prompts)
     table = None
     if profile_s is not None:
         longest = max(len(p) for p in prompts)
@@ -142,7 +136,7 @@ def theta_sweep(pair: ModelPair, *, thetas=(0.02, 0.05, 0.08, 0.12), chains=(2, 
     """Batch-1 tokens/s of adaptive trees (``Budget.adaptive``'s caps) at several prices,
     beside chains and plain decoding, on the *tuning* prompts: how the default theta
     of ``Budget.adaptive`` is chosen without touching the heldout ones."""
-    prompts = bench_prompts(pair, n_prompts, split="tune")
+    prompts = pair_prompts(pair, n_prompts, split="tune")
     budgets = {"plain": Budget.off()}
     budgets.update({f"adaptive theta={t:g}": Budget.adaptive(theta=t) for t in thetas})
     budgets.update({f"chain k={k}": Budget.chain(k) for k in chains})

@@ -2,7 +2,7 @@
 
 After drafting, every running request holds a tree of candidates, each with a
 *score*: the calibrated probability it is accepted, known before its own token was
-drawn (``treespark.select``). Scores never rise from a node to its children or along
+drawn (``treespark.spec.select``). Scores never rise from a node to its children or along
 siblings, so in the order (score descending, then node index) every prefix of a
 tree's nodes is a tree. One step verifies, for each row ``r``, a prefix of ``k_r``
 nodes, and pays
@@ -25,7 +25,7 @@ So the argmax over ``B`` is exact only for T = 0 rows (any prefix-closed set ver
 exactly there). A T > 0 row enters the argmax through a *proxy* that its current draws
 cannot move (its candidates' scores of the step before: history), and keeps its own
 candidates scoring at least the *price* ``lambda``: the lowest score the argmax takes.
-That is drafting under theta = max(theta, lambda), the rule ``treespark.select`` proves
+That is drafting under theta = max(theta, lambda), the rule ``treespark.spec.select`` proves
 lossless, with a lambda fixed before this row's draws.
 
 numpy only: the allocation is tested, and benchmarked, without a model.

@@ -1,6 +1,6 @@
 """The step-cost table corrected online from the replica's own measured steps.
 
-A replica measures its table alone, before traffic (``treespark.step_costs``). In
+A replica measures its table alone, before traffic (``treespark.engine.step_costs``). In
 service it shares the machine (the proxy, the router, the load generator, other
 replicas), and its steps carry host work the bare forward never timed. A uniform
 slowdown changes no allocation (the goodput ``tokens / seconds`` of every choice

@@ -1,12 +1,12 @@
 """The verify-forward cost model T(bs, k) and the price of one draft node under load.
 
-TreeSpark prices a verified draft node by ``theta`` (``treespark.budget``). This module
+TreeSpark prices a verified draft node by ``theta`` (``treespark.spec.budget``). This module
 derives that price from two measured things:
 
 * ``CostModel``  the target forward time ``T(bs, k)`` for ``bs`` rows of ``k`` tokens
                  each (the root plus ``k - 1`` draft nodes, padded as the engine pads),
                  measured on the deployment hardware by ``treespark cost-model``
-                 (``treespark.cost_measure``) and stored as JSON;
+                 (``treespark.engine.cost_measure``) and stored as JSON;
 * ``AcceptanceProfile``  ``A(n)``: expected draft tokens accepted per round by a
                  best-first tree of ``n`` nodes (a prior, refined online from what the
                  replicas report).
@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from treespark.budget import DEFAULT_BRANCH_CAP
+from treespark.spec.budget import DEFAULT_BRANCH_CAP
 
 # -- the cost model ----------------------------------------------------------------------
 

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from treespark.calibration import expected_calibration_error, fit_logistic, sigmoid
 from treespark.pricing.costmodel import AcceptanceStats
+from treespark.spec.calibration import expected_calibration_error, fit_logistic, sigmoid
 
 Record = tuple[float, bool, float]  # (x = logit q, accepted, o = the sibling-rank offset)
 

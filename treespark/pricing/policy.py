@@ -1,6 +1,6 @@
 """Speculation policies: which ``Budget`` a replica should run under a given load.
 
-TreeSpark prices one verified draft node by ``theta`` (see ``treespark.budget``):
+TreeSpark prices one verified draft node by ``theta`` (see ``treespark.spec.budget``):
 at light load verification is nearly free, so trees may grow wide and deep; as
 the batch grows the target forward becomes compute-bound, every extra node costs
 real time, and the tree should shrink to a chain and finally to plain decoding.
@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from treespark.budget import DEFAULT_BRANCH_CAP, Budget
 from treespark.pricing.costmodel import (
     AcceptanceProfile,
     AcceptanceStats,
@@ -32,6 +31,7 @@ from treespark.pricing.costmodel import (
     Plan,
     plan_budget,
 )
+from treespark.spec.budget import DEFAULT_BRANCH_CAP, Budget
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ class CostModelPolicy:
 
 @dataclass(frozen=True)
 class PerStepPolicy:
-    """The engines allocate every step on their own cost tables (``treespark.step_alloc``);
+    """The engines allocate every step on their own cost tables (``treespark.engine.step_alloc``);
     the cluster sets the *floor price*: the least score a verified node must have.
 
     With no queue the floor is 0 and the engines' allocation alone decides. Requests

@@ -1,0 +1,267 @@
+"""The engine replica without Serve: ``ReplicaCore``, continuous batching per request.
+
+The core owns an ``EngineLoop`` (the engine in its own thread) so concurrent requests
+join the running batch. ``generate`` is an async generator of small event dicts that
+the API turns into OpenAI responses:
+
+* ``{"type": "error", "status", "message", "param", "code"}``   (bad input; final)
+* ``{"type": "start", "request_id", "prompt_tokens"}``
+* ``{"type": "delta", "text", "token_ids"}``                    (one per engine step; with
+  ``"logprobs"``, one ``text.logprob_entry`` per token, when the request asked)
+* ``{"type": "end", "finish_reason", "usage", "speculation"}``  (final)
+
+Each request is timed and counted in the replica's Prometheus registry
+(``deployments.metrics.ReplicaMetrics``), which the heartbeat reports.
+
+Tokenization, the context check and stop strings happen here, where the tokenizer is.
+The controller link (heartbeat, budget) is ``HeartbeatMixin`` (``deployments.replica.heartbeat``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from deployments.config import AppArgs, import_attr
+from deployments.metrics import ReplicaMetrics, RequestClock
+from deployments.replica.engine_factory import EngineBundle
+from deployments.replica.engine_loop import (
+    ACCEPTED,
+    SCHEDULED,
+    Aborted,
+    EngineLoop,
+    Failed,
+    asyncio_sink,
+)
+from deployments.replica.heartbeat import HeartbeatMixin, rss_bytes
+from deployments.replica.text import Detokenizer, StopMatcher, encode_text, logprob_entry
+from deployments.reports import COUNTERS, budget_to_wire
+from treespark.models.chat import chat_ids
+
+
+def _build_bundle(args: AppArgs) -> EngineBundle:
+    """Runs on the engine loop thread: torch's thread count, then the engine factory."""
+    if args.replica.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.replica.torch_threads)
+    return import_attr(args.engine_factory)(args)
+
+
+def _error(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> dict[str, Any]:
+    return {"type": "error", "status": status, "message": message, "param": param, "code": code}
+
+
+class ReplicaCore(HeartbeatMixin):
+    """The replica without Serve: engine loop, request handling, heartbeat. ``replica_id``
+    names it to the controller; ``connect`` returns a controller handle (Ray in production)."""
+
+    def __init__(self, args: AppArgs, replica_id: str, connect: Callable[[], Any] | None = None,
+                 node_id: str | None = None) -> None:
+        self.args = args
+        self.replica_id = replica_id
+        self.node_id = node_id  # the Ray node, reported to the controller
+        # The engine is built on the thread that runs it, so torch keeps one OpenMP
+        # worker team (see deployments.replica.engine_loop).
+        self.loop = EngineLoop().start()
+        try:
+            bundle: EngineBundle = self.loop.call(lambda: _build_bundle(args))
+            self.loop.attach(bundle.engine)
+        except BaseException:
+            self.loop.stop()
+            raise
+        self.bundle = bundle
+        self.tokenizer = bundle.tokenizer
+        self.vocab_size = int(bundle.engine.vocab_size)
+        self.policy = args.policy.build(args.max_batch_size)
+        self._lock = threading.Lock()
+        self.counters = dict.fromkeys(COUNTERS, 0.0)
+        self.metrics = ReplicaMetrics()
+        self._tokens_emitted = 0
+        self._init_heartbeat(connect)
+
+    # -- requests ------------------------------------------------------------
+    def _prompt_ids(self, req: dict[str, Any]) -> list[int] | dict[str, Any]:
+        param = "messages" if req.get("messages") is not None else "prompt"
+        try:
+            if req.get("messages") is not None:
+                ids = chat_ids(self.tokenizer, req["messages"])
+            elif req.get("prompt_ids") is not None:
+                ids = [int(t) for t in req["prompt_ids"]]
+            else:
+                ids = encode_text(self.tokenizer, req.get("prompt") or "")
+        except Exception as err:  # noqa: BLE001 - a template or tokenizer rejecting the input
+            return _error(f"could not tokenize the {param}: {err}", param)
+        if not ids:
+            return _error(f"the {param} is empty", param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return _error(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param)
+        return ids
+
+    def _params(self, req: dict[str, Any], n_prompt: int) -> Any:
+        room = self.args.max_context - n_prompt
+        param = "messages" if req.get("messages") is not None else "prompt"
+        if room < 1:
+            return _error(
+                f"This model's maximum context length is {self.args.max_context} tokens; the prompt has {n_prompt}.",
+                param,
+                "context_length_exceeded",
+            )
+        max_tokens = req.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = min(self.args.default_max_tokens, room)
+        if max_tokens > room:
+            return _error(
+                f"This model's maximum context length is {self.args.max_context} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion).",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        stop_ids = tuple(int(t) for t in req.get("stop_token_ids") or ())
+        if not req.get("ignore_eos"):
+            stop_ids += tuple(t for t in self.bundle.eos_token_ids if t not in stop_ids)
+        try:
+            return self.bundle.make_params(
+                temperature=float(req.get("temperature", 0.0)),
+                top_p=float(req.get("top_p", 1.0)),
+                max_tokens=int(max_tokens),
+                stop_token_ids=stop_ids,
+                seed=req.get("seed"),
+                logprobs=req.get("logprobs"),
+            )
+        except ValueError as err:
+            return _error(str(err))
+
+    async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        clock = self.metrics.request()
+        ids = self._prompt_ids(req)
+        if isinstance(ids, dict):
+            yield ids
+            return
+        params = self._params(req, len(ids))
+        if isinstance(params, dict):
+            yield params
+            return
+        rid = req.get("request_id") or uuid.uuid4().hex
+        q: asyncio.Queue = asyncio.Queue()
+        self.loop.add(rid, ids, params, asyncio_sink(q, asyncio.get_running_loop()))
+        done = False
+        generated, rounds = 0, 0
+        detok = Detokenizer(self.tokenizer)
+        stops = StopMatcher(req.get("stop") or ())
+        try:
+            first = await q.get()
+            while first is SCHEDULED:  # (not before ACCEPTED, but cheap to be sure)
+                clock.scheduled()
+                first = await q.get()
+            if isinstance(first, Failed):
+                done = True
+                if isinstance(first.error, ValueError):
+                    yield _error(str(first.error))
+                else:
+                    yield _error(f"engine error: {first.error}", status=500, code="engine_error")
+                return
+            assert first is ACCEPTED
+            yield {"type": "start", "request_id": rid, "prompt_tokens": len(ids)}
+            stopped_by_string = False
+            while True:
+                item = await q.get()
+                if item is SCHEDULED:
+                    clock.scheduled()
+                    continue
+                if isinstance(item, Failed):
+                    done = True
+                    yield _error(f"engine error: {item.error}", status=500, code="engine_error")
+                    return
+                if isinstance(item, Aborted):  # our own abort after a stop string
+                    done = True
+                    yield self._end(rid, "stop", len(ids), generated, rounds, None, clock)
+                    return
+                if stopped_by_string and not item.finished:  # in flight before our abort landed
+                    continue
+                new = list(item.new_token_ids)
+                if new:
+                    generated += len(new)
+                    rounds += 1
+                    clock.emitted(len(new))
+                    with self._lock:
+                        self.counters["generation_tokens"] += len(new)
+                        self._tokens_emitted += len(new)
+                    text, hit = stops.feed(detok.push(new))
+                    if item.finished and not hit:
+                        text += stops.flush()
+                    if text or new:
+                        delta = {"type": "delta", "text": text, "token_ids": new}
+                        if getattr(item, "logprobs", None) is not None:
+                            delta["logprobs"] = [logprob_entry(self.tokenizer, x) for x in item.logprobs]
+                        yield delta
+                    if hit and not item.finished:
+                        stopped_by_string = True
+                        self.loop.abort(rid)
+                        continue
+                    if hit:
+                        stopped_by_string = True
+                if item.finished:
+                    done = True
+                    reason = "stop" if stopped_by_string else (item.finish_reason or "stop")
+                    yield self._end(rid, reason, len(ids), generated, rounds, item.stats, clock)
+                    return
+        finally:
+            if not done:  # the caller went away (client disconnect): free the KV now
+                self.loop.abort(rid)
+                with self._lock:
+                    self.counters["requests_aborted"] += 1
+                    self.counters["prompt_tokens"] += len(ids)
+                clock.aborted(len(ids))
+
+    def _end(self, rid: str, reason: str, n_prompt: int, generated: int, rounds: int, stats: Any,
+             clock: RequestClock) -> dict[str, Any]:
+        with self._lock:
+            self.counters["requests"] += 1
+            self.counters["prompt_tokens"] += n_prompt
+        clock.finished(reason, n_prompt)
+        if stats is not None:
+            spec = {
+                "rounds": stats.rounds,
+                "drafted_tokens": stats.drafted_tokens,
+                "accepted_tokens": stats.accepted_tokens,
+                "mean_tree_size": stats.mean_tree_size,
+                "accepted_per_round": stats.accepted_tokens / max(stats.rounds, 1),
+            }
+            generated = stats.generated_tokens
+        else:  # stopped by a stop string: the engine's stats went with the abort
+            spec = {"rounds": rounds, "drafted_tokens": None, "accepted_tokens": max(generated - rounds, 0),
+                    "mean_tree_size": None, "accepted_per_round": max(generated - rounds, 0) / max(rounds, 1)}
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": generated, "total_tokens": n_prompt + generated}
+        return {"type": "end", "request_id": rid, "finish_reason": reason, "usage": usage, "speculation": spec}
+
+    def status(self) -> dict[str, Any]:
+        load = self.loop.load
+        return {
+            "replica_id": self.replica_id,
+            "budget": budget_to_wire(self.budget),
+            "budget_source": self.budget_source,
+            "controller_ok": self.controller_ok,
+            "registrations": self.registrations,
+            "node_id": self.node_id,
+            "first_budget_s": self.first_budget_s,
+            "heartbeats_ok": self.heartbeats_ok,
+            "heartbeats_failed": self.heartbeats_failed,
+            "last_heartbeat_error": self.last_heartbeat_error,
+            "heartbeat_alive": self._hb.is_alive(),
+            "running": load.running,
+            "waiting": load.waiting,
+            "kv_slots_in_use": load.kv_slots_in_use,
+            "rss_bytes": rss_bytes(),
+            "engine_alive": load.alive,
+            "steps": self.loop.steps,
+            "tree": self.last_tree.__dict__,
+        }
+
+    def shutdown(self) -> None:
+        self._stop_heartbeat()
+        self.loop.stop()

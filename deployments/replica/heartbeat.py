@@ -1,0 +1,255 @@
+"""A replica's heartbeat: reporting to the controller and applying its answer.
+
+A thread reports load and tree statistics to the controller every ``heartbeat_s``
+(``make_report``: the engine steps since the last beat summarized by
+``summarize_steps``, the counters, calibration and per-round records) and applies the
+budget and calibration in the reply. If the controller cannot be reached, the replica
+prices its own speculation with the local policy from its own load, and keeps trying
+(re-creating the controller if it is gone for good); the controller registers it again
+on the first report that gets through.
+
+``HeartbeatMixin`` holds this half of ``ReplicaCore``; the attributes it needs from
+its host are declared on the class (the host sets them before ``_init_heartbeat``).
+Its ``metrics`` (the host's ``ReplicaMetrics``) snapshot rides on every report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from deployments.config import AppArgs
+from deployments.replica.engine_factory import EngineBundle
+from deployments.replica.engine_loop import EngineLoop
+from deployments.reports import TreeStats, budget_from_wire, budget_to_wire
+from treespark.pricing.policy import BudgetPolicy, LoadSnapshot
+from treespark.spec.budget import Budget
+from treespark.spec.calibration import Calibration, logit
+from treespark.spec.params import StepStats
+
+log = logging.getLogger(__name__)
+
+
+def ran_drafter(s: StepStats) -> bool:
+    """Whether a step ran the drafter: some row had a node cap."""
+    return any(c > 0 for c in s.node_caps)
+
+
+def summarize_steps(stats: list[StepStats]) -> TreeStats:
+    """Means of the engine's ``StepStats`` over one heartbeat window, and of the steps
+    in it that ran the drafter."""
+    if not stats:
+        return TreeStats()
+    n = len(stats)
+    rows = [x for s in stats for x in range(s.batch_size)]
+    nrows = max(len(rows), 1)
+    drafting = [s for s in stats if ran_drafter(s)]
+    nd = max(len(drafting), 1)
+
+    def mean_rows(attr: str) -> float:
+        return sum(sum(getattr(s, attr)) for s in stats) / nrows
+
+    return TreeStats(
+        steps=n,
+        batch_size=sum(s.batch_size for s in stats) / n,
+        mean_tree_size=mean_rows("tree_sizes"),
+        mean_width=mean_rows("widths"),
+        mean_depth=mean_rows("depths"),
+        accepted_per_round=mean_rows("accepted"),
+        step_s=sum(s.step_s for s in stats) / n,
+        draft_s=sum(s.draft_s for s in stats) / n,
+        verify_s=sum(s.verify_s for s in stats) / n,
+        theta=stats[-1].theta,
+        drafting_steps=len(drafting),
+        drafting_batch=sum(s.batch_size for s in drafting) / nd,
+        drafting_nodes=sum(sum(s.tree_sizes) for s in drafting) / nd,
+        drafting_s=sum(s.draft_s for s in drafting) / nd,
+    )
+
+
+def round_records(s: StepStats) -> list[tuple[int, int]]:
+    """(node cap, accepted) per row of one step: what the controller learns acceptance
+    per tree size from. Keyed by the row's budget cap, the ``n`` a plan chooses, not by
+    the tree drawn under it (a theta-priced tree is often smaller; an empty one accepts
+    nothing whatever its neighbours drew)."""
+    return [(int(n), int(a)) for n, a in zip(s.node_caps, s.accepted, strict=True)]
+
+
+def calibration_records(records: list[tuple[float, bool, int]], cal: Calibration) -> list[tuple[float, bool, float]]:
+    """(q, accepted, sibling rank) engine records as they travel: (logit q, accepted,
+    offset). The controller fits sigmoid(a * logit q + b + offset), the map ``cal``
+    applies, the offset being ``cal``'s fixed term for the edge's sibling rank."""
+    xs = logit([q for q, _, _ in records]) if records else ()
+    return [(float(x), bool(y), cal.offset(int(r))) for x, (_, y, r) in zip(xs, records, strict=True)]
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class HeartbeatMixin:
+    """The controller link of ``ReplicaCore``."""
+
+    # set by the host before ``_init_heartbeat``
+    args: AppArgs
+    replica_id: str
+    policy: BudgetPolicy                # the local policy (controller unreachable)
+    loop: EngineLoop
+    bundle: EngineBundle                # its engine holds the stored ``Calibration``
+    counters: dict[str, float]          # shared with request handling, under ``_lock``
+    _tokens_emitted: int                # since the last report, under ``_lock``
+    _lock: threading.Lock
+    node_id: str | None                 # the Ray node (None outside Ray), reported as is
+
+    def _init_heartbeat(self, connect: Callable[[], Any] | None) -> None:
+        """The starting budget (the local policy at idle) and, with ``connect``, the thread."""
+        self.budget: Budget = self.policy.budget_for(LoadSnapshot.idle(), self.replica_id)
+        self.budget_source = "local"
+        self.loop.set_budget(self.budget)
+        self.calibration: tuple[float, float] | None = None
+        # the stored map: its sibling offsets stay fixed, the controller refits (a, b) around them
+        self.stored_calibration: Calibration = self.bundle.engine.calibration
+        # the refit is of the T = 0 map; sampled rows' records describe it only when
+        # the same map also serves T > 0 (no sampled map of its own)
+        self._refit_sampled = self.stored_calibration.sampled is None
+        self.base_calibration = (float(self.stored_calibration.a), float(self.stored_calibration.b))
+        self.controller_ok = False
+        self.registrations = 0
+        self.heartbeats_ok = 0
+        self.heartbeats_failed = 0
+        self.last_heartbeat_error: str | None = None
+        self.last_tree = TreeStats()
+        self._hb_started = time.monotonic()
+        self.first_budget_s: float | None = None   # until the first budget from a controller
+        self.price_latency: deque[float] = deque(maxlen=64)
+        self._connect = connect
+        self._stop = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeat_loop, name="treespark-heartbeat", daemon=True)
+        if connect is not None:
+            self._hb.start()
+
+    def _stop_heartbeat(self) -> None:
+        self._stop.set()
+
+    def make_report(self, dt: float) -> dict[str, Any]:
+        window = [s for _, s in self.loop.drain_step_stats()]
+        tree = summarize_steps(window)
+        if window:
+            self.last_tree = tree
+        else:  # idle: keep showing the last trees, marked as no steps in this window
+            tree = dataclasses.replace(self.last_tree, steps=0)
+        records: list[tuple[float, bool, float]] = []
+        rounds: list[tuple[int, int]] = []
+        with self._lock:
+            for s in window:
+                self.counters["steps"] += 1
+                self.counters["rounds"] += s.batch_size
+                self.counters["draft_tokens"] += sum(s.tree_sizes)
+                self.counters["accepted_tokens"] += sum(s.accepted)
+                used = s.calibration_records + (s.sampled_records if self._refit_sampled else ())
+                records.extend(calibration_records(list(used), self.stored_calibration))
+                rounds.extend(round_records(s))
+            emitted, self._tokens_emitted = self._tokens_emitted, 0
+            counters = dict(self.counters)
+        self.metrics.steps(window)
+        load = self.loop.load
+        return {
+            "replica_id": self.replica_id,
+            "active": load.running,
+            "queued": load.waiting,
+            "kv_slots_in_use": load.kv_slots_in_use,
+            "rss_bytes": rss_bytes(),
+            "tokens_per_s": emitted / dt if dt > 0 else 0.0,
+            "tree": tree.__dict__,
+            "budget": budget_to_wire(self.budget),
+            "budget_source": self.budget_source,
+            "counters": counters,
+            "calibration_records": records[-1024:],
+            "calibration": self.calibration,
+            "round_records": rounds[-2048:],
+            "base_calibration": self.base_calibration,
+            "metrics": self.metrics.snapshot(),
+            "node_id": self.node_id,
+            "first_budget_s": self.first_budget_s,
+            "step_costs": self.bundle.step_costs,
+            "price_latency_s": list(self.price_latency),
+            "cost_factors": self._cost_factors(),
+            "policy_share": (sum(getattr(s, "policy_s", 0.0) for s in window) / max(sum(s.step_s for s in window), 1e-9)
+                             if window else 0.0),
+        }
+
+    def _cost_factors(self) -> list[float] | None:
+        """The engine's online correction of its step-cost table (perstep with
+        ``online_costs``): [draft, base, extra], or None."""
+        fit = getattr(getattr(self.bundle.engine, "allocator", None), "fit", None)
+        return None if fit is None else [fit.draft, *fit.verify_factors()]
+
+    def apply_budget(self, budget: Budget, source: str) -> None:
+        self.budget_source = source
+        if budget != self.budget:
+            self.budget = budget
+            self.loop.set_budget(budget)
+
+    def heartbeat_once(self, handle: Any, dt: float) -> dict[str, Any]:
+        """One report; raises if the controller does not answer in time."""
+        import ray
+
+        report = self.make_report(dt)
+        reply = ray.get(handle.report.remote(report), timeout=self.args.controller.rpc_timeout_s)
+        if reply.get("registered"):
+            self.registrations += 1
+        if not self.args.controller.pricing:  # the controller observes; this replica prices itself
+            self._use_local_policy()
+            return reply
+        budget = budget_from_wire(reply["budget"])
+        if budget != self.budget and reply.get("priced_at"):
+            self.price_latency.append(max(time.time() - float(reply["priced_at"]), 0.0))
+        self.apply_budget(budget, "controller")
+        if self.first_budget_s is None:
+            self.first_budget_s = time.monotonic() - self._hb_started
+        cal = reply.get("calibration")
+        if cal is not None and tuple(cal) != self.calibration:
+            self.calibration = (float(cal[0]), float(cal[1]))
+            self.loop.set_calibration(*self.calibration)
+        return reply
+
+    def _heartbeat_loop(self) -> None:
+        period = self.args.controller.heartbeat_s
+        handle, last, retry_at = None, time.monotonic(), 0.0
+        wait = 0.0  # the first report at once: a new replica registers and gets its budget now
+        while not self._stop.wait(wait):
+            wait = period
+            now = time.monotonic()
+            if handle is None and now < retry_at:  # controller down: back off a little
+                self._use_local_policy()
+                continue
+            try:
+                if handle is None:
+                    handle = self._connect()
+                self.heartbeat_once(handle, now - last)
+                self.controller_ok = True
+                self.heartbeats_ok += 1
+            except Exception as err:  # noqa: BLE001 - controller unreachable: serve on
+                self.heartbeats_failed += 1
+                self.last_heartbeat_error = repr(err)[:500]
+                if self.controller_ok:
+                    log.warning("replica %s: controller unreachable (%r); using the local policy", self.replica_id, err)
+                self.controller_ok = False
+                handle, retry_at = None, time.monotonic() + 0.5
+                self._use_local_policy()
+            last = now
+
+    def _use_local_policy(self) -> None:
+        load = self.loop.load
+        self.apply_budget(self.policy.budget_for(LoadSnapshot(1, load.running, load.waiting), self.replica_id), "local")

@@ -1,0 +1,167 @@
+"""The per-step allocation in the engine (treespark.engine.step_alloc): exact at every
+temperature, and it does cut the trees."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+from tests.test_engine import prompts, run
+from tests.test_exact import (
+    CAL,
+    Branch,
+    ReplaySampler,
+    TableProposal,
+    target_dist,
+    target_joint,
+    tv,
+)
+
+from treespark import Budget, step_alloc
+from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.step_alloc import StepAllocator
+from treespark.pricing.allocate import DraftPlan, StepCosts, allocate, best_prefix
+from treespark.pricing.costmodel import CostModel
+from treespark.spec.drafting import best_nodes, subtree
+from treespark.spec.expand import open_on_host
+from treespark.spec.params import SamplingParams
+from treespark.spec.sampling import draft_probs
+from treespark.spec.select import TreeBuilder
+from treespark.spec.verify import verify_sampled
+
+# verification costs a tenth of a forward per token: trees of a few nodes pay, not all
+COSTS = StepCosts(CostModel.affine(0.01, 0.001), max_nodes=8)
+BUDGET = Budget(theta=0.0, node_cap=4, branch_cap=2)
+PROXY = [0.55, 0.4, 0.3, 0.2]        # a T > 0 row's candidates of the step before
+
+
+def expand_scored(budget, temperature, sampler):
+    """``treespark.spec.expand.expand`` that also returns each draft node's score."""
+    cal, prop = CAL.at(temperature), TableProposal()
+    b = TreeBuilder(0, budget, prop.max_depth)
+    dists = {}
+    while opens := b.to_open():
+        for n in opens:
+            q = draft_probs(prop.logits(b.token(n), b.nodes[n].depth + 1), temperature).to(torch.float64)
+            dists[n] = q / q.sum()
+            b.open(n, open_on_host(dists[n], budget.branch_cap, temperature, cal, sampler))
+    tree, keep = b.finish()
+    tree.child_q = {i: dists[c] for i, c in enumerate(keep) if tree.children[i]}
+    return tree, [b.nodes[c].score for c in keep[1:]]
+
+
+def enumerate_cut(temperature, count_of):
+    """{first 3 tokens: probability} of one round whose tree is cut to ``count_of(tree,
+    scores)`` best nodes, continued by exact target sampling (as ``test_exact``)."""
+    dist, stack, cut_sizes = {}, [[]], set()
+    while stack:
+        script = stack.pop()
+        s = ReplaySampler(script)
+        try:
+            tree, scores = expand_scored(BUDGET, temperature, s)
+            tree = subtree(tree, best_nodes(scores, count_of(tree, scores)))
+            cut_sizes.add(tree.size)
+            paths = []
+            for i in range(tree.num_nodes):
+                node, path = i, []
+                while node > 0:
+                    path.append(tree.tokens[node])
+                    node = tree.parents[node]
+                paths.append(tuple(reversed(path)))
+            out = verify_sampled(tree, torch.stack([target_dist(p, temperature) for p in paths]), s)
+        except Branch as b:
+            stack += [script + [o] for o, _ in b.options]
+            continue
+        tokens = tuple(out.tokens[:3])
+        for tail in itertools.product(range(3), repeat=3 - len(tokens)):
+            seq, prob = tokens + tail, s.prob
+            for j in range(len(tokens), 3):
+                prob *= float(target_dist(seq[:j], temperature)[seq[j]])
+            dist[seq] = dist.get(seq, 0.0) + prob
+    return dist, cut_sizes
+
+
+@pytest.mark.parametrize("temperature", [pytest.param(0.5, marks=pytest.mark.slow), 1.0])
+def test_a_sampled_row_cut_by_the_allocation_is_lossless(temperature):
+    def count(tree, scores):
+        return allocate([scores], COSTS, sampled=[True], proxies=[PROXY]).counts[0]
+
+    dist, sizes = enumerate_cut(temperature, count)
+    assert abs(sum(dist.values()) - 1.0) < 1e-9
+    assert tv(dist, target_joint(temperature)) < 1e-6
+    assert len(sizes) > 1 and min(sizes) < BUDGET.node_cap   # the cut binds, and not always alike
+
+
+def test_a_cut_that_looks_at_its_own_draws_would_be_lossy():
+    """Why a T > 0 row is priced through history: the argmax over its own realized
+    survivals (which depend on its draws) changes the output distribution."""
+    def count(tree, scores):
+        return best_prefix([tree.survival[1:]], COSTS).counts[0]
+
+    dist, _ = enumerate_cut(1.0, count)
+    assert tv(dist, target_joint(1.0)) > 1e-4
+
+
+def engine_with_allocator(pair, cost, batch=4, budget=None):
+    engine = Engine(pair, EngineConfig(max_batch_size=batch, max_context=128), budget=budget or Budget(0.0, 16, 4))
+    engine.set_allocator(StepAllocator(StepCosts(cost, max_nodes=16)))
+    return engine
+
+
+@pytest.mark.parametrize("cost", [CostModel.affine(0.01, 0.0005), CostModel.affine(0.01, 0.004)],
+                         ids=["cheap", "dear"])
+def test_greedy_output_is_unchanged_and_trees_are_cut(mimic16, cost):
+    ps = prompts(6, 16, seed=3)
+    params = SamplingParams(max_tokens=24)
+    plain, _ = run(Engine(mimic16, EngineConfig(max_batch_size=4, max_context=128), budget=Budget.off()),
+                   {0: [(f"r{i}", p, params) for i, p in enumerate(ps)]})
+    engine = engine_with_allocator(mimic16, cost)
+    steps = []
+    engine.on_step = steps.append
+    out, _ = run(engine, {0: [(f"r{i}", p, params) for i, p in enumerate(ps)]})
+    assert out == plain
+    drafted = [s for s in steps if s.draft_waves]
+    assert drafted and all(s.policy_s > 0 for s in steps)
+    assert max(max(s.tree_sizes) for s in drafted) < 16     # cut below what the budget drafts
+
+
+def test_dearer_verification_verifies_fewer_nodes(mimic16):
+    ps = prompts(4, 16, seed=5)
+    params = SamplingParams(max_tokens=24)
+    per_step = {}
+    for name, cost in (("cheap", CostModel.affine(0.01, 0.0002)), ("dear", CostModel.affine(0.01, 0.02))):
+        engine = engine_with_allocator(mimic16, cost)
+        steps = []
+        engine.on_step = steps.append
+        run(engine, {0: [(f"r{i}", p, params) for i, p in enumerate(ps)]})
+        per_step[name] = sum(s.tokens_verified - s.batch_size for s in steps) / len(steps)
+    assert per_step["cheap"] > 2 * per_step["dear"]
+
+
+def test_sampled_rows_stay_seeded_and_complete(mimic16):
+    """T > 0 under the allocation: each request finishes with its length, and a seeded
+    batch replays identically."""
+    ps = prompts(4, 16, seed=7)
+    arrivals = {0: [(f"r{i}", p, SamplingParams(max_tokens=20, temperature=1.0, seed=i)) for i, p in enumerate(ps)]}
+    a, reasons = run(engine_with_allocator(mimic16, CostModel.affine(0.01, 0.001)), arrivals)
+    b, _ = run(engine_with_allocator(mimic16, CostModel.affine(0.01, 0.001)), arrivals)
+    assert a == b and all(len(t) == 20 for t in a.values()) and set(reasons.values()) == {"length"}
+
+
+def test_policy_time_counts_the_allocations_work_not_time_the_thread_waits(monkeypatch):
+    """policy_s is CPU time: a call that waits (here a sleep standing in for the OS
+    running another process) is charged its work only, not the wait."""
+    def slow_plan(forecasts, costs, *, floor=0.0):
+        time.sleep(0.05)
+        return DraftPlan(2, 0.5, 1.0, 0.5)
+
+    monkeypatch.setattr(step_alloc, "plan_drafting", slow_plan)
+    alloc = StepAllocator(StepCosts(CostModel.affine(0.01, 0.0005), max_nodes=16))
+    alloc._profile = [0.5] * 16
+    t0 = time.perf_counter()
+    budgets = alloc.drafting(["a", "b"], [Budget(0.0, 16, 4)] * 2, [True, True], 0.0)
+    assert time.perf_counter() - t0 >= 0.05
+    assert [b.node_cap for b in budgets] == [4, 4]           # twice the planned pad
+    assert 0 < alloc.policy_s < 0.02

@@ -1,0 +1,81 @@
+"""The startup step-cost table (treespark.engine.step_costs): measured, cached by fingerprint."""
+
+from __future__ import annotations
+
+import torch
+
+from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.step_costs import StepCostTable, fingerprint, startup_step_costs
+from treespark.kernels.linear import F_LINEAR, SMALL, ProductPlan
+from treespark.spec.params import SamplingParams
+
+
+def small_engine(pair):
+    return Engine(pair, EngineConfig(max_batch_size=4, max_context=96, max_tree_nodes=8))
+
+
+def test_measured_once_then_read_from_the_cache(pair64, tmp_path):
+    engine = small_engine(pair64)
+    first = startup_step_costs(engine, time_budget_s=20, cache_dir=tmp_path)
+    assert first.source == "measured" and first.measured_s > 0
+    v = first.verify
+    assert v.batch_sizes == (1, 2, 4) and v.tokens == (1, 2, 3, 4, 6, 8, 9)  # dense at few tokens
+    assert all(t > 0 for row in v.seconds for t in row)
+    assert min(first.draft_base_s, first.draft_row_s, first.draft_node_s, first.host_node_s) >= 0
+    assert first.draft_base_s + first.draft_row_s + first.draft_node_s > 0   # drafting is not free
+    again = startup_step_costs(small_engine(pair64), time_budget_s=20, cache_dir=tmp_path)
+    assert again.source == "cache" and again.fingerprint == first.fingerprint
+    assert again.verify == first.verify
+    assert StepCostTable.from_json(first.to_json()) == first
+    costs = first.step_costs(max_nodes=8)
+    assert costs.verify_row(2).shape == (9,)
+    # the engine is left as it was: no synthetic request, steps as usual
+    assert not engine.has_unfinished()
+    engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_other_threads_or_batch_sizes_are_another_fingerprint(pair64):
+    engine = small_engine(pair64)
+    grid = ((1, 2, 4), (1, 2, 4, 8, 9))
+    fp = fingerprint(engine, grid)
+    assert fp == fingerprint(small_engine(pair64), grid)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if n > 1 else 2)
+        assert fingerprint(engine, grid) != fp
+    finally:
+        torch.set_num_threads(n)
+    bigger = Engine(pair64, EngineConfig(max_batch_size=8, max_context=96, max_tree_nodes=8))
+    assert fingerprint(bigger, grid) != fp
+
+
+def test_another_product_plan_is_another_fingerprint(pair64):
+    """A table timed with one product layout does not price steps run in another."""
+    cfg = EngineConfig(max_batch_size=4, max_context=96, max_tree_nodes=8)
+    grid = ((1, 2, 4), (1, 2, 4, 8, 9))
+    plans = [ProductPlan.fixed(F_LINEAR), ProductPlan.fixed(SMALL), ProductPlan((2, 4), (F_LINEAR, SMALL))]
+    fps = {fingerprint(Engine(pair64, cfg, products=p), grid) for p in plans}
+    assert len(fps) == 3
+    assert fingerprint(Engine(pair64, cfg, products=ProductPlan.fixed(SMALL)), grid) in fps
+
+
+def test_the_replica_factory_installs_the_allocation_for_perstep():
+    from deployments.config import AppArgs
+    from deployments.replica.engine_factory import build_engine
+
+    args = AppArgs(model="random", vocab_size=64, max_batch_size=2, max_context=64, max_tree_nodes=8,
+                   policy={"kind": "perstep", "max_nodes": 8, "profile_s": 10, "cost_cache": False})
+    bundle = build_engine(args)
+    assert bundle.engine.allocator is not None and bundle.step_costs["source"] == "measured"
+    assert bundle.step_costs["measured_s"] > 0 and StepCostTable.from_json(bundle.step_costs["table"])
+    ladder = build_engine(AppArgs(model="random", vocab_size=64, max_batch_size=2, max_context=64))
+    assert ladder.engine.allocator is None and ladder.step_costs is None
+
+
+def test_one_slow_timing_is_pooled_not_carried_to_every_larger_cell():
+    from treespark.engine.step_costs import isotonic
+
+    assert isotonic([1.0, 5.0, 2.0, 3.0, 4.0]) == [1.0, 10 / 3, 10 / 3, 10 / 3, 4.0]
+    assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]

@@ -1,0 +1,117 @@
+"""The online correction of a step-cost table (treespark.pricing.costfit): pure numpy,
+then its engine side (``StepAllocator.observe``) on a real engine."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from treespark.pricing.allocate import StepCosts, allocate
+from treespark.pricing.costfit import CostFit, predict_step
+from treespark.pricing.costmodel import CostModel
+
+TABLE = StepCosts(CostModel.affine(0.02, 0.002), node_s=0.0002, max_nodes=16,
+                  draft_base_s=0.004, draft_row_s=0.001, draft_node_s=0.0003)
+
+
+def run_steps(fit: CostFit, true: StepCosts, n: int, rng: np.random.Generator, *, draft: bool = True,
+              noise: float = 0.02) -> None:
+    """``n`` steps of random shapes whose measured stage seconds follow ``true``."""
+    for _ in range(n):
+        bs = int(rng.integers(1, 9))
+        sizes = tuple(int(x) for x in rng.integers(0, 9, bs)) if draft else (0,) * bs
+        drafted = sum(sizes) + int(rng.integers(0, 8)) if draft else 0
+        p = predict_step(TABLE, bs, drafted, draft, sizes)
+        t = predict_step(true, bs, drafted, draft, sizes)
+        e = 1 + noise * rng.standard_normal(2)
+        fit.observe(p, t.draft * e[0], (t.base + t.extra) * e[1])
+
+
+def test_a_uniform_slowdown_is_learnt_and_changes_no_allocation():
+    fit, rng = CostFit(), np.random.default_rng(0)
+    slow = StepCosts(CostModel.affine(0.03, 0.003), node_s=0.0003, max_nodes=16,
+                     draft_base_s=0.006, draft_row_s=0.0015, draft_node_s=0.00045)   # everything x 1.5
+    run_steps(fit, slow, 400, rng)
+    base, extra = fit.verify_factors()
+    assert fit.draft == pytest.approx(1.5, rel=0.03)
+    assert base == pytest.approx(1.5, rel=0.03) and extra == pytest.approx(1.5, rel=0.03)
+    fixed = fit.corrected(TABLE)
+    assert fixed.verify_row(4) == pytest.approx(slow.verify_row(4), rel=0.03)
+    scores = [list(np.linspace(0.9, 0.1, 12)), list(np.linspace(0.6, 0.05, 12))]
+    assert allocate(scores, fixed).counts == allocate(scores, TABLE).counts
+
+
+def test_dearer_verified_tokens_are_learnt_and_cut_the_trees():
+    """In service every verified token costs 3x the table's, the fixed part 1.2x: the fit
+    finds both, and the corrected table verifies fewer nodes."""
+    fit, rng = CostFit(), np.random.default_rng(1)
+    true = replace(TABLE, base_scale=1.2, extra_scale=3.0, node_s=3 * TABLE.node_s, _rows={})
+    run_steps(fit, true, 600, rng)
+    base, extra = fit.verify_factors()
+    assert base == pytest.approx(1.2, rel=0.05) and extra == pytest.approx(3.0, rel=0.05) and fit.draft == pytest.approx(1.0, rel=0.03)
+    scores = [list(np.linspace(0.9, 0.2, 16)) for _ in range(4)]
+    assert allocate(scores, fit.corrected(TABLE)).nodes < allocate(scores, TABLE).nodes
+
+
+def test_plain_steps_alone_move_both_verify_factors_together():
+    fit, rng = CostFit(), np.random.default_rng(2)
+    slow = StepCosts(CostModel.affine(0.026, 0.0026), node_s=0.00026, max_nodes=16)   # x 1.3
+    run_steps(fit, slow, 300, rng, draft=False)
+    base, extra = fit.verify_factors()
+    assert base == pytest.approx(1.3, rel=0.03) and extra == pytest.approx(base, rel=0.02)
+    assert fit.draft == 1.0            # no drafting step: the table's drafting stands
+
+
+def test_no_steps_leave_the_table_and_one_stall_does_not_set_the_price():
+    fit = CostFit()
+    assert fit.draft == 1.0 and fit.verify_factors() == pytest.approx((1.0, 1.0))
+    same = fit.corrected(TABLE)
+    assert same.verify_row(3) == pytest.approx(TABLE.verify_row(3)) and same.draft_node_s == TABLE.draft_node_s
+    run_steps(fit, TABLE, 200, np.random.default_rng(3))
+    p = predict_step(TABLE, 4, 12, True, (3, 3, 2, 4))
+    fit.observe(p, 100 * p.draft, 100 * (p.base + p.extra))     # a 100x stall (a GC pause, a preemption)
+    base, extra = fit.verify_factors()
+    assert fit.draft < 1.1 and base < 1.1 and extra < 1.2
+
+
+def test_prediction_splits_the_table():
+    p = predict_step(TABLE, 2, 10, True, (4, 1))
+    row = TABLE.verify_row(2)
+    assert p.draft == pytest.approx(0.004 + 0.002 + 0.003)
+    assert p.base == pytest.approx(row[0]) and p.extra == pytest.approx(row[4] - row[0] + 0.0002 * 5)
+    assert predict_step(TABLE, 2, 0, False, (0, 0)) == type(p)(0.0, row[0], 0.0)
+
+
+def test_the_engine_feeds_the_fit_and_prices_on_the_corrected_table(mimic16):
+    """Every decode step reaches the fit; ``costs`` becomes the corrected table every
+    ``refit_every`` steps, while ``table`` stays as measured; greedy output is unchanged."""
+    from treespark.engine.core import Engine, EngineConfig
+    from treespark.engine.step_alloc import StepAllocator
+    from treespark.spec.budget import Budget
+    from treespark.spec.params import SamplingParams
+
+    table = StepCosts(CostModel.affine(1e-5, 1e-7), max_nodes=16)     # far cheaper than this CPU
+    cfg = EngineConfig(max_batch_size=4, max_context=128)
+    prompts = [[1 + (i * 5 + j) % 15 for j in range(12)] for i in range(4)]
+    outs = {}
+    for name, fit in (("plain", None), ("fit", CostFit())):
+        engine = Engine(mimic16, cfg, budget=Budget.off() if fit is None else Budget(0.0, 16, 4))
+        if fit is not None:
+            alloc = StepAllocator(table, fit=fit, refit_every=4)
+            engine.set_allocator(alloc)
+        steps = []
+        engine.on_step = steps.append
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=20))
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        outs[name] = got
+    decode = [s for s in steps if s.prefill_tokens == 0 or s.batch_size > 0]
+    assert outs["fit"] == outs["plain"]
+    assert alloc.fit.steps == len([s for s in decode if s.batch_size > 0])
+    assert alloc.table is table and alloc.costs is not table
+    assert alloc.costs.base_scale > 10          # a real forward is far dearer than 10 us

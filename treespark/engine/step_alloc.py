@@ -1,0 +1,134 @@
+"""The engine's per-step allocation: how much each step drafts and verifies.
+
+The maths is ``treespark.pricing.allocate`` (numpy, no model); this is its engine side,
+two calls per decode step:
+
+* before drafting, ``drafting`` caps each row's drafting budget at the pad
+  ``plan_drafting`` finds worth drafting (drafting priced too) for rows whose trees
+  score like the replica's recent ones (a running mean, rank by rank, of the drafted
+  trees' scores: what a tree is worth here, not one round's luck); a pad of 0 is plain decoding,
+  no drafter call, but for a small probe every ``probe_every`` plain steps, so the
+  forecasts follow the traffic;
+* after drafting, ``cut`` hands every row's candidate scores to ``allocate`` with the
+  seconds drafting took, and cuts each tree to its share (``RoundDraft.trimmed``).
+
+With a ``fit`` (``treespark.pricing.costfit.CostFit``), ``observe`` feeds it every decode
+step's measured stage seconds against what ``table`` (the startup table) predicted, and
+every ``refit_every`` steps ``costs`` (what the two calls price on) becomes the table
+corrected by the fit: the prices follow what steps cost in service, not what they cost
+alone at startup. Without one, ``costs`` is the table.
+
+``policy_s``, the allocation's own cost, is this thread's CPU time (``time.thread_time``):
+the work the two calls do. A wall clock would add whatever the OS gave other processes
+meanwhile, and on a shared host one preemption inside a sub-millisecond call is several
+times the call itself.
+
+Rows with a budget of their own (``Engine.add_request(budget=...)``) are left alone.
+The engine's budget is the drafting budget: its theta the floor price (the controller's),
+its node_cap and branch_cap the most that may be drafted. Nothing a step draws moves
+what that step drafts or how a T > 0 row is cut (both come from history), so the
+draft stays lossless.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from treespark.pricing.allocate import Allocation, DraftPlan, StepCosts, allocate, plan_drafting
+from treespark.pricing.costfit import CostFit, predict_step
+from treespark.spec.budget import Budget
+from treespark.spec.drafting import RoundDraft
+from treespark.spec.params import StepStats
+
+
+@dataclass
+class StepAllocator:
+    costs: StepCosts                           # what the allocation prices on
+    fit: CostFit | None = None                 # online correction of the table from measured steps
+    refit_every: int = 16                      # steps between two corrections of ``costs``
+    table: StepCosts | None = None             # the table as measured (default: ``costs`` as given)
+    last: Allocation | None = None
+    plan: DraftPlan | None = None
+    policy_s: float = 0.0                      # CPU seconds of this step's two calls (and observe)
+    probe_every: int = 32                      # plain steps between two probes (a 4-node draft)
+    _plain_steps: int = 0
+    profile_decay: float = 0.9                 # weight of the past in the per-rank mean of drafted trees
+    _history: dict[str, list[float]] = field(default_factory=dict)   # each T > 0 row's last candidates
+    _profile: list[float] | None = None        # drafted trees' scores by rank (best first), a running mean
+    _drafted_nodes: int = 0                    # this step's drafted nodes (before the cut)
+    _observe_s: float = 0.0                    # the last ``observe``'s seconds
+
+    def __post_init__(self) -> None:
+        if self.table is None:
+            self.table = self.costs
+
+    @property
+    def observes(self) -> bool:
+        """Whether ``observe`` uses the steps (a ``fit`` to feed)."""
+        return self.fit is not None
+
+    def observe(self, stats: StepStats) -> None:
+        """One decode step done: its measured stage seconds against the table's
+        prediction (``fit``), and ``costs`` corrected every ``refit_every`` steps."""
+        if self.fit is None or self.table is None:
+            return
+        t0 = time.thread_time()
+        drafted = stats.draft_waves > 0
+        pred = predict_step(self.table, stats.batch_size, self._drafted_nodes if drafted else 0, drafted,
+                            stats.tree_sizes)
+        # the drafting stage includes this allocation's own seconds: priced as drafting
+        self.fit.observe(pred, stats.draft_s if drafted else 0.0, stats.verify_s)
+        if self.fit.steps % self.refit_every == 0:
+            self.costs = self.fit.corrected(self.table)
+        self._observe_s = time.thread_time() - t0     # counted in the next step's policy_s
+
+    def drafting(self, ids: Sequence[str], budgets: Sequence[Budget], follows: Sequence[bool],
+                 floor: float) -> list[Budget]:
+        """Each row's drafting budget for this step: ``budgets[i]`` with its node_cap cut to
+        twice the planned pad (room to grow), or plain decoding where nothing pays."""
+        t0 = time.thread_time()
+        self._drafted_nodes = 0
+        observed, self._observe_s = self._observe_s, 0.0
+        if self._profile is None:
+            self.plan, self.policy_s = None, time.thread_time() - t0 + observed
+            return list(budgets)
+        self.plan = plan_drafting([self._profile] * len(ids), self.costs, floor=floor)
+        cap = 2 * self.plan.pad
+        self._plain_steps = self._plain_steps + 1 if cap == 0 else 0
+        if cap == 0 and self._plain_steps % self.probe_every == 0:
+            cap = 4   # the forecasts are only as new as the last draft: refresh them now and then
+        out = [Budget(b.theta, min(b.node_cap, cap), b.branch_cap) if f and b.node_cap > cap else b
+               for b, f in zip(budgets, follows, strict=True)]
+        self.policy_s = time.thread_time() - t0 + observed
+        return out
+
+    def cut(self, ids: Sequence[str], temperatures: Sequence[float], follows: Sequence[bool],
+            drafted: RoundDraft, floor: float) -> RoundDraft:
+        """``drafted`` cut for this step. ids / temperatures: the rows' requests;
+        follows[i]: row i runs under the engine's budget; floor: the price no verified
+        node may score below. The drafting already spent is priced from ``costs``, not
+        this step's clock: without a ``fit``, a seeded batch replays the same cuts."""
+        t0 = time.thread_time()
+        sampled = [t > 0 for t in temperatures]
+        c = self.costs
+        self._drafted_nodes = sum(len(s) for s in drafted.scores)
+        draft_s = c.drafting_s(len(ids), self._drafted_nodes)
+        alloc = allocate(drafted.scores, c, draft_s=draft_s, floor=floor, sampled=sampled,
+                         proxies=[self._history.get(i) for i in ids])
+        history = {i: s for i, s in zip(ids, drafted.scores, strict=True) if s}
+        self._history = {i: history.get(i, self._history.get(i)) for i in ids
+                         if i in history or i in self._history}
+        n = self.costs.max_nodes
+        for s in drafted.scores:
+            ranked = sorted(s, reverse=True)[:n]
+            ranked += [0.0] * (n - len(ranked))
+            self._profile = ranked if self._profile is None else \
+                [self.profile_decay * p + (1 - self.profile_decay) * x for p, x in zip(self._profile, ranked, strict=True)]
+        counts = [c if f else t.size for c, f, t in zip(alloc.counts, follows, drafted.trees, strict=True)]
+        out = drafted if all(c >= t.size for c, t in zip(counts, drafted.trees, strict=True)) \
+            else drafted.trimmed(counts)
+        self.last = alloc
+        self.policy_s += time.thread_time() - t0
+        return out

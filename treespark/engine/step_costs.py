@@ -1,0 +1,212 @@
+"""A replica's step-cost table, measured at startup (or read from a cache): what the
+per-step allocation (``treespark.engine.step_alloc``) prices every step on.
+
+``startup_step_costs(engine)``:
+
+1. looks for a cached table under a *fingerprint* of the hardware, the model pair, the
+   dtype, the threads and the product plan (``fingerprint``): the same replica on the same machine starts
+   in milliseconds, and a replica on other hardware measures its own;
+2. otherwise measures, in at most ``time_budget_s`` (20 s by default):
+   * the verify forward ``T(bs, k)`` on a grid (``GRID_TOKENS``; each cell the median of a few
+     forwards, ``treespark.engine.cost_measure.time_forward``; cells past the budget or above
+     ``max_step_tokens`` are extrapolated along k);
+   * drafting and host costs, from real engine steps on a few synthetic requests under
+     fixed budgets: ``draft_s = base + row * bs + node * nodes`` by least squares, and
+     the host seconds per verified draft node beyond the forward (the slope of
+     ``verify_s - T`` on the nodes);
+3. stores it (a ``filelock`` guards the cache file: two replicas starting together on
+   one machine measure once each at worst, and never leave a torn file).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from treespark.engine.cost_measure import time_forward
+from treespark.engine.kv import KVStore
+from treespark.kernels.machine import hardware_name, read_cached, write_cached
+from treespark.pricing.allocate import StepCosts
+from treespark.pricing.costmodel import CostModel, interp, monotone
+from treespark.spec.budget import Budget
+from treespark.spec.params import SamplingParams, StepStats
+
+CACHE_DIR = Path.home() / ".cache" / "treespark" / "step-costs"
+VERSION = 3
+
+
+@dataclass(frozen=True)
+class StepCostTable:
+    """What a replica measured: the verify table and the drafting and host costs."""
+
+    verify: CostModel
+    draft_base_s: float
+    draft_row_s: float
+    draft_node_s: float
+    host_node_s: float
+    fingerprint: str
+    measured_s: float          # seconds the measurement took (0 when read from the cache)
+    source: str                # "measured" or "cache"
+
+    def step_costs(self, max_nodes: int) -> StepCosts:
+        return StepCosts(self.verify, node_s=self.host_node_s, max_nodes=max_nodes,
+                         draft_base_s=self.draft_base_s, draft_row_s=self.draft_row_s,
+                         draft_node_s=self.draft_node_s)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["verify"] = self.verify.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StepCostTable:
+        return cls(**{**d, "verify": CostModel.from_json(d["verify"])})
+
+
+def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
+    """Hardware + model + dtype + threads + grid + product plan, hashed: the cache key."""
+    pair = engine.pair
+    n_target = sum(p.numel() for p in pair.target.parameters())
+    n_drafter = sum(p.numel() for p in pair.drafter.parameters())
+    key = {"v": VERSION, "hw": hardware_name(), "device": str(engine.device), "dtype": str(engine.runner.dtype),
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "pair": pair.name,
+           "params": [n_target, n_drafter], "vocab": engine.vocab_size, "grid": grid,
+           "max_batch": engine.config.max_batch_size,
+           "products": engine.runner.products_described}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+# tokens per row the verify grid times: dense where steps are small, since on CPU the
+# time of a few-row forward jumps where the product kernel changes (3 -> 4 rows on one
+# machine: +38 %, docs/benchmarks.md), and interpolating over such a jump misprices
+# every step between two cells
+GRID_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _grid(engine) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    b = engine.config.max_batch_size
+    bs = tuple(sorted({x for x in (1, 2, 4, 8, 16, 32) if x < b} | {b}))
+    kmax = engine.config.max_tree_nodes + 1
+    ks = tuple(sorted({x for x in GRID_TOKENS if x < kmax} | {kmax}))
+    return bs, ks
+
+
+def isotonic(ys: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest to ``ys`` in least squares (pool adjacent
+    violators): one slow timing is averaged with its neighbours, not carried to every
+    larger cell as a running maximum would."""
+    blocks: list[list[float]] = []            # [sum, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
+def measure_verify(engine, batch_sizes, tokens, *, deadline: float, max_passes: int = 7,
+                   context: int = 128, max_step_tokens: int = 128) -> CostModel:
+    """T(bs, k): passes over the grid, each cell timed once per pass (a burst of load
+    from another process spoils one pass of a few cells, not every timing of one cell),
+    more passes while ``deadline`` (a perf_counter time) allows (the first always runs
+    whole; later ones stop at the deadline, cell by cell); each cell its median,
+    made non-decreasing in k and bs (``isotonic``). Cells above ``max_step_tokens`` are
+    extrapolated along k."""
+    runner = engine.runner
+    store = KVStore(runner.store_shape, max(batch_sizes), context + max(tokens) + 1, runner.device, runner.dtype)
+    g = torch.Generator().manual_seed(0)
+    cells = [(b, k) for b in batch_sizes for k in tokens if b * k <= max_step_tokens or k <= 2]
+    times: dict[tuple[int, int], list[float]] = {}
+    for p in range(max_passes):
+        for b, k in cells:
+            if p and time.perf_counter() > deadline:
+                break
+            times.setdefault((b, k), []).append(time_forward(runner, store, b, k, context, 1, g, warmup=p == 0))
+    table = {c: statistics.median(ts) for c, ts in times.items()}
+    seconds = []
+    for b in batch_sizes:
+        have = [k for k in tokens if (b, k) in table]
+        xs, ys = have, isotonic([table[(b, k)] for k in have])
+        seconds.append([max(interp(xs, ys, k), ys[-1]) if k > have[-1] else interp(xs, ys, k) for k in tokens])
+    for j in range(len(tokens)):                 # and along the batch
+        col = isotonic([row[j] for row in seconds])
+        for i, row in enumerate(seconds):
+            row[j] = col[i]
+    return CostModel(tuple(batch_sizes), tuple(tokens), monotone(seconds), context=context,
+                     pair=engine.pair.name, device=str(engine.device), threads=torch.get_num_threads(),
+                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def measure_drafting(engine, verify: CostModel, *, deadline: float,
+                     seed: int = 0) -> tuple[float, float, float, float]:
+    """(draft_base_s, draft_row_s, draft_node_s, host_node_s) from engine steps on
+    synthetic requests (random prompts) under plain, chain and tree budgets, more rows
+    while ``deadline`` allows."""
+    steps: list[StepStats] = []
+    prev_hook, prev_alloc = engine.on_step, engine.allocator
+    engine.on_step, engine.allocator = steps.append, None
+    g = torch.Generator().manual_seed(seed)
+    try:
+        rows = sorted({1, min(4, engine.config.max_batch_size), engine.config.max_batch_size})
+        budgets = [Budget.chain(4), Budget(0.0, min(16, engine.config.max_tree_nodes), 4), Budget.off()]
+        for bs in rows:
+            for budget in budgets:
+                if time.perf_counter() > deadline and bs > 1:
+                    break  # one row under each budget always runs: enough for a fit
+                for i in range(bs):
+                    prompt = torch.randint(0, engine.vocab_size, (24,), generator=g).tolist()
+                    engine.add_request(f"__costs-{bs}-{budget.node_cap}-{i}", prompt,
+                                       SamplingParams(max_tokens=8), budget=budget)
+                while engine.has_unfinished():
+                    engine.step()
+    finally:
+        engine.on_step, engine.allocator = prev_hook, prev_alloc
+    decode = [s for s in steps if s.prefill_tokens == 0]
+    drafting = [s for s in decode if s.draft_waves > 0]
+    base = row = node = 0.0
+    if len(drafting) >= 3:
+        x = np.array([[1.0, s.batch_size, sum(s.tree_sizes)] for s in drafting])
+        y = np.array([s.draft_s for s in drafting])
+        c, *_ = np.linalg.lstsq(x, y, rcond=None)
+        base, row, node = (max(float(v), 0.0) for v in c)
+    # host seconds per verified draft node: the slope of (verify stage - forward) on the
+    # draft nodes (a plain step's host work is per step, not per node)
+    host = 0.0
+    pts = [(sum(s.tree_sizes), s.verify_s - verify.time(s.batch_size, max(s.tree_sizes) + 1)) for s in decode]
+    if len({n for n, _ in pts}) > 1:
+        x = np.array([[1.0, n] for n, _ in pts])
+        c, *_ = np.linalg.lstsq(x, np.array([r for _, r in pts]), rcond=None)
+        host = max(float(c[1]), 0.0)
+    return base, row, node, host
+
+
+def startup_step_costs(engine, *, time_budget_s: float = 20.0, cache_dir: Path | None = CACHE_DIR) -> StepCostTable:
+    """The replica's table: from the cache when its fingerprint is there, else measured
+    (and cached). ``cache_dir`` None: always measure, store nothing."""
+    grid = _grid(engine)
+    fp = fingerprint(engine, grid)
+    path = None if cache_dir is None else Path(cache_dir) / f"{fp}.json"
+    cached = None if path is None else read_cached(path)
+    if cached is not None:
+        try:
+            return StepCostTable.from_json({**cached, "source": "cache", "measured_s": 0.0})
+        except (ValueError, KeyError, TypeError):
+            pass  # a table of an older layout: measure again
+    t0 = time.perf_counter()
+    deadline = t0 + 0.6 * time_budget_s
+    verify = measure_verify(engine, *grid, deadline=deadline)
+    base, row, node, host = measure_drafting(engine, verify, deadline=t0 + 0.95 * time_budget_s)
+    table = StepCostTable(verify, base, row, node, host, fp, time.perf_counter() - t0, "measured")
+    if path is not None:
+        write_cached(path, table.to_json())
+    return table

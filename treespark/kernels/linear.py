@@ -1,0 +1,238 @@
+"""Matrix products for the few-row forwards of decoding, on CPU.
+
+A decoding step multiplies each weight by a handful of rows, and the weights
+stream from memory once per step. On the CPU BLAS that torch ships, the layout of
+such a product decides its speed (`treespark bench linear` times a pass over the
+target's weights in each layout, side by side):
+
+- ``W @ x^T`` with ``x`` row-major (``x^T`` a transposed view) is the fast one;
+- ``F.linear`` (``x @ W^T``) is 2-3x slower at 2-8 rows;
+- ``W @ X`` with ``X`` column-major is as slow, and that is what the *output* of
+  ``(W @ x^T).T`` hands the next product unless it is made row-major again;
+- one row runs as a matrix-vector product on a single thread, so it is padded to
+  two rows, which run on every thread;
+- 10-15 rows run slower than 16 (the AVX-512 width), so they are padded to 16.
+
+``linear`` applies these rules to CPU products of up to ``SMALL_ROWS`` rows and
+calls ``F.linear`` otherwise (more rows, where it is faster, or an accelerator).
+The constants were measured on a two-core AVX-512 machine; the benchmark
+re-measures them anywhere.
+
+From three rows on, faster still, and nearly flat in the row count, is oneDNN's
+matrix product on a weight reordered once into its blocked layout (``pack`` /
+``packed_linear``; the op PyTorch's own CPU compiler emits for frozen linears).
+It keeps a second copy of each packed weight, so the target's forward packs its
+weights and the drafter (trained as well as served) uses ``linear``.
+
+Which of the three (``F.linear``, ``linear``, packed) is fastest at a row count is a
+property of the machine, not of the code: on a two-core AVX-512 machine ``linear``
+beat ``F.linear`` 1.5x at 1-4 rows, on a two-core AVX-512 + AMX Xeon ``F.linear`` beat
+it 2.6x. So the target's forward does not fix the choice: ``measure_plan`` times one
+pass over the weights in each layout at a few row counts, and ``choose_plan`` keeps
+the fastest per row count as a ``ProductPlan`` (measured once per model and process,
+``treespark.engine.target.product_plan``, which keeps it on disk per machine). Every layout
+gives ``F.linear``'s values to float rounding; a plan fixes which rounding a forward of
+n rows gets.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SMALL_ROWS = 64  # at or below this many rows, CPU products run as W @ x^T
+
+
+def padded_rows(n: int) -> int:
+    """How many rows a CPU product of ``n`` rows runs with (``n`` <= ``SMALL_ROWS``)."""
+    if n == 1:
+        return 2
+    if 10 <= n < 16:
+        return 16
+    return n
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` of shape [..., in]; the result is row-major."""
+    n = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if x.device.type != "cpu" or n == 0 or n > SMALL_ROWS:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(n, x.shape[-1])
+    m = padded_rows(n)
+    if m > n:
+        rows = torch.cat([rows, rows[:1].expand(m - n, -1)])
+    y = (weight @ rows.contiguous().T).T[:n].contiguous()
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A float32 CPU weight [out, in] in oneDNN's blocked layout (a copy), with its bias."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether ``pack`` applies: a float32 CPU matrix and a PyTorch built with oneDNN."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+    """Reorder a copy of ``weight`` for ``packed_linear``; ValueError where ``can_pack`` is False."""
+    if not can_pack(weight):
+        raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on "
+                         f"{weight.device.type} (oneDNN available: {torch.backends.mkldnn.is_available()})")
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    return PackedWeight(packed, None if bias is None else bias.detach(), weight.shape[0])
+
+
+def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """``F.linear`` with a packed weight, for ``x`` of shape [..., in] (no gradients)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(rows, w.packed, w.bias, "none", [], "")
+    return y.view(*x.shape[:-1], w.out_features)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state dict) whose products go through ``linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+F_LINEAR, SMALL, PACKED = "F.linear", "treespark.kernels.linear", "oneDNN packed"
+LAYOUTS = (F_LINEAR, SMALL, PACKED)
+PLAN_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # the row counts ``measure_plan`` times
+PLAN_SAMPLE_BYTES = 512 << 20  # ``measure_plan`` times whole layers up to this many weight bytes
+
+
+@dataclass(frozen=True)
+class ProductPlan:
+    """The layout a CPU product of ``n`` rows runs in: ``layouts[i]`` for ``n`` up to
+    ``rows[i]`` (and above ``rows[i - 1]``); the last one for every ``n`` beyond."""
+
+    rows: tuple[int, ...]
+    layouts: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.rows or len(self.rows) != len(self.layouts):
+            raise ValueError(f"a ProductPlan needs one layout per row count, got {self.rows} and {self.layouts}")
+        if list(self.rows) != sorted(set(self.rows)) or self.rows[0] < 1:
+            raise ValueError(f"ProductPlan.rows must be increasing and >= 1, got {self.rows}")
+        unknown = set(self.layouts) - set(LAYOUTS)
+        if unknown:
+            raise ValueError(f"unknown product layouts {sorted(unknown)}; known: {LAYOUTS}")
+
+    @classmethod
+    def fixed(cls, layout: str) -> ProductPlan:
+        """One layout at every row count."""
+        return cls((1,), (layout,))
+
+    def layout(self, n: int) -> str:
+        return self.layouts[min(bisect_left(self.rows, n), len(self.rows) - 1)]
+
+    def describe(self) -> str:
+        """E.g. ``rows 1-4 F.linear, 5-32 oneDNN packed, 33+ F.linear``; ``all rows F.linear``."""
+        parts, lo = [], 1
+        for i, (hi, name) in enumerate(zip(self.rows, self.layouts, strict=True)):
+            last = i == len(self.rows) - 1
+            if not last and self.layouts[i + 1] == name:
+                continue
+            parts.append(f"{lo}+ {name}" if last else f"{lo}-{hi} {name}" if hi > lo else f"{lo} {name}")
+            lo = hi + 1
+        return ("rows " + ", ".join(parts)).replace("rows 1+ ", "all rows ")
+
+
+def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: ProductPlan | None,
+                   packed: PackedWeight | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` [N, in], in ``plan``'s layout for N rows
+    (``F.linear`` where ``plan`` is None); ``packed``: ``weight`` packed, for that layout."""
+    layout = F_LINEAR if plan is None else plan.layout(x.shape[0])
+    if layout == PACKED:
+        if packed is None:
+            raise ValueError(f"the product plan runs {x.shape[0]} rows packed, and this weight has no packed copy")
+        return packed_linear(x, packed)
+    if layout == SMALL:
+        return linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+PLAN_MARGIN = 0.05  # another layout replaces F.linear only where it is this much faster
+
+
+def choose_plan(ms: Mapping[int, Mapping[str, float]], margin: float = PLAN_MARGIN) -> ProductPlan:
+    """The fastest layout at each timed row count (``ms[rows][layout]``: ms per pass),
+    where it beats ``F.linear`` by more than ``margin`` (a fraction of F.linear's time);
+    else ``F.linear``. Near-ties, which timing noise would decide, so fall the same
+    way in every process."""
+    layouts = []
+    for n in sorted(ms):
+        best = min(ms[n], key=ms[n].__getitem__)
+        keep = F_LINEAR in ms[n] and ms[n][best] >= (1 - margin) * ms[n][F_LINEAR]
+        layouts.append(F_LINEAR if keep else best)
+    return ProductPlan(tuple(sorted(ms)), tuple(layouts))
+
+
+def plan_sample(weights: Sequence[torch.Tensor], per_layer: int, budget: int = PLAN_SAMPLE_BYTES) -> list[int]:
+    """Indices of the weights ``measure_plan`` times: whole layers (``per_layer`` weights
+    each, in order) up to ``budget`` bytes, and the last weight (an LM head) when it is
+    not a layer's. More bytes than the caches hold, so that a pass streams from memory
+    as a forward's does."""
+    n_layers = len(weights) // per_layer if per_layer else 0
+    chosen, total = [], 0
+    for layer in range(n_layers):
+        idx = range(layer * per_layer, (layer + 1) * per_layer)
+        chosen.extend(idx)
+        total += sum(weights[i].numel() * weights[i].element_size() for i in idx)
+        if total >= budget:
+            break
+    if len(weights) > n_layers * per_layer:
+        chosen.append(len(weights) - 1)
+    return chosen
+
+
+def measure_plan(weights: Sequence[torch.Tensor], packed: Sequence[PackedWeight] | None = None,
+                 rows: Sequence[int] = PLAN_ROWS, reps: int = 2) -> tuple[ProductPlan, dict[int, dict[str, float]]]:
+    """Times one pass over ``weights`` (CPU, [out, in]) at each row count in each layout
+    (``packed``: the same weights packed, else no packed layout), interleaved so that a
+    drift in the machine's speed falls on every layout alike; the median of ``reps``
+    passes after one untimed one. Returns the plan and the times (ms per pass)."""
+    if reps < 1:
+        raise ValueError("measure_plan needs reps >= 1")
+    if packed is not None and len(packed) != len(weights):
+        raise ValueError(f"{len(packed)} packed weights for {len(weights)} weights")
+    gen = torch.Generator().manual_seed(0)
+    dims = {w.shape[1] for w in weights}
+    xs = {n: {d: torch.randn(n, d, generator=gen, dtype=weights[0].dtype) for d in dims} for n in rows}
+    fns: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+        F_LINEAR: lambda x, i: F.linear(x, weights[i]),
+        SMALL: lambda x, i: linear(x, weights[i]),
+    }
+    if packed is not None:
+        fns[PACKED] = lambda x, i: packed_linear(x, packed[i])
+    times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in fns} for n in rows}
+    with torch.no_grad():
+        for rep in range(reps + 1):
+            for n in rows:
+                for name, fn in fns.items():
+                    t0 = time.perf_counter()
+                    for i, w in enumerate(weights):
+                        fn(xs[n][w.shape[1]], i)
+                    if rep:
+                        times[n][name].append((time.perf_counter() - t0) * 1e3)
+    ms = {n: {name: statistics.median(t) for name, t in by.items()} for n, by in times.items()}
+    return choose_plan(ms), ms

@@ -1,0 +1,450 @@
+"""The DSpark drafter: a parallel block backbone plus a low-rank Markov head.
+
+DSpark (semi-autoregressive drafting) runs ONE backbone forward over a block of
+``block_size`` rows (row 0 = the anchor token, the others a mask token). The rows
+attend, bidirectionally, to each other and to a *context*: the target's hidden
+states from a few tapped layers at every committed position, concatenated, mixed
+by ``fc`` and normalised. Row k yields base logits U_k for the token at offset k+1
+after the anchor. The Markov head adds the dependency on the parent token:
+
+    q(. | parent, offset k) = softmax(U_k + W2 . W1[parent])
+
+so a tree expander can ask for the distribution under any parent for the cost of
+a row lookup and a matrix-vector product.
+
+The module's parameter names follow the public DSpark checkpoint layout
+(``deepseek-ai/dspark_qwen3_4b_block7``: embed_tokens, fc, hidden_norm,
+layers.N.self_attn.{q,k,v,o}_proj / q_norm / k_norm, layers.N.mlp, norms, norm,
+lm_head, markov_head.markov_w1 / markov_w2), so that checkpoint loads strictly.
+Two extensions keep small drafters cheap: ``shared_embeddings`` (embedding and LM
+head taken from the target, not stored) and a reduced draft vocabulary
+(``draft_vocab_size`` with a ``d2t`` index map, as in EAGLE-3 / FR-Spec).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from treespark.kernels.linear import Linear, linear
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    vocab_size: int                      # the target's vocabulary
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    block_size: int                      # draft tokens per backbone pass (tree depth cap)
+    target_layer_ids: tuple[int, ...]    # target layers whose outputs form the context
+    mask_token_id: int
+    markov_rank: int
+    target_hidden_size: int = 0          # 0: same as hidden_size
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None     # transformers' rope parameters beyond theta (rope_type, factor, ...)
+    max_position_embeddings: int = 40_960
+    hidden_act: str = "silu"
+    draft_vocab_size: int = 0            # 0: the full vocabulary
+    shared_embeddings: bool = False      # embed_tokens / lm_head come from the target
+    confidence_head: bool = False        # the public checkpoint may carry one (unused)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "block_size", "markov_rank"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"DSparkConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not self.target_layer_ids:
+            raise ValueError("DSparkConfig.target_layer_ids must name at least one layer")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
+
+    @property
+    def draft_vocab(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def context_size(self) -> int:
+        return len(self.target_layer_ids) * (self.target_hidden_size or self.hidden_size)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        d["architectures"] = ["DSparkDraft"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DSparkConfig:
+        """Read our config.json or a public DSpark one (unknown keys are ignored; the
+        DSpark-specific keys may also sit in a nested ``dspark_config`` dict)."""
+        flat = {**d, **d.get("dspark_config", {})}
+        rope = flat.get("rope_parameters")
+        if isinstance(rope, dict):  # transformers >= 5: theta and scaling in one dict
+            flat.setdefault("rope_theta", rope.get("rope_theta", 1_000_000.0))
+            if rope.get("rope_type", "default") != "default" and not flat.get("rope_scaling"):
+                flat["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if not flat.get("head_dim"):
+            flat["head_dim"] = flat["hidden_size"] // flat["num_attention_heads"]
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in flat.items() if k in known and v is not None}
+        kwargs["target_layer_ids"] = tuple(int(i) for i in kwargs["target_layer_ids"])
+        if "markov_rank" not in kwargs:
+            raise ValueError("config has no markov_rank: not a DSpark drafter config")
+        return cls(**kwargs)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return torch.cat([-x[..., d:], x[..., :d]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, S, D]; cos, sin: [B, S, D] (rotate-half convention)."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class Rotary:
+    """The drafter's rotary embedding, from its config: theta, and the scaling (linear,
+    yarn, llama3, longrope, ...) exactly as transformers computes it for a target with
+    the same ``rope_parameters``. The inverse frequencies stay float32 on every device
+    (a plain attribute, not a buffer: casting the drafter to bfloat16 leaves them).
+    Dynamic NTK scaling, which changes with the sequence length, is refused."""
+
+    def __init__(self, c: DSparkConfig) -> None:
+        params = dict(c.rope_scaling or {})
+        rope_type = params.pop("rope_type", params.pop("type", "default"))
+        with torch.device("cpu"):  # also when the drafter itself is built on the meta device
+            if rope_type == "default":
+                d = c.head_dim
+                inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+                self.scale = 1.0
+            elif rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"drafter rope_type {rope_type!r} is not supported "
+                                 f"(supported: default, {', '.join(k for k in ROPE_INIT_FUNCTIONS if k != 'dynamic')})")
+            else:
+                cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                                  head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
+                                  rope_parameters={"rope_type": rope_type, "rope_theta": c.rope_theta, **params})
+                inv_freq, self.scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+        self._inv_freq = {torch.device("cpu"): inv_freq.float()}
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, S] -> cos, sin [B, S, head_dim] in ``dtype``."""
+        inv = self._inv_freq.get(positions.device)
+        if inv is None:
+            inv = self._inv_freq[positions.device] = self._inv_freq[torch.device("cpu")].to(positions.device)
+        freqs = positions.to(torch.float32)[..., None] * inv
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+class DSparkAttention(nn.Module):
+    def __init__(self, c: DSparkConfig) -> None:
+        super().__init__()
+        self.c = c
+        h, hd = c.hidden_size, c.head_dim
+        self.q_proj = Linear(h, c.num_attention_heads * hd, bias=False)
+        self.k_proj = Linear(h, c.num_key_value_heads * hd, bias=False)
+        self.v_proj = Linear(h, c.num_key_value_heads * hd, bias=False)
+        self.o_proj = Linear(c.num_attention_heads * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, c.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, c.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of x [B, S, h] with the rotary cos/sin [B, S, hd] of its
+        positions -> two [B, kvh, S, hd]."""
+        b, s, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, s, -1, self.c.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.c.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,           # [B, S, h] the block rows
+        cos: torch.Tensor,         # [B, S, hd] rotary cos/sin of the rows' positions
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,       # [B, kvh, C, hd] context keys (cached)
+        ctx_v: torch.Tensor,       # [B, kvh, C, hd]
+        mask: torch.Tensor,        # [B, 1, S, C + S] bool, True = may attend
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, -1, self.c.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin)
+        k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=2)
+        v = torch.cat([ctx_v.to(v_blk.dtype), v_blk], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DSparkMLP(nn.Module):
+    def __init__(self, c: DSparkConfig) -> None:
+        super().__init__()
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DSparkLayer(nn.Module):
+    def __init__(self, c: DSparkConfig) -> None:
+        super().__init__()
+        self.self_attn = DSparkAttention(c)
+        self.mlp = DSparkMLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MarkovHead(nn.Module):
+    """Low-rank transition bias B(parent, v) = <W1[parent], W2[v]>."""
+
+    def __init__(self, c: DSparkConfig) -> None:
+        super().__init__()
+        self.markov_w1 = nn.Linear(c.markov_rank, c.vocab_size, bias=False)   # weight [V, r]
+        self.markov_w2 = nn.Linear(c.markov_rank, c.draft_vocab, bias=False)  # weight [Vd, r]
+
+    def bias(self, parents: torch.Tensor) -> torch.Tensor:
+        """parents: [...] token ids -> [..., Vd]."""
+        return self.markov_w1.weight[parents] @ self.markov_w2.weight.T
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, c: DSparkConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(c.hidden_size + c.markov_rank, 1)
+
+
+class DSparkDrafter(nn.Module):
+    """The drafter. Serving calls ``context_kv`` (once per committed position) and
+    ``block_logits`` (once per round for the whole batch); training calls
+    ``train_logits``."""
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        if not c.shared_embeddings:
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+            self.lm_head = Linear(c.hidden_size, c.draft_vocab, bias=False)
+        self.fc = Linear(c.context_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DSparkLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.markov_head = MarkovHead(c)
+        if c.confidence_head:
+            self.confidence_head = ConfidenceHead(c)
+        if c.draft_vocab_size:
+            self.register_buffer("d2t", torch.arange(c.draft_vocab_size), persistent=True)
+        else:
+            self.d2t = None
+        self._shared_embed: torch.Tensor | None = None
+        self._shared_head: torch.Tensor | None = None
+        self.rotary = Rotary(c)
+
+    # -- shared embeddings ------------------------------------------------------------
+    def attach_target_embeddings(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Use the target's embedding [V, h] and LM head [V, h] (rows cut to the draft
+        vocabulary). They stay out of the drafter's state dict."""
+        if not self.config.shared_embeddings:
+            raise ValueError("this drafter stores its own embeddings (shared_embeddings=False)")
+        self._shared_embed = embed.detach()
+        head = lm_head.detach()
+        self._shared_head = head[self.d2t] if self.d2t is not None else head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.config.shared_embeddings:
+            if self._shared_embed is None:
+                raise RuntimeError("shared-embedding drafter used before attach_target_embeddings()")
+            return F.embedding(ids, self._shared_embed)
+        return self.embed_tokens(ids)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.config.shared_embeddings:
+            assert self._shared_head is not None
+            return linear(h, self._shared_head)
+        return self.lm_head(h)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor | None:
+        return self.d2t
+
+    # -- serving -------------------------------------------------------------------------
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps: [..., n_taps * target_hidden] -> context hidden states [..., h]."""
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+
+    def context_kv_train(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """taps: [B, S, n_taps*th], positions: [B, S] -> keys, values [L, B, kvh, S, hd]
+        for every drafter layer (what the drafter's KV cache stores per position)."""
+        ctx = self.context(taps)
+        cos, sin = self.rotary(positions, ctx.dtype)
+        ks, vs = zip(*(layer.self_attn.kv(ctx, cos, sin) for layer in self.layers), strict=True)
+        return torch.stack(ks), torch.stack(vs)
+
+    @torch.no_grad()
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``context_kv_train`` without gradients: what serving writes to the KV cache."""
+        return self.context_kv_train(taps, positions)
+
+    def _block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
+        ids = torch.full((anchors.shape[0], self.config.block_size), self.config.mask_token_id,
+                         dtype=torch.long, device=anchors.device)
+        ids[:, 0] = anchors
+        return ids
+
+    def _backbone(self, ids, positions, ctx_k, ctx_v, mask) -> torch.Tensor:
+        x = self.embed(ids).to(self.fc.weight.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], mask)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def block_logits(
+        self,
+        anchors: torch.Tensor,     # [B] the root token of each row
+        ctx_k: torch.Tensor,       # [L, B, kvh, C, hd] cached context keys
+        ctx_v: torch.Tensor,       # [L, B, kvh, C, hd]
+        ctx_len: torch.Tensor,     # [B] committed positions of each row (<= C)
+    ) -> torch.Tensor:
+        """Base logits U: [B, block_size, Vd]; row k is for depth k + 1."""
+        b, blk = anchors.shape[0], self.config.block_size
+        c = ctx_k.shape[3]
+        dev = anchors.device
+        positions = ctx_len[:, None] + torch.arange(blk, device=dev)          # [B, blk]
+        ctx_mask = torch.arange(c, device=dev)[None, :] < ctx_len[:, None]   # [B, C]
+        mask = torch.cat([ctx_mask[:, None, :].expand(b, blk, c),
+                          torch.ones(b, blk, blk, dtype=torch.bool, device=dev)], dim=2)
+        return self._backbone(self._block_ids(anchors), positions, ctx_k, ctx_v, mask[:, None]).float()
+
+    # -- training ------------------------------------------------------------------------
+    def train_logits(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits for many blocks of one sequence at once.
+
+        taps: [S, n_taps*th] the target's tapped hidden states; tokens: [S];
+        anchors: [nb] anchor positions (context = positions < anchor).
+        Returns [nb, block_size, Vd]: row k of block i predicts the token after
+        position anchors[i] + k, with the Markov parent tokens[anchors[i] + k].
+        """
+        s, blk, nb = tokens.shape[0], self.config.block_size, anchors.shape[0]
+        dev = tokens.device
+        assert int(anchors.max()) + blk <= s, "every block must lie inside the sequence"
+        pos_ctx = torch.arange(s, device=dev)[None]
+        ctx_k, ctx_v = self.context_kv_train(taps[None], pos_ctx)             # [L, 1, kvh, S, hd]
+        ctx_k = ctx_k.expand(-1, nb, -1, -1, -1)
+        ctx_v = ctx_v.expand(-1, nb, -1, -1, -1)
+        positions = anchors[:, None] + torch.arange(blk, device=dev)          # [nb, blk]
+        ctx_mask = pos_ctx < anchors[:, None]                                 # [nb, S]
+        mask = torch.cat([ctx_mask[:, None, :].expand(nb, blk, s),
+                          torch.ones(nb, blk, blk, dtype=torch.bool, device=dev)], dim=2)
+        u = self._backbone(self._block_ids(tokens[anchors]), positions, ctx_k, ctx_v, mask[:, None])
+        parents = tokens[positions]                                           # [nb, blk]
+        return u + self.markov_head.bias(parents)
+
+
+# -- checkpoint I/O ----------------------------------------------------------------------
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def save_drafter(drafter: DSparkDrafter, directory: str | Path, dtype: torch.dtype | None = None) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_NAME).write_text(json.dumps(drafter.config.to_dict(), indent=2) + "\n")
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().cpu()
+             for k, v in drafter.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_NAME))
+
+
+def load_drafter(
+    directory: str | Path,
+    *,
+    target: torch.nn.Module | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> DSparkDrafter:
+    """Load a drafter from ``config.json`` + ``model.safetensors`` (strictly: a missing
+    or unexpected key is an error). A shared-embedding drafter needs its ``target``."""
+    directory = Path(directory)
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"drafter checkpoint {directory} has no {name}")
+    raw = json.loads((directory / CONFIG_NAME).read_text())
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    # straight onto the device, in the serving dtype: no float32 CPU copy of a large drafter
+    state = {k: v.to(dtype) if v.is_floating_point() else v
+             for k, v in load_file(str(directory / WEIGHTS_NAME), device=str(dev)).items()}
+    if any(k.startswith("confidence_head.") for k in state):
+        raw = {**raw, "confidence_head": True}
+    if "d2t" in state and not raw.get("draft_vocab_size"):
+        raw = {**raw, "draft_vocab_size": int(state["d2t"].numel())}
+    with torch.device("meta"):  # no memory and no random init: the checkpoint's tensors are assigned
+        drafter = DSparkDrafter(DSparkConfig.from_dict(raw))
+    drafter.load_state_dict(state, strict=True, assign=True)
+    if drafter.d2t is not None:
+        drafter.d2t = drafter.d2t.long()
+    if drafter.config.shared_embeddings:
+        if target is None:
+            raise ValueError("this drafter shares the target's embeddings: pass target=")
+        attach_from_target(drafter, target)
+    return drafter.eval()
+
+
+def grown(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
+    """``drafter`` with layers appended up to ``num_layers``: each new one a copy of the
+    last with its output projections (attention ``o_proj``, MLP ``down_proj``) zeroed, so
+    its residual branch adds nothing. The grown drafter drafts what ``drafter`` drafts
+    until training moves the new layers."""
+    have = drafter.config.num_hidden_layers
+    if num_layers < have:
+        raise ValueError(f"cannot grow a {have}-layer drafter to {num_layers} layers")
+    out = DSparkDrafter(replace(drafter.config, num_hidden_layers=num_layers)).to(drafter.fc.weight.dtype)
+    state = drafter.state_dict()
+    last = f"layers.{have - 1}."
+    top = {k[len(last):]: v for k, v in state.items() if k.startswith(last)}
+    for i in range(have, num_layers):
+        for k, v in top.items():
+            zero = k.endswith(("o_proj.weight", "down_proj.weight"))
+            state[f"layers.{i}.{k}"] = torch.zeros_like(v) if zero else v.clone()
+    out.load_state_dict(state, strict=True)   # d2t is copied into the module's own int64 buffer
+    if drafter.config.shared_embeddings:   # the target's tensors, already cut to the draft vocabulary
+        out._shared_embed, out._shared_head = drafter._shared_embed, drafter._shared_head
+    return out.train(drafter.training)
+
+
+def attach_from_target(drafter: DSparkDrafter, target: torch.nn.Module) -> None:
+    embed = target.get_input_embeddings().weight
+    head = target.get_output_embeddings().weight
+    dtype = drafter.fc.weight.dtype
+    drafter.attach_target_embeddings(embed.to(dtype), head.to(dtype))

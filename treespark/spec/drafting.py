@@ -1,0 +1,224 @@
+"""Drafting on the model's device: one batched call per depth wave, small numbers out.
+
+A round's trees are grown in waves (``treespark.spec.select``). Each wave gathers every
+node that some running request opens, and ``score_parents`` scores all of them in one
+call on the drafter's device:
+
+    logits = U[row, depth] + W2 . W1[parent]      (the Markov head, over the draft vocabulary)
+    q      = softmax(logits / T)                  (T = 1 to rank at T = 0)
+
+and returns, per parent, the ``TOP_M`` largest q with their indices and, at T > 0,
+``k`` draws without replacement (sequential inverse-CDF draws on the cumulative q in
+float64, one uniform each from the request's own generator, so a seeded request draws
+the same tokens on any device). Only ``[parents, 2 * TOP_M + 2k]`` numbers reach the
+host, in one copy; the T > 0 parents' q rows stay on the device for verification
+(``treespark.spec.walk``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from treespark.kernels.linear import linear
+from treespark.kernels.transfer import HostTransfers
+from treespark.spec.budget import Budget
+from treespark.spec.calibration import Calibration
+from treespark.spec.sampling import Sampler
+from treespark.spec.select import TOP_M, TreeBuilder, slot_values
+from treespark.spec.tree import DraftTree
+
+
+def draw_without_replacement(c: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequential draws without replacement by inverse CDF.
+
+    c: [S, Vd] float64 cumulative sums of the drawing weights (not normalised: its last
+    column is the total); u: [S, k] uniforms in [0, 1). Token x owns the interval
+    [c[x-1], c[x]); draw j finds u_j * (mass left) with the drawn tokens' intervals
+    skipped. Returns ids [S, k] and their probabilities (interval / total) [S, k],
+    0 where a row ran out of support."""
+    s, vd = c.shape
+    total = c[:, -1]
+    ids: list[torch.Tensor] = []
+    widths: list[torch.Tensor] = []
+    mass = torch.zeros(s, dtype=c.dtype, device=c.device)
+    for j in range(u.shape[1]):
+        t = u[:, j] * (total - mass)
+        if ids:
+            prev, wprev = torch.stack(ids, 1), torch.stack(widths, 1)  # [S, j]
+            order = prev.argsort(1)
+            prev, wprev = prev.gather(1, order), wprev.gather(1, order)
+            start = c.gather(1, prev) - wprev                            # each drawn token's interval start
+            for i in range(j):                                           # ascending: skip what lies before t
+                t = torch.where(start[:, i] <= t, t + wprev[:, i], t)
+        x = torch.searchsorted(c, t[:, None], right=True)[:, 0].clamp(max=vd - 1)
+        below = torch.where(x > 0, c.gather(1, (x - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+        w = c.gather(1, x[:, None])[:, 0] - below
+        ids.append(x)
+        widths.append(w)
+        mass = mass + w
+    return torch.stack(ids, 1), torch.stack(widths, 1) / total[:, None]
+
+
+@torch.no_grad()
+def score_parents(
+    base: torch.Tensor,       # [B, block, Vd] the drafter's base logits U
+    w1: torch.Tensor,         # [V, r] Markov W1 (rows by parent token id)
+    w2: torch.Tensor,         # [Vd, r] Markov W2
+    rows: torch.Tensor,       # [P] batch row of each parent
+    depths: torch.Tensor,     # [P] depth of the children (1-based)
+    parents: torch.Tensor,    # [P] parent token ids
+    temperature: torch.Tensor,  # [P] T (1 for T = 0, which ranks at T = 1)
+    sampled: torch.Tensor,    # [S] indices (into P) of the parents drawn at T > 0
+    uniforms: torch.Tensor,   # [S, k] float64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Score one wave's parents. Returns (packed [P, 2M + 2k] float64, q rows [S, Vd]
+    float32 and their float64 totals [S] for the sampled parents): packed holds the
+    top-M q, their indices, then the k drawn indices and their q (zeros for T = 0
+    parents). The q that tokens are drawn from, and verified against, is a row over
+    its total (one cumulative sum in float64, taken while converting)."""
+    k = uniforms.shape[1]
+    logits = base[rows, depths - 1].float() + linear(w1[parents], w2).float()  # CPU: the fast layout
+    # shift first: a tiny temperature then gives -inf (not NaN) off the argmax
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature[:, None], dim=-1)
+    m = min(TOP_M, probs.shape[-1])
+    top = probs.topk(m, dim=-1)
+    drawn = torch.zeros(probs.shape[0], 2 * k, dtype=torch.float64, device=probs.device)
+    rows_s = probs[sampled]
+    totals = torch.zeros(0, dtype=torch.float64, device=probs.device)
+    if sampled.numel():
+        c = torch.cumsum(rows_s, -1, dtype=torch.float64)
+        ids, qx = draw_without_replacement(c, uniforms)
+        totals = c[:, -1]
+        drawn[sampled] = torch.cat([ids.to(torch.float64), qx], dim=1)
+    packed = torch.cat([top.values.to(torch.float64), top.indices.to(torch.float64), drawn], dim=1)
+    return packed, rows_s, totals
+
+
+def best_nodes(scores: list[float], count: int) -> list[int]:
+    """The root and the ``count`` best draft nodes by (score desc, index), in node order
+    (``scores[j]`` is node ``j + 1``'s)."""
+    if count >= len(scores):
+        return list(range(len(scores) + 1))
+    best = sorted(range(len(scores)), key=lambda j: (-scores[j], j))[:count]
+    return [0, *sorted(j + 1 for j in best)]
+
+
+def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """``tree`` restricted to the nodes ``keep`` (node order, root first, each with its parent)."""
+    index = {0: 0}
+    cut = DraftTree.root_only(tree.tokens[0])
+    for n in keep[1:]:
+        assert tree.parents[n] in index, "a cut tree keeps every kept node's parent"
+        index[n] = cut.add(index[tree.parents[n]], tree.tokens[n], q=tree.q[n], survival=tree.survival[n])
+    cut.draft_to_target = tree.draft_to_target
+    cut.child_q = {index[n]: q for n, q in tree.child_q.items() if n in index and cut.children[index[n]]}
+    return cut
+
+
+@dataclass
+class RoundDraft:
+    """A round's trees, and what verification needs of the drafting on the device."""
+
+    trees: list[DraftTree]
+    q_rows: torch.Tensor | None = None   # [R, Vd] float32: the drawing weights of T > 0 parents
+    q_totals: torch.Tensor | None = None  # [R] float64: each row's total (q = row / total)
+    # per tree, per node: the row of q_rows its children were drawn from (-1: none)
+    q_row_of: list[list[int]] = field(default_factory=list)
+    draft_ids: list[list[int]] = field(default_factory=list)  # per tree, per node: its draft index
+    # per tree, per draft node (node 1 first): its score (``treespark.spec.select``), known before its draw
+    scores: list[list[float]] = field(default_factory=list)
+    waves: int = 0
+
+    def trimmed(self, counts: list[int]) -> RoundDraft:
+        """Each tree cut to its ``counts[i]`` best nodes by (score desc, index): a
+        prefix-closed set (scores never rise to a child or a later sibling), so each
+        cut tree is a tree, verified exactly like a smaller budget's draft."""
+        out = RoundDraft(trees=[], q_rows=self.q_rows, q_totals=self.q_totals, waves=self.waves)
+        for i, (tree, c) in enumerate(zip(self.trees, counts, strict=True)):
+            sc = self.scores[i]
+            keep = best_nodes(sc, c)
+            cut = subtree(tree, keep)
+            out.trees.append(cut)
+            out.q_row_of.append([self.q_row_of[i][n] for n in keep])
+            out.draft_ids.append([self.draft_ids[i][n] for n in keep])
+            out.scores.append([sc[n - 1] for n in keep[1:]])
+        return out
+
+
+@dataclass(frozen=True)
+class RowDraft:
+    """What one running request brings to a round."""
+
+    root: int
+    budget: Budget
+    depth_limit: int
+    temperature: float             # the drafting temperature (``Calibration.draft_temperature``; 0: rank)
+    calibration: Calibration       # the map in force at the request's temperature
+    sampler: Sampler
+
+
+class WaveDrafter:
+    """Grows a batch's trees on the drafter's device (see the module docstring)."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, draft_to_target: torch.Tensor | None,
+                 transfers: HostTransfers) -> None:
+        self.w1, self.w2 = w1, w2
+        self.d2t = None if draft_to_target is None else draft_to_target.tolist()
+        self.vocab = w2.shape[0]
+        self.transfers = transfers
+
+    def draft(self, base: torch.Tensor | None, rows: list[RowDraft]) -> RoundDraft:
+        builders = [TreeBuilder(r.root, r.budget, r.depth_limit, self.d2t) for r in rows]
+        out = RoundDraft(trees=[])
+        q_row: dict[tuple[int, int], int] = {}
+        chunks: list[torch.Tensor] = []
+        total_chunks: list[torch.Tensor] = []
+        n_rows = 0
+        dev = self.w2.device
+        while base is not None:
+            opens = [(b, n) for b, bl in enumerate(builders) for n in bl.to_open()]
+            if not opens:
+                break
+            out.waves += 1
+            k = max(rows[b].budget.branch_cap for b, _ in opens)
+            sampled = [i for i, (b, _) in enumerate(opens) if rows[b].temperature > 0]
+            # each parent draws its own branch_cap uniforms (padding unused), so what a
+            # request draws never depends on who shares its batch
+            u = [rows[opens[i][0]].sampler.uniform(rows[opens[i][0]].budget.branch_cap) for i in sampled]
+            u = [x + [0.5] * (k - len(x)) for x in u]
+            host = torch.tensor([[b, builders[b].nodes[n].depth + 1, builders[b].token(n),
+                                  rows[b].temperature if rows[b].temperature > 0 else 1.0]
+                                 for b, n in opens], dtype=torch.float64)
+            dev_host = host.to(dev)
+            packed, q_rows, totals = score_parents(
+                base, self.w1, self.w2, dev_host[:, 0].long(), dev_host[:, 1].long(),
+                dev_host[:, 2].long(), dev_host[:, 3].float().clamp(min=1e-30),  # fp32 keeps it > 0
+                torch.tensor(sampled, dtype=torch.long, device=dev),
+                torch.tensor(u, dtype=torch.float64, device=dev).view(len(sampled), k))
+            if sampled:
+                chunks.append(q_rows)
+                total_chunks.append(totals)
+                for j, i in enumerate(sampled):
+                    q_row[opens[i]] = n_rows + j
+                n_rows += len(sampled)
+            values = self.transfers.fetch(packed).tolist()
+            m = (len(values[0]) - 2 * k) // 2
+            for (b, n), v in zip(opens, values, strict=True):
+                r = rows[b]
+                drawn = None
+                if r.temperature > 0:
+                    drawn = list(zip((int(x) for x in v[2 * m:2 * m + k]), v[2 * m + k:], strict=True))
+                slots = slot_values(v[:m], [int(x) for x in v[m:2 * m]], drawn, r.calibration,
+                                    r.budget.branch_cap, self.vocab)
+                builders[b].open(n, slots)
+        for b, bl in enumerate(builders):
+            tree, keep = bl.finish()
+            out.trees.append(tree)
+            out.q_row_of.append([q_row.get((b, c), -1) for c in keep])
+            out.draft_ids.append([bl.nodes[c].draft_id for c in keep])
+            out.scores.append([bl.nodes[c].score for c in keep[1:]])
+        if chunks:
+            out.q_rows, out.q_totals = torch.cat(chunks), torch.cat(total_chunks)
+        return out

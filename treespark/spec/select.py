@@ -1,0 +1,166 @@
+"""Which draft nodes a round verifies: the top of a monotone score, grown in depth waves.
+
+Terms. Opening a tree node ``n`` asks the drafter for its children: ``branch_cap``
+*slots*, in order (T = 0: the top-k of q(. | n); T > 0: draws without replacement
+from q). Slot ``j`` of ``n`` is a *candidate*; its *score* is
+
+    score(n, j) = min(score(n, j - 1), score(n), survival(n) * e(n, j))
+
+where ``e(n, j)`` is the slot's expected acceptance *before its own token is known*
+(T = 0: p_hat_j(q_j) of the j-th best token; T > 0: E[p_hat_j(q(x))] over x drawn
+from q without the tokens of slots 0..j-1). Taking the slot makes a node whose
+*survival* is survival(n) * p_hat_j(q(x_j)), the calibrated probability that it is
+accepted (TreeSpark; at T = 0 it equals the score).
+
+Scores never rise from a node to its children or from a slot to the next sibling,
+so the ``node_cap`` best candidates scoring at least ``theta`` (ties to the earlier
+candidate) form a tree: that tree is the round's draft, the same one sequential
+best-first expansion would stop at. It is found in *waves*: each wave opens, in one
+batched drafter call, every kept node whose children could still enter the top
+(``TreeBuilder.to_open``: lazily, never a node whose best child would lose), so a
+round costs one drafter call per depth level, and the host sees only ``branch_cap``
+(and ``TOP_M``) numbers per opened node, never a vocabulary-sized row.
+
+Lossless at T > 0: whether slot j is verified depends on the scores of candidates
+that rank above it, none of which depends on slot j's own draw (its descendants and
+later siblings score no higher and lose ties), so each sibling stays a fresh draw
+from its proposal, as recursive rejection sampling requires (``treespark.spec.verify``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from treespark.spec.budget import Budget
+from treespark.spec.calibration import Calibration
+from treespark.spec.tree import DraftTree
+
+TOP_M = 16  # the largest q values of each opened node that reach the host (T > 0 expectations)
+
+
+@dataclass(frozen=True)
+class Slots:
+    """The children a drafter offers one opened node, in verification order."""
+
+    ids: tuple[int, ...]        # draft-vocabulary indices
+    q: tuple[float, ...]        # each token's probability under the distribution it came from
+    expected: tuple[float, ...]  # e(n, j): the slot's acceptance expected before its draw
+    realized: tuple[float, ...]  # p_hat_j(q_j): the acceptance once the token is known
+
+
+def slot_values(top_q: list[float], top_ids: list[int], drawn: list[tuple[int, float]] | None,
+                cal: Calibration, k: int, vocab: int) -> Slots:
+    """The slots of one opened node from what reaches the host.
+
+    top_q / top_ids: the node's ``TOP_M`` largest probabilities (descending) and their
+    indices; drawn: T > 0, the (index, q) of its ``k`` draws without replacement, in draw
+    order (None at T = 0, where the slots are the top-k). ``cal`` is the map in force
+    (``Calibration.at(T)``); e(n, j) at T > 0 sums exactly over the top and estimates
+    the tail, which holds the rest of the mass spread evenly (any estimate is lossless:
+    it only ranks slots before their draws)."""
+    if drawn is None:
+        pairs = [(i, q) for i, q in zip(top_ids[:k], top_q[:k], strict=True) if q > 0]
+        realized = [cal.p_hat_scalar(q, j) for j, (_, q) in enumerate(pairs)]
+        return Slots(tuple(i for i, _ in pairs), tuple(q for _, q in pairs), tuple(realized), tuple(realized))
+    tail = max(1.0 - sum(top_q), 0.0)
+    tail_q = tail / max(vocab - len(top_q), 1)
+    ids, qs, expected, realized = [], [], [], []
+    mass = 0.0
+    for j, (i, q) in enumerate(drawn[:k]):
+        if q <= 0 or i in ids or mass >= 1.0 - 1e-12:
+            break  # beyond the support (or a rounding repeat): no more distinct tokens
+        total = sum(t * cal.p_hat_scalar(t, j) for t in top_q) + tail * cal.p_hat_scalar(tail_q, j)
+        taken = sum(qp * cal.p_hat_scalar(qp, j) for qp in qs)
+        expected.append(min(max(total - taken, 0.0) / (1.0 - mass), 1.0))
+        realized.append(cal.p_hat_scalar(q, j))
+        ids.append(i)
+        qs.append(q)
+        mass += q
+    return Slots(tuple(ids), tuple(qs), tuple(expected), tuple(realized))
+
+
+@dataclass
+class _Node:
+    """A candidate: a slot of an opened node (the root is candidate 0)."""
+
+    parent: int
+    draft_id: int
+    q: float
+    score: float
+    survival: float
+    depth: int
+    opened: bool = False
+
+
+@dataclass
+class TreeBuilder:
+    """One request's draft for one round: candidates, the kept top, what to open next.
+
+    ``depth_limit``: the deepest node a round may hold (the drafter's block, and the
+    tokens the request may still emit)."""
+
+    root_token: int
+    budget: Budget
+    depth_limit: int
+    draft_to_target: list[int] | None = None  # draft index -> token id (None: identity)
+    nodes: list[_Node] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.nodes = [_Node(parent=-1, draft_id=-1, q=1.0, score=1.0, survival=1.0, depth=0)]
+
+    @property
+    def speculates(self) -> bool:
+        return not self.budget.is_off and self.depth_limit > 0
+
+    def kept(self) -> list[int]:
+        """The kept candidates, best first: the root, then the ``node_cap`` best scoring
+        >= theta (ties to the earlier candidate)."""
+        cands = [i for i in range(1, len(self.nodes)) if self.nodes[i].score >= self.budget.theta]
+        cands.sort(key=lambda i: (-self.nodes[i].score, i))
+        return [0, *cands[: self.budget.node_cap]]
+
+    def to_open(self) -> list[int]:
+        """Kept nodes, not yet opened, one of whose children could still be kept."""
+        if not self.speculates:
+            return []
+        kept = self.kept()
+        full = len(kept) - 1 >= self.budget.node_cap
+        floor = self.nodes[kept[-1]].score if full else -math.inf
+        return [i for i in kept if not self.nodes[i].opened and self.nodes[i].depth < self.depth_limit
+                and self._child_bound(i) >= self.budget.theta
+                and (self._child_bound(i) > floor if full else True)]
+
+    def _child_bound(self, node: int) -> float:
+        """No child of ``node`` can score above this."""
+        n = self.nodes[node]
+        return min(n.score, n.survival)
+
+    def token(self, node: int) -> int:
+        """The token id a candidate holds (the root's for node 0)."""
+        if node == 0:
+            return self.root_token
+        d = self.nodes[node].draft_id
+        return d if self.draft_to_target is None else self.draft_to_target[d]
+
+    def open(self, node: int, slots: Slots) -> None:
+        """Add the children ``slots`` offers under ``node`` as candidates."""
+        n = self.nodes[node]
+        assert not n.opened, "a node is opened once"
+        n.opened = True
+        prev = self._child_bound(node)
+        for i, q, e, r in zip(slots.ids, slots.q, slots.expected, slots.realized, strict=True):
+            score = min(prev, n.survival * e)
+            self.nodes.append(_Node(parent=node, draft_id=i, q=q, score=score,
+                                    survival=n.survival * r, depth=n.depth + 1))
+            prev = score
+
+    def finish(self) -> tuple[DraftTree, list[int]]:
+        """The round's tree, and for each of its nodes the candidate it came from."""
+        keep = sorted(self.kept())      # creation order: parents before children, siblings in rank order
+        tree = DraftTree.root_only(self.root_token)
+        index = {0: 0}
+        for c in keep[1:]:
+            n = self.nodes[c]
+            index[c] = tree.add(index[n.parent], self.token(c), q=n.q, survival=n.survival)
+        return tree, keep
