@@ -8,8 +8,9 @@ import time
 
 import pytest
 import torch
-from tests.test_engine import prompts, run
-from tests.test_exact import (
+
+from tests.engine.test_engine import prompts, run
+from tests.spec.test_exact import (
     CAL,
     Branch,
     ReplaySampler,
@@ -18,8 +19,8 @@ from tests.test_exact import (
     target_joint,
     tv,
 )
-
-from treespark import Budget, step_alloc
+from treespark import Budget
+from treespark.engine import step_alloc
 from treespark.engine.core import Engine, EngineConfig
 from treespark.engine.step_alloc import StepAllocator
 from treespark.pricing.allocate import DraftPlan, StepCosts, allocate, best_prefix

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from treespark import random_pair, trainset
+from treespark import random_pair
+from treespark.training import trainset
 from treespark.training.datagen.shards import KIND_DOC, KIND_SELF, Sample, shard_path, write_shard
 from treespark.training.trainset import answer_features, leaked_prompts
 
