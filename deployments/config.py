@@ -52,7 +52,7 @@ class PolicyArgs(_Strict):
     """``perstep``: every engine allocates every step's draft nodes on its own step-cost
     table, measured at startup in at most ``profile_s`` seconds (or read from the cache
     when ``cost_cache``) and, with ``online_costs``, corrected from the steps it measures
-    in service (``treespark.pricing.costfit``), under a floor price the controller raises when the cluster
+    in service (``treespark.pricing.costfit``), under a price theta the controller raises when the cluster
     queues (``treespark.pricing.policy.PerStepPolicy``); ``max_nodes`` / ``max_branch``
     bound what is drafted. ``ladder``: ``budgets[i]`` while load per replica <= ``thresholds[i]``, the last
     budget beyond; ``fixed``: always ``budget`` (baselines); ``costmodel``: theta priced
@@ -74,7 +74,7 @@ class PolicyArgs(_Strict):
     min_gain: float = Field(1.0, ge=0)
     draft_node_s: float = Field(0.0, ge=0)  # drafting s/node until learned online
     trend_weight: float = Field(1.0, ge=0)   # perstep: pressure per request/s of queue growth
-    max_floor: float = Field(0.95, ge=0, le=1)
+    max_theta: float = Field(0.95, ge=0, le=1)
     profile_s: float = Field(20.0, gt=0)     # perstep: the startup measurement's time budget
     cost_cache: bool = True                  # perstep: reuse a table cached for this hardware + model
     online_costs: bool = False               # perstep: correct the table from the steps measured in service
@@ -107,7 +107,7 @@ class PolicyArgs(_Strict):
         if self.kind == "perstep":
             return PerStepPolicy(max_nodes=self.max_nodes, max_branch=self.max_branch, max_batch=max_batch,
                                  queue_weight=self.queue_weight, trend_weight=self.trend_weight,
-                                 max_floor=self.max_floor)
+                                 max_theta=self.max_theta)
         if self.kind == "fixed":
             if self.budget is None:
                 raise ValueError("policy kind 'fixed' needs 'budget'")

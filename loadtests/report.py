@@ -223,7 +223,7 @@ def _tie_line(subject: str, others: list[str], users: list[int], grid: dict, run
 
 def compare_detail(csv_path: Path) -> str:
     """Per users and policy, the median run's speculation and latency next to its goodput:
-    what each policy ran (tree size, the floor theta), the queue (mean requests waiting
+    what each policy ran (tree size, theta), the queue (mean requests waiting
     beyond the batches, and the most on one replica at any poll) and the latencies."""
     policies, users, grid = _compare_grid(read_rows(csv_path))
     head = ["users", "policy", "goodput tok/s (runs)", "tree", "theta", "queued (max on a replica)",

@@ -25,7 +25,7 @@ modelled), with its accepted length drawn from the traces of that size.
     python -m loadtests.simulate run --cost docs/load/costmodel-illustrative-gpu.json --max-batch 64 \\
         --rates 1 4 16 64 --out docs/load/simulation-gpu-shaped.md
 
-``perstep`` is the per-step policy (``PerStepSim``): the controller's floor, then each
+``perstep`` is the per-step policy (``PerStepSim``): the controller's theta, then each
 step's plan on the cost table, as the engines run it.
 """
 
@@ -53,42 +53,42 @@ from treespark.pricing.policy import (
 )
 from treespark.spec.budget import Budget
 
-FLOOR_FROM = ("cluster", "local", "max")
+THETA_FROM = ("cluster", "local", "max")
 
 
 @dataclass
 class PerStepSim:
-    """The per-step policy in the simulator: the floor from ``PerStepPolicy`` (what the
+    """The per-step policy in the simulator: the theta from ``PerStepPolicy`` (what the
     controller sets), then each step the engine's plan (``plan_drafting``) over rows whose
     n-th best node scores ``A(n) - A(n - 1)`` (the acceptance profile's marginal, learned
     from the simulated rounds like the cost-model policy's), on ``costs``."""
 
     costs: StepCosts
     prior: AcceptanceProfile
-    floor_policy: PerStepPolicy
+    theta_policy: PerStepPolicy
     prior_weight: float = 200.0
-    floor_from: str = "cluster"   # "cluster": the controller's; "local": the replica's own queue; "max": both
+    theta_from: str = "cluster"   # "cluster": the controller's; "local": the replica's own queue; "max": both
 
     def __post_init__(self) -> None:
-        if self.floor_from not in FLOOR_FROM:
-            raise ValueError(f"floor_from must be one of {FLOOR_FROM}, got {self.floor_from!r}")
+        if self.theta_from not in THETA_FROM:
+            raise ValueError(f"theta_from must be one of {THETA_FROM}, got {self.theta_from!r}")
 
     def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:
-        return self.floor_policy.budget_for(load, replica_id)
+        return self.theta_policy.budget_for(load, replica_id)
 
-    def floor(self, load: LoadSnapshot, local: LoadSnapshot) -> float:
-        """The step's floor price from the cluster's load, the replica's own, or the higher."""
-        cluster = self.floor_policy.floor(load) if self.floor_from != "local" else 0.0
-        own = self.floor_policy.floor(local) if self.floor_from != "cluster" else 0.0
+    def theta(self, load: LoadSnapshot, local: LoadSnapshot) -> float:
+        """The step's price theta from the cluster's load, the replica's own, or the higher."""
+        cluster = self.theta_policy.theta(load) if self.theta_from != "local" else 0.0
+        own = self.theta_policy.theta(local) if self.theta_from != "cluster" else 0.0
         return max(cluster, own)
 
-    def step_budget(self, load: LoadSnapshot, rows: int, floor: float) -> Budget:
-        """The step's drafting budget under ``floor`` (``floor(load, local)``)."""
+    def step_budget(self, load: LoadSnapshot, rows: int, theta: float) -> Budget:
+        """The step's drafting budget under ``theta`` (``theta(load, local)``)."""
         a = AcceptanceProfile.blend(self.prior, load.acceptance, self.prior_weight)
-        n = min(self.floor_policy.max_nodes, a.max_nodes)
+        n = min(self.theta_policy.max_nodes, a.max_nodes)
         marg = [max(a(i) - a(i - 1), 0.0) for i in range(1, n + 1)]
-        plan = plan_drafting([marg] * max(rows, 1), self.costs, floor=floor)
-        return Budget(floor, plan.pad, self.floor_policy.max_branch) if plan.pad else Budget.off()
+        plan = plan_drafting([marg] * max(rows, 1), self.costs, theta=theta)
+        return Budget(theta, plan.pad, self.theta_policy.max_branch) if plan.pad else Budget.off()
 
 
 # -- the simulation -------------------------------------------------------------------------
@@ -135,7 +135,7 @@ class SimResult:
     mean_batch: float
     tokens_per_round: float
     mean_queued: tuple[float, ...] = ()   # per replica, over its steps: requests waiting beyond its batch
-    mean_floor: float = 0.0               # per-step policies: the floor price, over all steps
+    mean_theta: float = 0.0               # per-step policies: the price theta, over all steps
 
 
 def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConfig) -> SimResult:
@@ -155,7 +155,7 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
 
     push(arrivals.expovariate(cfg.rate), "arrive", -1)
     tokens = arrived = 0
-    lat, ttft, trees, batches, emitted_rounds, floors = [], [], [], [], [], []
+    lat, ttft, trees, batches, emitted_rounds, thetas = [], [], [], [], [], []
     queued: list[list[int]] = [[] for _ in reps]
     slow = [cfg.slowdown[j] if j < len(cfg.slowdown) else 1.0 for j in range(len(reps))]
     while events:
@@ -180,10 +180,10 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
                             queued=sum(len(x.queue) for x in reps),
                             acceptance=window.stats() if learn else None, draft_node_s=cfg.draft_node_s)
         if isinstance(policy, PerStepSim):
-            floor = policy.floor(load, LoadSnapshot(replicas=1, active=len(r.running), queued=len(r.queue)))
-            budget = policy.step_budget(load, len(r.running), floor)
+            theta = policy.theta(load, LoadSnapshot(replicas=1, active=len(r.running), queued=len(r.queue)))
+            budget = policy.step_budget(load, len(r.running), theta)
             if now >= cfg.warmup_s:
-                floors.append(floor)
+                thetas.append(theta)
         else:
             budget = policy.budget_for(load, r.rid)
         n = 0 if budget.is_off else budget.node_cap
@@ -235,14 +235,14 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
                      sum(trees) / len(trees) if trees else 0.0, sum(batches) / len(batches) if batches else 0.0,
                      sum(emitted_rounds) / len(emitted_rounds) if emitted_rounds else 0.0,
                      tuple(sum(q) / len(q) if q else 0.0 for q in queued),
-                     sum(floors) / len(floors) if floors else 0.0)
+                     sum(thetas) / len(thetas) if thetas else 0.0)
 
 
 def per_step_sim(cost: CostModel, max_batch: int, prior: AcceptanceProfile, draft_node_s: float = 0.0,
-                 floor_from: str = "cluster") -> PerStepSim:
-    """The per-step policy as the replicas run it (32 nodes, 4 wide), its floor from ``floor_from``."""
+                 theta_from: str = "cluster") -> PerStepSim:
+    """The per-step policy as the replicas run it (32 nodes, 4 wide), its theta from ``theta_from``."""
     return PerStepSim(StepCosts(cost, max_nodes=32, draft_node_s=draft_node_s), prior,
-                      PerStepPolicy(max_nodes=32, max_branch=4, max_batch=max_batch), floor_from=floor_from)
+                      PerStepPolicy(max_nodes=32, max_branch=4, max_batch=max_batch), theta_from=theta_from)
 
 
 def baseline_policies(cost: CostModel, max_batch: int, prior: AcceptanceProfile,
@@ -256,21 +256,21 @@ def baseline_policies(cost: CostModel, max_batch: int, prior: AcceptanceProfile,
     }
 
 
-def floor_policies(cost: CostModel, max_batch: int, prior: AcceptanceProfile,
+def theta_policies(cost: CostModel, max_batch: int, prior: AcceptanceProfile,
                    draft_node_s: float = 0.0) -> dict[str, BudgetPolicy]:
-    """The per-step policy with its floor from the cluster's load (the controller's), from
+    """The per-step policy with its theta from the cluster's load (the controller's), from
     each replica's own (local only), and the higher of the two; and plain decoding."""
     pols: dict[str, BudgetPolicy] = {f"perstep-{src}": per_step_sim(cost, max_batch, prior, draft_node_s, src)
-                                     for src in FLOOR_FROM}
+                                     for src in THETA_FROM}
     return {**pols, "off": FixedPolicy(Budget.off())}
 
 
 def sweep(cost: CostModel, traces: Traces, replicas: list[int], rates: list[float], base: SimConfig,
           prior: AcceptanceProfile, log=print, policies=baseline_policies) -> list[dict]:
     """Every (replicas, rate) cell of ``base`` under each of ``policies(cost, max_batch,
-    prior, draft_node_s)``. With ``base.slowdown`` and ``floor_policies``: replicas of
+    prior, draft_node_s)``. With ``base.slowdown`` and ``theta_policies``: replicas of
     unequal speed, where a slow one queues while the others do not, and what each source
-    of the floor makes of that."""
+    of the theta makes of that."""
     rows = []
     for nrep in replicas:
         for rate in rates:
@@ -281,19 +281,19 @@ def sweep(cost: CostModel, traces: Traces, replicas: list[int], rates: list[floa
                 log(f"replicas={nrep} rate={rate:g}/s {name:>16}: {res.goodput_tok_s:7.1f} tok/s "
                     f"p50 {res.p50_latency_s:6.2f} s p99 {res.p99_latency_s:6.2f} s tree {res.mean_tree_size:5.1f} "
                     f"batch {res.mean_batch:4.1f} waiting {[round(q, 1) for q in res.mean_queued]} "
-                    f"floor {res.mean_floor:.2f}")
+                    f"theta {res.mean_theta:.2f}")
     return rows
 
 
 def imbalance_table(rows: list[dict]) -> str:
     head = ["rate req/s", "policy", "goodput tok/s", "p50 s", "p99 s", "waiting per replica (mean)",
-            "floor (mean)", "tree (mean)"]
+            "theta (mean)", "tree (mean)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             f"{r['rate']:g}", r["policy"], f"{r['goodput_tok_s']:.1f}", f"{r['p50_latency_s']:.2f}",
             f"{r['p99_latency_s']:.2f}", " / ".join(f"{q:.1f}" for q in r["mean_queued"]),
-            f"{r['mean_floor']:.2f}", f"{r['mean_tree_size']:.1f}"]) + " |")
+            f"{r['mean_theta']:.2f}", f"{r['mean_tree_size']:.1f}"]) + " |")
     return "\n".join(lines)
 
 
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="least: to the replica with the fewest requests; round-robin: in turn")
     s.add_argument("--slowdown", type=float, nargs="+",
                    help="one factor per replica (their count): replica i's steps take that many times the cost "
-                        "model; runs the per-step floor from the cluster, local and max, and off, at --rates")
+                        "model; runs the per-step theta from the cluster, local and max, and off, at --rates")
     args = p.parse_args(argv)
     if args.cmd == "record":
         from treespark.models.pair import pair_by_name
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.slowdown:
         base = SimConfig(**{**base.__dict__, "slowdown": tuple(args.slowdown)})
         rows = sweep(cost, traces, [len(args.slowdown)], args.rates, base, prior,
-                     log=lambda m: print(m, file=sys.stderr), policies=floor_policies)
+                     log=lambda m: print(m, file=sys.stderr), policies=theta_policies)
         table = imbalance_table(rows)
     else:
         rows = sweep(cost, traces, args.replicas, args.rates, base, prior, log=lambda m: print(m, file=sys.stderr))

@@ -154,7 +154,7 @@ def test_sampled_rows_stay_seeded_and_complete(mimic16):
 def test_policy_time_counts_the_allocations_work_not_time_the_thread_waits(monkeypatch):
     """policy_s is CPU time: a call that waits (here a sleep standing in for the OS
     running another process) is charged its work only, not the wait."""
-    def slow_plan(forecasts, costs, *, floor=0.0):
+    def slow_plan(forecasts, costs, *, theta=0.0):
         time.sleep(0.05)
         return DraftPlan(2, 0.5, 1.0, 0.5)
 

@@ -69,14 +69,14 @@ def test_the_floor_comes_from_the_cluster_the_replica_or_the_higher():
     from treespark.pricing.policy import LoadSnapshot, PerStepPolicy
 
     def sim(src):
-        return PerStepSim(StepCosts(COST), PRIOR, PerStepPolicy(max_batch=16), floor_from=src)
+        return PerStepSim(StepCosts(COST), PRIOR, PerStepPolicy(max_batch=16), theta_from=src)
 
     # 8 waiting on this replica, none on the other: the cluster's average hides it
     cluster, own = LoadSnapshot(replicas=2, active=24, queued=8), LoadSnapshot(replicas=1, active=16, queued=8)
-    assert sim("cluster").floor(cluster, own) == 0.0
-    assert sim("local").floor(cluster, own) == pytest.approx(1 / 3)   # p = 8 / 16, floor p / (1 + p)
-    assert sim("max").floor(cluster, own) == sim("local").floor(cluster, own)
-    with pytest.raises(ValueError, match="floor_from"):
+    assert sim("cluster").theta(cluster, own) == 0.0
+    assert sim("local").theta(cluster, own) == pytest.approx(1 / 3)   # p = 8 / 16, theta p / (1 + p)
+    assert sim("max").theta(cluster, own) == sim("local").theta(cluster, own)
+    with pytest.raises(ValueError, match="theta_from"):
         sim("mean")
 
 

@@ -66,16 +66,16 @@ def test_the_floor_price_bounds_every_taken_node():
     scores = [tree_scores(rng, 16) for _ in range(4)]
     free = allocate(scores, costs)
     assert free.counts == tuple(len(s) for s in scores)              # everything pays
-    floored = allocate(scores, costs, floor=0.3)
-    for s, c in zip(scores, floored.counts, strict=True):
+    priced = allocate(scores, costs, theta=0.3)
+    for s, c in zip(scores, priced.counts, strict=True):
         assert c == sum(x >= 0.3 for x in s)
-    assert allocate(scores, costs, floor=1.0).nodes == 0
+    assert allocate(scores, costs, theta=1.0).nodes == 0
 
 
 def test_expensive_verification_means_plain_decoding():
     scores = [[0.5, 0.25], [0.4]]
     a = allocate(scores, StepCosts(CostModel.affine(0.01, 1.0), max_nodes=4))
-    assert a.counts == (0, 0) and math.isinf(a.price) and a.goodput == pytest.approx(a.plain_goodput)
+    assert a.counts == (0, 0) and math.isinf(a.theta) and a.goodput == pytest.approx(a.plain_goodput)
 
 
 def test_a_sampled_row_is_cut_by_a_price_its_own_draws_cannot_move():
@@ -85,18 +85,18 @@ def test_a_sampled_row_is_cut_by_a_price_its_own_draws_cannot_move():
     costs = StepCosts(CPU, max_nodes=16)
     others = [tree_scores(rng, 12) for _ in range(3)]
     proxy = tree_scores(rng, 12)
-    prices, pads = set(), set()
+    thetas, pads = set(), set()
     for _ in range(20):
         mine = tree_scores(rng, int(rng.integers(0, 16)))
         a = allocate([mine, *others], costs, draft_s=0.01, sampled=[True, False, False, False],
                      proxies=[proxy, None, None, None])
-        prices.add(a.price)
-        assert a.counts[0] == min(sum(x >= a.price for x in mine), max(a.counts[1:] + (a.counts[0],)))
+        thetas.add(a.theta)
+        assert a.counts[0] == min(sum(x >= a.theta for x in mine), max(a.counts[1:] + (a.counts[0],)))
         pads.add(a.counts[1:])
-    assert len(prices) == 1 and len(pads) == 1
+    assert len(thetas) == 1 and len(pads) == 1
     # without a proxy the row does not enter the argmax; with no candidates anywhere to
-    # price against, the drafting budget (the floor) decides
-    alone = allocate([[0.9, 0.5, 0.1]], costs, sampled=[True], proxies=[None], floor=0.2)
+    # price against, the drafting budget (its theta) decides
+    alone = allocate([[0.9, 0.5, 0.1]], costs, sampled=[True], proxies=[None], theta=0.2)
     assert alone.counts == (2,)
 
 

@@ -1,4 +1,4 @@
-"""The controller as the cluster's price-setter (per-step policy): the floor price from
+"""The controller as the cluster's price-setter (per-step policy): the price theta from
 queueing, its reply, the pooled refit's guards, the default configs. No torch, no Ray."""
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ def test_no_queue_no_floor_and_the_floor_rises_with_the_queue():
     p = PerStepPolicy(max_nodes=32, max_branch=4, max_batch=8)
     idle = p.budget_for(LoadSnapshot(2, 6, 0))
     assert idle == Budget(0.0, 32, 4)                          # the engines' allocation alone decides
-    assert p.floor(LoadSnapshot(2, 16, 0)) == 0.0              # full batches, nobody waiting beyond
-    floors = [p.floor(LoadSnapshot(2, 16, q)) for q in (2, 8, 16, 64)]
-    assert 0 < floors[0] < floors[1] < floors[2] < floors[3] <= p.max_floor
-    assert p.floor(LoadSnapshot(2, 16, 2, queue_growth=4.0)) > floors[0]   # a growing queue: dearer still
-    assert p.floor(LoadSnapshot(2, 6, 2, queue_growth=4.0)) == 0.0        # arrivals that fit the batches: free
-    assert p.floor(LoadSnapshot(1, 8, 10_000)) == p.max_floor
+    assert p.theta(LoadSnapshot(2, 16, 0)) == 0.0              # full batches, nobody waiting beyond
+    thetas = [p.theta(LoadSnapshot(2, 16, q)) for q in (2, 8, 16, 64)]
+    assert 0 < thetas[0] < thetas[1] < thetas[2] < thetas[3] <= p.max_theta
+    assert p.theta(LoadSnapshot(2, 16, 2, queue_growth=4.0)) > thetas[0]   # a growing queue: dearer still
+    assert p.theta(LoadSnapshot(2, 6, 2, queue_growth=4.0)) == 0.0        # arrivals that fit the batches: free
+    assert p.theta(LoadSnapshot(1, 8, 10_000)) == p.max_theta
 
 
 def test_queue_growth_is_the_recent_slope():

@@ -13,7 +13,7 @@ from treespark.spec.budget import Budget
 
 
 def served_budget() -> Budget:
-    """The served default's drafting budget with no queue: ``PerStepPolicy``'s at floor 0,
+    """The served default's drafting budget with no queue: ``PerStepPolicy``'s at theta 0,
     which the per-step allocation then cuts every step."""
     return PerStepPolicy().budget_for(LoadSnapshot(replicas=1, active=0, queued=0))
 

@@ -66,7 +66,7 @@ def _one_at_a_time(pair: ModelPair, prompts, budget: Budget, max_tokens: int,
     runs = [run_engine(pair, [p], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature, seed=i,
                        allocator=allocator)
             for i, p in enumerate(prompts)]
-    return RunResult(sum(r.tokens for r in runs), sum(r.wall_s for r in runs), sum(r.steps for r in runs),
+    return RunResult(tuple(ids for r in runs for ids in r.token_ids), sum(r.wall_s for r in runs), sum(r.steps for r in runs),
                      sum(r.rounds for r in runs), sum(r.accepted for r in runs), sum(r.drafted for r in runs),
                      tuple(s for r in runs for s in r.step_stats))
 

@@ -24,7 +24,7 @@ meanwhile, and on a shared host one preemption inside a sub-millisecond call is 
 times the call itself.
 
 Rows with a budget of their own (``Engine.add_request(budget=...)``) are left alone.
-The engine's budget is the drafting budget: its theta the floor price (the controller's),
+The engine's budget is the drafting budget: its theta the controller's price,
 its node_cap and branch_cap the most that may be drafted. Nothing a step draws moves
 what that step drafts or how a T > 0 row is cut (both come from history), so the
 draft stays lossless.
@@ -85,7 +85,7 @@ class StepAllocator:
         self._observe_s = time.thread_time() - t0     # counted in the next step's policy_s
 
     def drafting(self, ids: Sequence[str], budgets: Sequence[Budget], follows: Sequence[bool],
-                 floor: float) -> list[Budget]:
+                 theta: float) -> list[Budget]:
         """Each row's drafting budget for this step: ``budgets[i]`` with its node_cap cut to
         twice the planned pad (room to grow), or plain decoding where nothing pays."""
         t0 = time.thread_time()
@@ -94,7 +94,7 @@ class StepAllocator:
         if self._profile is None:
             self.plan, self.policy_s = None, time.thread_time() - t0 + observed
             return list(budgets)
-        self.plan = plan_drafting([self._profile] * len(ids), self.costs, floor=floor)
+        self.plan = plan_drafting([self._profile] * len(ids), self.costs, theta=theta)
         cap = 2 * self.plan.pad
         self._plain_steps = self._plain_steps + 1 if cap == 0 else 0
         if cap == 0 and self._plain_steps % self.probe_every == 0:
@@ -105,9 +105,9 @@ class StepAllocator:
         return out
 
     def cut(self, ids: Sequence[str], temperatures: Sequence[float], follows: Sequence[bool],
-            drafted: RoundDraft, floor: float) -> RoundDraft:
+            drafted: RoundDraft, theta: float) -> RoundDraft:
         """``drafted`` cut for this step. ids / temperatures: the rows' requests;
-        follows[i]: row i runs under the engine's budget; floor: the price no verified
+        follows[i]: row i runs under the engine's budget; theta: the price no verified
         node may score below. The drafting already spent is priced from ``costs``, not
         this step's clock: without a ``fit``, a seeded batch replays the same cuts."""
         t0 = time.thread_time()
@@ -115,7 +115,7 @@ class StepAllocator:
         c = self.costs
         self._drafted_nodes = sum(len(s) for s in drafted.scores)
         draft_s = c.drafting_s(len(ids), self._drafted_nodes)
-        alloc = allocate(drafted.scores, c, draft_s=draft_s, floor=floor, sampled=sampled,
+        alloc = allocate(drafted.scores, c, draft_s=draft_s, theta=theta, sampled=sampled,
                          proxies=[self._history.get(i) for i in ids])
         history = {i: s for i, s in zip(ids, drafted.scores, strict=True) if s}
         self._history = {i: history.get(i, self._history.get(i)) for i in ids

@@ -24,9 +24,9 @@ own draw, and the scores of ``j``'s descendants and later siblings depend on tha
 So the argmax over ``B`` is exact only for T = 0 rows (any prefix-closed set verifies
 exactly there). A T > 0 row enters the argmax through a *proxy* that its current draws
 cannot move (its candidates' scores of the step before: history), and keeps its own
-candidates scoring at least the *price* ``lambda``: the lowest score the argmax takes.
-That is drafting under theta = max(theta, lambda), the rule ``treespark.spec.select`` proves
-lossless, with a lambda fixed before this row's draws.
+candidates scoring at least the *step's theta*: the lowest score the argmax takes, and
+never below the controller's theta. That is drafting under a price theta, the rule
+``treespark.spec.select`` proves lossless, with a theta fixed before this row's draws.
 
 numpy only: the allocation is tested, and benchmarked, without a model.
 """
@@ -78,11 +78,12 @@ class StepCosts:
 @dataclass(frozen=True)
 class Allocation:
     """What one step verifies: ``counts[r]`` draft nodes of row ``r`` (its top ones by
-    score), the price that cut them, and the expected goodput (tokens/s) of that choice
+    score), the price theta that cut them, and the expected goodput (tokens/s) of that choice
     and of plain decoding."""
 
     counts: tuple[int, ...]
-    price: float              # lambda: the lowest score taken (inf: plain decoding is best)
+    theta: float              # the step's price: the lowest score taken, at least the controller's theta
+                              # (inf: plain decoding is best)
     goodput: float
     plain_goodput: float
 
@@ -105,7 +106,7 @@ class _Best:
     plain: float
 
 
-def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, floor: float,
+def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, theta: float,
           ahead: bool = False) -> _Best:
     """The argmax over (kappa, B): the top B candidates with at most kappa per row. For a
     pad kappa and a node count the cost is fixed and the top scores are best, so this is
@@ -121,7 +122,7 @@ def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, f
     s = np.concatenate([np.asarray(x, dtype=np.float64)[:n] for x, n in zip(scores, lens, strict=True)])
     rows = np.repeat(np.arange(bs), lens)
     idx = np.concatenate([np.arange(n) for n in lens])
-    ok = s >= max(floor, 1e-12)
+    ok = s >= max(theta, 1e-12)
     s, rows, idx = s[ok], rows[ok], idx[ok]
     order = np.lexsort((idx, rows, -s))
     s, rows = s[order], rows[order]
@@ -145,35 +146,35 @@ def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, f
 
 
 def allocate(scores: Sequence[Sequence[float]], costs: StepCosts, *, draft_s: float = 0.0,
-             floor: float = 0.0, sampled: Sequence[bool] | None = None,
+             theta: float = 0.0, sampled: Sequence[bool] | None = None,
              proxies: Sequence[Sequence[float] | None] | None = None) -> Allocation:
     """The nodes one step verifies (see the module docstring).
 
     scores[r]: row ``r``'s candidate scores in node order (node 1 first; the root is not a
     candidate), each tree's order prefix-closed under (score desc, index); draft_s: the
-    step's drafting and host seconds; floor: the controller's price (no node scoring below
+    step's drafting and host seconds; theta: the controller's price (no node scoring below
     it is taken); sampled[r]: the row draws at T > 0, so it is priced through ``proxies[r]``
     (None: it does not enter the argmax) and cut at the price and the pad."""
     bs = len(scores)
     sampled = [False] * bs if sampled is None else list(sampled)
     proxies = [None] * bs if proxies is None else list(proxies)
     view = [(() if p is None else p) if smp else s for s, smp, p in zip(scores, sampled, proxies, strict=True)]
-    best = _best(view, costs, draft_s, floor)
+    best = _best(view, costs, draft_s, theta)
     if len(best.scores) == 0:
-        price, pad = floor, costs.max_nodes   # nothing to price against: the drafting budget decides
+        step_theta, pad = theta, costs.max_nodes   # nothing to price against: the drafting budget decides
     elif best.take == 0:
-        price, pad = math.inf, 0              # plain decoding is best
+        step_theta, pad = math.inf, 0              # plain decoding is best
     else:
-        price, pad = max(float(best.scores[:best.take].min()), floor), best.pad
+        step_theta, pad = max(float(best.scores[:best.take].min()), theta), best.pad
     argmax = np.minimum(np.bincount(best.rows[:best.take], minlength=bs), best.pad)
     counts = []
     for i, (s, smp) in enumerate(zip(scores, sampled, strict=True)):
         if smp:
             a = np.asarray(s, dtype=np.float64)[:costs.max_nodes]
-            counts.append(min(int(np.count_nonzero(a >= max(price, 1e-12))), pad))
+            counts.append(min(int(np.count_nonzero(a >= max(step_theta, 1e-12))), pad))
         else:
             counts.append(int(argmax[i]))
-    return Allocation(tuple(counts), price, step_goodput(scores, counts, costs, draft_s), best.plain)
+    return Allocation(tuple(counts), step_theta, step_goodput(scores, counts, costs, draft_s), best.plain)
 
 
 @dataclass(frozen=True)
@@ -182,19 +183,19 @@ class DraftPlan:
     decoding, no drafter call), forecast from the rows' last candidates."""
 
     pad: int
-    price: float
+    theta: float              # the price of the plan, as Allocation.theta
     goodput: float
     plain_goodput: float
 
 
-def plan_drafting(forecasts: Sequence[Sequence[float]], costs: StepCosts, *, floor: float = 0.0) -> DraftPlan:
+def plan_drafting(forecasts: Sequence[Sequence[float]], costs: StepCosts, *, theta: float = 0.0) -> DraftPlan:
     """The best (kappa, B) over ``forecasts`` (each row's candidate scores of its last
     drafted step: history, so nothing the next step draws moves it) with the drafting
     costs counted: the pad worth drafting for the next step."""
-    best = _best(forecasts, costs, 0.0, floor, ahead=True)
+    best = _best(forecasts, costs, 0.0, theta, ahead=True)
     if best.take == 0:
         return DraftPlan(0, math.inf, best.plain, best.plain)
-    return DraftPlan(best.pad, max(float(best.scores[:best.take].min()), floor), best.goodput, best.plain)
+    return DraftPlan(best.pad, max(float(best.scores[:best.take].min()), theta), best.goodput, best.plain)
 
 
 def step_goodput(scores: Sequence[Sequence[float]], counts: Sequence[int], costs: StepCosts,
@@ -208,7 +209,7 @@ def step_goodput(scores: Sequence[Sequence[float]], counts: Sequence[int], costs
 
 
 def best_prefix(scores: Sequence[Sequence[float]], costs: StepCosts, *, draft_s: float = 0.0,
-                floor: float = 0.0) -> Allocation:
+                theta: float = 0.0) -> Allocation:
     """The unconstrained argmax over B (the first best), every row's own candidates seen:
     exact at T = 0, the bound ``allocate`` is compared with for T > 0 rows."""
-    return allocate(scores, costs, draft_s=draft_s, floor=floor)
+    return allocate(scores, costs, draft_s=draft_s, theta=theta)

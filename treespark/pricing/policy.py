@@ -202,17 +202,17 @@ class CostModelPolicy:
 @dataclass(frozen=True)
 class PerStepPolicy:
     """The engines allocate every step on their own cost tables (``treespark.engine.step_alloc``);
-    the cluster sets the *floor price*: the least score a verified node must have.
+    the cluster sets the *price theta*: the least score a verified node must have.
 
-    With no queue the floor is 0 and the engines' allocation alone decides. Requests
+    With no queue the theta is 0 and the engines' allocation alone decides. Requests
     waiting beyond the batches (``w`` per replica, over ``max_batch`` rows) or a queue
     that keeps growing (``g`` requests per second) put pressure on the cluster,
 
         p = queue_weight * w / max_batch + trend_weight * g / max_batch,
 
-    and the floor ``p / (1 + p)`` (at most ``max_floor``) makes every step verify only
+    and the theta ``p / (1 + p)`` (at most ``max_theta``) makes every step verify only
     nodes likely to pay, so admission wins over speculation. The budget a replica gets is
-    its drafting budget: ``theta`` = the floor, ``node_cap`` / ``branch_cap`` the most
+    its drafting budget: ``theta`` = the theta, ``node_cap`` / ``branch_cap`` the most
     that may be drafted (the engine drafts less when its plan says so)."""
 
     max_nodes: int = 32
@@ -220,21 +220,21 @@ class PerStepPolicy:
     max_batch: int | None = None
     queue_weight: float = 1.0
     trend_weight: float = 1.0
-    max_floor: float = 0.95
+    max_theta: float = 0.95
 
     def __post_init__(self) -> None:
         if self.max_nodes < 0 or self.max_branch < 1:
             raise ValueError("PerStepPolicy needs max_nodes >= 0 and max_branch >= 1")
-        if self.queue_weight < 0 or self.trend_weight < 0 or not 0 <= self.max_floor <= 1:
-            raise ValueError("PerStepPolicy weights must be >= 0 and max_floor in [0, 1]")
+        if self.queue_weight < 0 or self.trend_weight < 0 or not 0 <= self.max_theta <= 1:
+            raise ValueError("PerStepPolicy weights must be >= 0 and max_theta in [0, 1]")
 
-    def floor(self, load: LoadSnapshot) -> float:
+    def theta(self, load: LoadSnapshot) -> float:
         r = max(load.replicas, 1)
         batch = float(self.max_batch or 1)
         waiting = max(load.load_per_replica - batch, 0.0) if self.max_batch else load.queued / r
         growth = max(load.queue_growth, 0.0) if waiting > 0 else 0.0   # a queue building beyond the batches
         p = self.queue_weight * waiting / batch + self.trend_weight * growth / r / batch
-        return min(p / (1.0 + p), self.max_floor)
+        return min(p / (1.0 + p), self.max_theta)
 
     def budget_for(self, load: LoadSnapshot, replica_id: str = "") -> Budget:
-        return Budget(theta=self.floor(load), node_cap=self.max_nodes, branch_cap=self.max_branch)
+        return Budget(theta=self.theta(load), node_cap=self.max_nodes, branch_cap=self.max_branch)
