@@ -20,8 +20,8 @@ The service is started with ``serve run CONFIG`` (own process group, stopped wit
 SIGINT; ``--port`` rewrites the config's port) unless ``--url`` points at a running
 one. Locust runs as its own process (gevent must be imported before anything else).
 
-    python -m loadtests.experiment ramp --config configs/load-default.yaml --out docs/load
-    python -m loadtests.experiment compare --config configs/load-default.yaml --out docs/load
+    python -m loadtests.experiment ramp --config configs/load-default.yaml --out docs/load/ramp
+    python -m loadtests.experiment compare --config configs/load-default.yaml --out docs/load/compare
 """
 
 from __future__ import annotations

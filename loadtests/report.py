@@ -7,7 +7,7 @@
 * ``plot_compare`` / ``compare_table``  goodput by policy and concurrency, with the
                      adaptive policy's ratio to the best fixed one and to no speculation.
 
-    python -m loadtests.report docs/load/timeline.csv docs/load/compare.csv
+    python -m loadtests.report docs/load/ramp/timeline.csv docs/load/compare/compare.csv
 """
 
 from __future__ import annotations

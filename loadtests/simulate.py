@@ -19,11 +19,11 @@ the adaptive policy also learns acceptance from the simulated rounds). A tree is
 simulated at its budget's ``node_cap`` (theta's early stopping inside a round is not
 modelled), with its accepted length drawn from the traces of that size.
 
-    python -m loadtests.simulate record --pair default --out docs/load/traces.json
+    python -m loadtests.simulate record --pair default --out docs/load/simulation/traces.json
     python -m loadtests.simulate run --cost configs/costmodel-smollm2.json \\
-        --traces docs/load/traces.json --out docs/load/simulation.md
-    python -m loadtests.simulate run --cost docs/load/costmodel-illustrative-gpu.json --max-batch 64 \\
-        --rates 1 4 16 64 --out docs/load/simulation-gpu-shaped.md
+        --traces docs/load/simulation/traces.json --out docs/load/simulation/simulation.md
+    python -m loadtests.simulate run --cost docs/load/simulation/costmodel-illustrative-gpu.json --max-batch 64 \\
+        --rates 1 4 16 64 --out docs/load/simulation/simulation-gpu-shaped.md
 
 ``perstep`` is the per-step policy (``PerStepSim``): the controller's theta, then each
 step's plan on the cost table, as the engines run it.

@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the temperature of the traces the T > 0 map is fitted on (default 1)")
     c.add_argument("--temperature-scale", type=float, default=1.0,
                    help="draw drafts at T > 0 from q at this multiple of T, and fit the sampled map on such "
-                        "drafts (default 1: q itself; lossless at any scale; see docs/benchmarks.md)")
+                        "drafts (default 1: q itself; lossless at any scale; see docs/findings.md)")
     c.add_argument("--sibling-offsets", choices=SIBLING_OFFSETS, default="sampled",
                    help="which maps in use carry sibling-rank offsets: none, the T > 0 map only "
                         "(default), or all (both fits are made and stored)")

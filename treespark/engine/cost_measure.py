@@ -23,7 +23,7 @@ from treespark.pricing.costmodel import CostModel, interp, monotone
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24)
 # 3 and 6 as well: on CPU the product kernels change between 2 and 3 tokens per row
-# (docs/benchmarks.md), and a grid of powers of two would interpolate over that step
+# (docs/load-experiments.md), and a grid of powers of two would interpolate over that step
 DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 # The most children one node may have unless told otherwise: the library's adaptive tree,
 # the pricing policies and the served config all start from it. At a low price the
 # wider candidate set buys tokens (theta 0.003, T = 0, tuning prompts: tau 2.414 with 4,
-# 2.498 with 6 or 8), and at the default price the cap hardly binds (docs/benchmarks.md).
+# 2.498 with 6 or 8), and at the default price the cap hardly binds (docs/findings.md).
 DEFAULT_BRANCH_CAP = 8
 
 

@@ -163,7 +163,7 @@ def load_variant(path: str | Path) -> Calibration | None:
 # to the T > 0 map only. At T > 0 sibling j is accepted only after siblings 0 .. j-1 were
 # rejected, so its q says little without its rank (default pair, T = 1: log-loss 0.250
 # -> 0.215 and ECE 0.019 -> 0.007 against the two-scalar fit, and the adaptive tree at
-# theta 0.01 1.779 -> 1.916 tokens per forward over three seeds, docs/benchmarks.md); at
+# theta 0.01 1.779 -> 1.916 tokens per forward over three seeds, docs/findings.md); at
 # T = 0 a child is accepted iff it is the target's argmax, q ranks the siblings
 # already, and the offsets bought nothing.
 SIBLING_OFFSETS = ("none", "sampled", "all")
