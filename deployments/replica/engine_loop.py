@@ -34,9 +34,40 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class ServedEngine(Protocol):
+    """What a replica needs of an engine: ``treespark.engine.core.Engine`` and the tests'
+    fake engine both satisfy it. ``on_step`` is called with each step's ``StepStats``,
+    ``on_schedule`` with a request id leaving the waiting queue (None: no hook)."""
+
+    on_step: Callable[[Any], None] | None
+    on_schedule: Callable[[str], None] | None
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def kv_rows_in_use(self) -> int | None: ...   # None: no KV cache to report
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: Any) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[Any]: ...
+
+    def set_budget(self, budget: Any) -> None: ...
+
+    def set_calibration(self, a: float, b: float) -> None: ...
 
 ACCEPTED = object()
 SCHEDULED = object()
@@ -65,6 +96,46 @@ def asyncio_sink(q: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> Sink:
     return sink
 
 
+# -- commands on the loop's queue ----------------------------------------------------
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: Any
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _SetBudget:
+    budget: Any
+
+
+@dataclass(frozen=True)
+class _SetCalibration:
+    a: float
+    b: float
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """Nothing to do: wakes a loop blocked on the queue (``stop``)."""
+
+
+Command = _Add | _Abort | _SetBudget | _SetCalibration | _Call | _Wake
+
+
 @dataclass(frozen=True)
 class LoopLoad:
     running: int
@@ -77,11 +148,12 @@ class EngineLoop:
     """Owns ``engine`` in a daemon thread. ``step_stats`` keeps the engine's recent
     ``StepStats`` for heartbeats (``drain_step_stats``)."""
 
-    def __init__(self, engine: Any = None, *, name: str = "treespark-engine", max_step_stats: int = 4096) -> None:
-        self.engine: Any = None
+    def __init__(self, engine: ServedEngine | None = None, *, name: str = "treespark-engine",
+                 max_step_stats: int = 4096) -> None:
+        self.engine: ServedEngine | None = None
         self._user_on_step: Callable[[Any], None] | None = None
         self._user_on_schedule: Callable[[str], None] | None = None
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stats: deque = deque(maxlen=max_step_stats)
         self._stats_lock = threading.Lock()
@@ -100,7 +172,7 @@ class EngineLoop:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._cmds.put(("wake",))
+        self._cmds.put(_Wake())
         self._thread.join(timeout)
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
@@ -112,7 +184,7 @@ class EngineLoop:
         if threading.current_thread() is self._thread:
             return fn()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(("call", fn, fut))
+        self._cmds.put(_Call(fn, fut))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -124,21 +196,21 @@ class EngineLoop:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"the engine loop did not run the call within {timeout} s") from None
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: ServedEngine) -> None:
         """Serve ``engine`` (on a loop started without one); requests added before fail."""
         self.call(lambda: self._attach(engine))
 
     def add(self, request_id: str, prompt_ids: list[int], params: Any, sink: Sink) -> None:
-        self._cmds.put(("add", request_id, prompt_ids, params, sink))
+        self._cmds.put(_Add(request_id, prompt_ids, params, sink))
 
     def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
+        self._cmds.put(_Abort(request_id))
 
     def set_budget(self, budget: Any) -> None:
-        self._cmds.put(("budget", budget))
+        self._cmds.put(_SetBudget(budget))
 
     def set_calibration(self, a: float, b: float) -> None:
-        self._cmds.put(("calibration", a, b))
+        self._cmds.put(_SetCalibration(a, b))
 
     @property
     def alive(self) -> bool:
@@ -158,14 +230,15 @@ class EngineLoop:
         return out
 
     # -- the loop thread -------------------------------------------------------
-    def _attach(self, engine: Any) -> None:
+    def _attach(self, engine: ServedEngine) -> None:
         if self.engine is not None:
             raise RuntimeError("the engine loop already has an engine")
-        self._user_on_step = getattr(engine, "on_step", None)
+        if not isinstance(engine, ServedEngine):
+            raise TypeError(f"{type(engine).__name__} is not a ServedEngine")
+        self._user_on_step = engine.on_step
         engine.on_step = self._on_step
-        if hasattr(engine, "on_schedule"):  # optional: lets replicas time the queue
-            self._user_on_schedule = engine.on_schedule
-            engine.on_schedule = self._on_schedule
+        self._user_on_schedule = engine.on_schedule   # lets replicas time the queue
+        engine.on_schedule = self._on_schedule
         self.engine = engine
 
     def _on_step(self, stats: Any) -> None:
@@ -201,10 +274,10 @@ class EngineLoop:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
-                cmd[2].set_exception(stopped)
-            elif cmd[0] == "add":
-                cmd[4](Failed(stopped))
+            if isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(stopped)
+            elif isinstance(cmd, _Add):
+                cmd.sink(Failed(stopped))
 
     def _serve(self) -> None:
         self._snapshot_load()
@@ -239,58 +312,55 @@ class EngineLoop:
         if e is None:
             self._load = LoopLoad(0, 0, True)
             return
-        kv = getattr(e, "kv", None)
-        slots = int(kv.slots_in_use) if kv is not None else None
-        self._load = LoopLoad(int(e.num_running), int(e.num_waiting), True, slots)
+        self._load = LoopLoad(int(e.num_running), int(e.num_waiting), True, e.kv_rows_in_use)
 
     def _finish(self, request_id: str, item: Any) -> None:
         sink = self._sinks.pop(request_id, None)
         if sink is not None:
             sink(item)
 
-    def _apply(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "call":
-            _, fn, fut = cmd
-            if fut.set_running_or_notify_cancel():
+    def _apply(self, cmd: Command) -> None:
+        if isinstance(cmd, _Call):
+            if cmd.future.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn())
+                    cmd.future.set_result(cmd.fn())
                 except BaseException as err:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(err)
+                    cmd.future.set_exception(err)
             return
         if self.engine is None:
-            if kind == "add":
-                cmd[4](Failed(RuntimeError("the engine is not ready yet")))
+            if isinstance(cmd, _Add):
+                cmd.sink(Failed(RuntimeError("the engine is not ready yet")))
             return
-        if kind == "add":
-            _, rid, prompt_ids, params, sink = cmd
-            if rid in self._sinks:
-                sink(Failed(ValueError(f"duplicate request id {rid!r}")))
-                return
-            try:
-                self.engine.add_request(rid, prompt_ids, params)
-            except Exception as err:  # noqa: BLE001 - ValueError is bad input, anything else is ours
-                sink(Failed(err))
-                return
-            self._sinks[rid] = sink
-            sink(ACCEPTED)
-        elif kind == "abort":
-            rid = cmd[1]
-            if rid in self._sinks:
+        match cmd:
+            case _Add(rid, prompt_ids, params, sink):
+                if rid in self._sinks:
+                    sink(Failed(ValueError(f"duplicate request id {rid!r}")))
+                    return
                 try:
-                    self.engine.abort(rid)
-                except Exception:  # noqa: BLE001
-                    log.exception("engine.abort(%s) failed", rid)
-                self._finish(rid, Aborted(rid))
-        elif kind in ("budget", "calibration"):
-            try:  # a bad push keeps the engine's previous setting; the loop serves on
-                if kind == "budget":
-                    self.engine.set_budget(cmd[1])
-                else:
-                    self.engine.set_calibration(cmd[1], cmd[2])
-            except Exception as err:  # noqa: BLE001
-                log.exception("engine.set_%s(%r) failed", kind, cmd[1:])
-                self.last_error = repr(err)
+                    self.engine.add_request(rid, prompt_ids, params)
+                except Exception as err:  # noqa: BLE001 - ValueError is bad input, anything else is ours
+                    sink(Failed(err))
+                    return
+                self._sinks[rid] = sink
+                sink(ACCEPTED)
+            case _Abort(rid):
+                if rid in self._sinks:
+                    try:
+                        self.engine.abort(rid)
+                    except Exception:  # noqa: BLE001
+                        log.exception("engine.abort(%s) failed", rid)
+                    self._finish(rid, Aborted(rid))
+            case _SetBudget() | _SetCalibration():
+                try:  # a bad push keeps the engine's previous setting; the loop serves on
+                    if isinstance(cmd, _SetBudget):
+                        self.engine.set_budget(cmd.budget)
+                    else:
+                        self.engine.set_calibration(cmd.a, cmd.b)
+                except Exception as err:  # noqa: BLE001
+                    log.exception("the engine refused %r", cmd)
+                    self.last_error = repr(err)
+            case _Wake():
+                pass
 
     def _step(self) -> None:
         try:

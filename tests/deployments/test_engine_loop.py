@@ -5,7 +5,14 @@ import threading
 import pytest
 from serving.fake_engine import FakeEngine, SamplingParams
 
-from deployments.replica.engine_loop import ACCEPTED, SCHEDULED, Aborted, EngineLoop, Failed
+from deployments.replica.engine_loop import (
+    ACCEPTED,
+    SCHEDULED,
+    Aborted,
+    EngineLoop,
+    Failed,
+    ServedEngine,
+)
 
 
 class _FlakyEngine(FakeEngine):
@@ -171,3 +178,14 @@ def test_engine_loop_call_queued_behind_a_dying_loop_raises():
 
 
 BUILT_ON: list[str] = []
+
+
+def test_the_engine_and_the_fake_satisfy_the_served_engine_protocol():
+    from treespark import random_pair
+    from treespark.engine.core import Engine, EngineConfig
+
+    engine = Engine(random_pair(64, 0), EngineConfig(max_batch_size=2, max_context=32))
+    assert isinstance(engine, ServedEngine) and engine.kv_rows_in_use == 0
+    assert isinstance(FakeEngine(), ServedEngine)
+    with pytest.raises(TypeError, match="not a ServedEngine"):
+        EngineLoop(object())

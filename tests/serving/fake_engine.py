@@ -49,6 +49,10 @@ class FakeEngine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def kv_rows_in_use(self):
+        return None  # no KV cache
+
     def add_request(self, request_id, prompt_ids, params):
         if not prompt_ids:
             raise ValueError("empty prompt")

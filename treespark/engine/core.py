@@ -171,6 +171,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting) + (self._staging is not None)
 
+    @property
+    def kv_rows_in_use(self) -> int:
+        """KV rows holding a request."""
+        return self.kv.slots_in_use
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._staging or self._aborted)
 
