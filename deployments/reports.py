@@ -75,7 +75,7 @@ class ReplicaReport:
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:
-        """The report from its wire dict (what ``HeartbeatMixin.make_report`` sends: every
+        """The report from its wire dict (what ``Heartbeat.make_report`` sends: every
         field, JSON-shaped)."""
 
         def pair(v: Any) -> tuple[float, float] | None:

@@ -14,13 +14,13 @@ Each request is timed and counted in the replica's Prometheus registry
 (``deployments.metrics.ReplicaMetrics``), which the heartbeat reports.
 
 Tokenization, the context check and stop strings happen here, where the tokenizer is.
-The controller link (heartbeat, budget) is ``HeartbeatMixin`` (``deployments.replica.heartbeat``).
+The controller link (reports, budget, calibration) is its ``Heartbeat``
+(``deployments.replica.heartbeat``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -36,9 +36,9 @@ from deployments.replica.engine_loop import (
     Failed,
     asyncio_sink,
 )
-from deployments.replica.heartbeat import HeartbeatMixin, rss_bytes
+from deployments.replica.heartbeat import Heartbeat, ReplicaCounters, rss_bytes
 from deployments.replica.text import Detokenizer, StopMatcher, encode_text, logprob_entry
-from deployments.reports import COUNTERS, budget_to_wire
+from deployments.reports import COUNTERS
 from treespark.models.chat import chat_ids
 
 
@@ -55,7 +55,7 @@ def _error(message: str, param: str | None = None, code: str | None = None, stat
     return {"type": "error", "status": status, "message": message, "param": param, "code": code}
 
 
-class ReplicaCore(HeartbeatMixin):
+class ReplicaCore:
     """The replica without Serve: engine loop, request handling, heartbeat. ``replica_id``
     names it to the controller; ``connect`` returns a controller handle (Ray in production)."""
 
@@ -76,12 +76,12 @@ class ReplicaCore(HeartbeatMixin):
         self.bundle = bundle
         self.tokenizer = bundle.tokenizer
         self.vocab_size = int(bundle.engine.vocab_size)
-        self.policy = args.policy.build(args.max_batch_size)
-        self._lock = threading.Lock()
-        self.counters = dict.fromkeys(COUNTERS, 0.0)
+        self.counters = ReplicaCounters(COUNTERS)
         self.metrics = ReplicaMetrics()
-        self._tokens_emitted = 0
-        self._init_heartbeat(connect)
+        self.heartbeat = Heartbeat(args=args, replica_id=replica_id, node_id=node_id,
+                                   policy=args.policy.build(args.max_batch_size), loop=self.loop,
+                                   bundle=bundle, counters=self.counters, metrics=self.metrics,
+                                   connect=connect)
 
     # -- requests ------------------------------------------------------------
     def _prompt_ids(self, req: dict[str, Any]) -> list[int] | dict[str, Any]:
@@ -188,9 +188,7 @@ class ReplicaCore(HeartbeatMixin):
                     generated += len(new)
                     rounds += 1
                     clock.emitted(len(new))
-                    with self._lock:
-                        self.counters["generation_tokens"] += len(new)
-                        self._tokens_emitted += len(new)
+                    self.counters.emitted(len(new))
                     text, hit = stops.feed(detok.push(new))
                     if item.finished and not hit:
                         text += stops.flush()
@@ -213,16 +211,12 @@ class ReplicaCore(HeartbeatMixin):
         finally:
             if not done:  # the caller went away (client disconnect): free the KV now
                 self.loop.abort(rid)
-                with self._lock:
-                    self.counters["requests_aborted"] += 1
-                    self.counters["prompt_tokens"] += len(ids)
+                self.counters.add(requests_aborted=1, prompt_tokens=len(ids))
                 clock.aborted(len(ids))
 
     def _end(self, rid: str, reason: str, n_prompt: int, generated: int, rounds: int, stats: Any,
              clock: RequestClock) -> dict[str, Any]:
-        with self._lock:
-            self.counters["requests"] += 1
-            self.counters["prompt_tokens"] += n_prompt
+        self.counters.add(requests=1, prompt_tokens=n_prompt)
         clock.finished(reason, n_prompt)
         if stats is not None:
             spec = {
@@ -243,25 +237,15 @@ class ReplicaCore(HeartbeatMixin):
         load = self.loop.load
         return {
             "replica_id": self.replica_id,
-            "budget": budget_to_wire(self.budget),
-            "budget_source": self.budget_source,
-            "controller_ok": self.controller_ok,
-            "registrations": self.registrations,
-            "node_id": self.node_id,
-            "first_budget_s": self.first_budget_s,
-            "heartbeats_ok": self.heartbeats_ok,
-            "heartbeats_failed": self.heartbeats_failed,
-            "last_heartbeat_error": self.last_heartbeat_error,
-            "heartbeat_alive": self._hb.is_alive(),
+            **self.heartbeat.status(),
             "running": load.running,
             "waiting": load.waiting,
             "kv_slots_in_use": load.kv_slots_in_use,
             "rss_bytes": rss_bytes(),
             "engine_alive": load.alive,
             "steps": self.loop.steps,
-            "tree": self.last_tree.__dict__,
         }
 
     def shutdown(self) -> None:
-        self._stop_heartbeat()
+        self.heartbeat.stop()
         self.loop.stop()

@@ -8,9 +8,10 @@ prices its own speculation with the local policy from its own load, and keeps tr
 (re-creating the controller if it is gone for good); the controller registers it again
 on the first report that gets through.
 
-``HeartbeatMixin`` holds this half of ``ReplicaCore``; the attributes it needs from
-its host are declared on the class (the host sets them before ``_init_heartbeat``).
-Its ``metrics`` (the host's ``ReplicaMetrics``) snapshot rides on every report.
+``Heartbeat`` is this half of a replica, composed into ``ReplicaCore``: it is handed
+the engine loop, the bundle, the replica's ``ReplicaCounters`` (shared with request
+handling, which counts into them) and its ``ReplicaMetrics``, whose snapshot rides on
+every report.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from deployments.config import AppArgs
@@ -98,22 +99,57 @@ def rss_bytes() -> int | None:
         return None
 
 
-class HeartbeatMixin:
-    """The controller link of ``ReplicaCore``."""
+class ReplicaCounters:
+    """The replica's counters (``deployments.reports.COUNTERS``) and the tokens emitted
+    since the last report, under one lock: request handling adds, the heartbeat reads."""
 
-    # set by the host before ``_init_heartbeat``
-    args: AppArgs
-    replica_id: str
-    policy: BudgetPolicy                # the local policy (controller unreachable)
-    loop: EngineLoop
-    bundle: EngineBundle                # its engine holds the stored ``Calibration``
-    counters: dict[str, float]          # shared with request handling, under ``_lock``
-    _tokens_emitted: int                # since the last report, under ``_lock``
-    _lock: threading.Lock
-    node_id: str | None                 # the Ray node (None outside Ray), reported as is
+    def __init__(self, names: Iterable[str]) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(names, 0.0)
+        self._emitted = 0
 
-    def _init_heartbeat(self, connect: Callable[[], Any] | None) -> None:
-        """The starting budget (the local policy at idle) and, with ``connect``, the thread."""
+    def add(self, **increments: float) -> None:
+        with self._lock:
+            for name, n in increments.items():
+                self._counts[name] += n
+
+    def emitted(self, tokens: int) -> None:
+        """``tokens`` new tokens went to a client (counted as ``generation_tokens`` too)."""
+        with self._lock:
+            self._counts["generation_tokens"] += tokens
+            self._emitted += tokens
+
+    def take_emitted(self) -> int:
+        """The tokens emitted since the last call."""
+        with self._lock:
+            n, self._emitted = self._emitted, 0
+            return n
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counts)
+
+    def __getitem__(self, name: str) -> float:
+        with self._lock:
+            return self._counts[name]
+
+
+class Heartbeat:
+    """A replica's link to the controller: its reports, and the budget and calibration
+    it applies (``connect``: returns a controller handle; None: no thread, the replica
+    prices itself with ``policy``, its local policy)."""
+
+    def __init__(self, *, args: AppArgs, replica_id: str, node_id: str | None, policy: BudgetPolicy,
+                 loop: EngineLoop, bundle: EngineBundle, counters: ReplicaCounters, metrics: Any,
+                 connect: Callable[[], Any] | None) -> None:
+        self.args = args
+        self.replica_id = replica_id
+        self.node_id = node_id              # the Ray node (None outside Ray), reported as is
+        self.policy = policy
+        self.loop = loop
+        self.bundle = bundle                # its engine holds the stored ``Calibration``
+        self.counters = counters
+        self.metrics = metrics              # the replica's ``ReplicaMetrics``
         self.budget: Budget = self.policy.budget_for(LoadSnapshot.idle(), self.replica_id)
         self.budget_source = "local"
         self.loop.set_budget(self.budget)
@@ -139,7 +175,27 @@ class HeartbeatMixin:
         if connect is not None:
             self._hb.start()
 
-    def _stop_heartbeat(self) -> None:
+    @property
+    def alive(self) -> bool:
+        return self._hb.is_alive()
+
+    def status(self) -> dict[str, Any]:
+        """The heartbeat's part of the replica's status."""
+        return {
+            "budget": budget_to_wire(self.budget),
+            "budget_source": self.budget_source,
+            "controller_ok": self.controller_ok,
+            "registrations": self.registrations,
+            "node_id": self.node_id,
+            "first_budget_s": self.first_budget_s,
+            "heartbeats_ok": self.heartbeats_ok,
+            "heartbeats_failed": self.heartbeats_failed,
+            "last_heartbeat_error": self.last_heartbeat_error,
+            "heartbeat_alive": self.alive,
+            "tree": self.last_tree.__dict__,
+        }
+
+    def stop(self) -> None:
         self._stop.set()
 
     def make_report(self, dt: float) -> dict[str, Any]:
@@ -151,17 +207,14 @@ class HeartbeatMixin:
             tree = dataclasses.replace(self.last_tree, steps=0)
         records: list[tuple[float, bool, float]] = []
         rounds: list[tuple[int, int]] = []
-        with self._lock:
-            for s in window:
-                self.counters["steps"] += 1
-                self.counters["rounds"] += s.batch_size
-                self.counters["draft_tokens"] += sum(s.tree_sizes)
-                self.counters["accepted_tokens"] += sum(s.accepted)
-                used = s.calibration_records + (s.sampled_records if self._refit_sampled else ())
-                records.extend(calibration_records(list(used), self.stored_calibration))
-                rounds.extend(round_records(s))
-            emitted, self._tokens_emitted = self._tokens_emitted, 0
-            counters = dict(self.counters)
+        for s in window:
+            self.counters.add(steps=1, rounds=s.batch_size, draft_tokens=sum(s.tree_sizes),
+                              accepted_tokens=sum(s.accepted))
+            used = s.calibration_records + (s.sampled_records if self._refit_sampled else ())
+            records.extend(calibration_records(list(used), self.stored_calibration))
+            rounds.extend(round_records(s))
+        emitted = self.counters.take_emitted()
+        counters = self.counters.snapshot()
         self.metrics.steps(window)
         load = self.loop.load
         return {

@@ -64,7 +64,7 @@ def test_replica_core_generate_and_errors():
             await asyncio.sleep(0.1)
         asyncio.run(partial())
         assert "gone" in core.bundle.engine.aborted_ids
-        report = core.make_report(1.0)
+        report = core.heartbeat.make_report(1.0)
         assert report["counters"]["requests"] == 3 and report["counters"]["requests_aborted"] == 1
         assert report["tree"]["steps"] > 0
     finally:
@@ -79,7 +79,7 @@ def test_heartbeat_sends_sampled_records_only_without_a_sampled_map(factory, per
     core = ReplicaCore(args, "r0", connect=None)
     try:
         asyncio.run(_collect(core, {"prompt": "ab", "max_tokens": 6}))
-        report = core.make_report(1.0)
+        report = core.heartbeat.make_report(1.0)
         assert report["tree"]["steps"] > 0
         assert len(report["calibration_records"]) == per_step * report["tree"]["steps"]
     finally:

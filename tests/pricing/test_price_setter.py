@@ -138,10 +138,10 @@ def test_local_only_replicas_report_but_price_themselves(monkeypatch):
         core = ReplicaCore(args, "r0", connect=None)
         try:
             h = Handle(priced)
-            core.heartbeat_once(h, 0.25)
-            assert len(h.reports) == 1 and core.registrations == 1
-            assert core.budget == expect
-            assert core.budget_source == ("controller" if pricing else "local")
-            assert (len(core.price_latency) == 1) is pricing
+            core.heartbeat.heartbeat_once(h, 0.25)
+            assert len(h.reports) == 1 and core.heartbeat.registrations == 1
+            assert core.heartbeat.budget == expect
+            assert core.heartbeat.budget_source == ("controller" if pricing else "local")
+            assert (len(core.heartbeat.price_latency) == 1) is pricing
         finally:
             core.shutdown()

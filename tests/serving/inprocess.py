@@ -158,7 +158,7 @@ class LocalApi:
         """One heartbeat of the replica to the in-process controller (no thread runs them here)."""
         from deployments.reports import ReplicaReport
 
-        return self.api._controller.state.report(ReplicaReport.from_wire(self.core.make_report(dt)))
+        return self.api._controller.state.report(ReplicaReport.from_wire(self.core.heartbeat.make_report(dt)))
 
     def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
                 disconnect_after: int | None = None, timeout: float = 30.0) -> Response:
