@@ -32,16 +32,19 @@ class _Strict(BaseModel):
 
 
 class BudgetArgs(_Strict):
-    theta: float = Field(ge=0.0)
-    node_cap: int = Field(ge=0)
-    branch_cap: int = Field(ge=1)
+    """A ``Budget``'s wire form (``Budget.to_wire``) validated at the edge, configs and
+    request bodies alike: strict types (``false`` is not a node cap, ``"0.1"`` not a theta)."""
+
+    theta: float = Field(ge=0.0, strict=True)
+    node_cap: int = Field(ge=0, strict=True)
+    branch_cap: int = Field(ge=1, strict=True)
 
     def to_budget(self) -> Budget:
-        return Budget(theta=self.theta, node_cap=self.node_cap, branch_cap=self.branch_cap)
+        return Budget.from_wire(self.model_dump())
 
     @classmethod
     def of(cls, b: Budget) -> BudgetArgs:
-        return cls(theta=b.theta, node_cap=b.node_cap, branch_cap=b.branch_cap)
+        return cls.model_validate(b.to_wire())
 
 
 def _default_ladder_budgets() -> list[BudgetArgs]:

@@ -3,7 +3,7 @@
 A replica sends a ``ReplicaReport`` (as a plain dict: it crosses Ray) with its load,
 the ``TreeStats`` of its recent engine steps, its cumulative ``COUNTERS`` and the
 records the controller learns from; the reply carries a budget in the same wire form
-(``budget_to_wire`` / ``budget_from_wire``).
+(``Budget.to_wire`` / ``Budget.from_wire``).
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from treespark.spec.budget import Budget
 
 COUNTERS = (
     "requests",
@@ -91,11 +89,3 @@ class ReplicaReport:
             "price_latency_s": tuple(float(x) for x in d.get("price_latency_s", ())),
             "cost_factors": None if d.get("cost_factors") is None else tuple(float(x) for x in d["cost_factors"]),
         })
-
-
-def budget_to_wire(b: Budget) -> dict[str, float]:
-    return {"theta": b.theta, "node_cap": b.node_cap, "branch_cap": b.branch_cap}
-
-
-def budget_from_wire(d: Mapping[str, Any]) -> Budget:
-    return Budget(theta=float(d["theta"]), node_cap=int(d["node_cap"]), branch_cap=int(d["branch_cap"]))

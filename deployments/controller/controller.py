@@ -15,8 +15,9 @@ from typing import Any
 
 from deployments.controller.state import ControllerState
 from deployments.placement import on_head
-from deployments.reports import ReplicaReport, budget_from_wire
+from deployments.reports import ReplicaReport
 from treespark.pricing.estimators import RoundWindow
+from treespark.spec.budget import Budget
 
 
 class Controller:
@@ -52,7 +53,7 @@ class Controller:
         return self.state.report(ReplicaReport.from_wire(report))
 
     def set_override(self, budget: dict[str, Any] | None) -> None:
-        self.state.set_override(None if budget is None else budget_from_wire(budget))
+        self.state.set_override(None if budget is None else Budget.from_wire(budget))
 
     def status(self) -> dict[str, Any]:
         import ray

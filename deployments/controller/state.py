@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deployments.metrics import merge
-from deployments.reports import COUNTERS, ReplicaReport, budget_from_wire, budget_to_wire
+from deployments.reports import COUNTERS, ReplicaReport
 from treespark.pricing.costmodel import AcceptanceStats
 from treespark.pricing.estimators import (
     RoundWindow,
@@ -132,7 +132,7 @@ class ControllerState:
         registered = entry is None
         if registered:
             self.registrations += 1
-            entry = _Entry(report, now, now, budget_from_wire(report.budget))
+            entry = _Entry(report, now, now, Budget.from_wire(report.budget))
             self.replicas[report.replica_id] = entry
         entry.report, entry.last_seen = report, now
         self.queue_history.append((now, sum(e.report.queued for e in self.replicas.values())))
@@ -147,7 +147,7 @@ class ControllerState:
         self.reassign()
         e = self.replicas[report.replica_id]
         return {
-            "budget": budget_to_wire(e.budget),
+            "budget": e.budget.to_wire(),
             "priced_at": e.priced_at,
             "registered": registered,
             "calibration": self.calibration if self.online_calibration else None,
@@ -243,7 +243,7 @@ class ControllerState:
         return {
             "replicas": {
                 rid: {
-                    "budget": budget_to_wire(e.budget),
+                    "budget": e.budget.to_wire(),
                     "applied_budget": e.report.budget,
                     "budget_source": e.report.budget_source,
                     "active": e.report.active,
@@ -265,7 +265,7 @@ class ControllerState:
                 for rid, e in sorted(self.replicas.items())
             },
             "cluster": asdict(self.load()),
-            "override": budget_to_wire(self.override) if self.override else None,
+            "override": self.override.to_wire() if self.override else None,
             "calibration": {
                 "records": len(acc),
                 "acceptance_rate": sum(acc) / len(acc) if acc else None,

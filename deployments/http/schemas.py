@@ -120,14 +120,8 @@ class ChatRequest(SamplingRequest):
         return super().unsupported()
 
 
-class OverrideBudget(BudgetArgs):
-    """``BudgetArgs`` with strict types, as every request body (``false`` is not a node cap)."""
-
-    model_config = ConfigDict(strict=True)
-
-
 class OverrideRequest(_Req):
-    budget: OverrideBudget | None = Field(description="The budget every replica runs, or null to release the override.")
+    budget: BudgetArgs | None = Field(description="The budget every replica runs, or null to release the override.")
 
 
 # -- responses (documentation of what deployments.http.responses builds) --------------------------

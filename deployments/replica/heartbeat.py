@@ -28,7 +28,7 @@ from typing import Any
 from deployments.config import AppArgs
 from deployments.replica.engine_factory import EngineBundle
 from deployments.replica.engine_loop import EngineLoop
-from deployments.reports import TreeStats, budget_from_wire, budget_to_wire
+from deployments.reports import TreeStats
 from treespark.pricing.policy import BudgetPolicy, LoadSnapshot
 from treespark.spec.budget import Budget
 from treespark.spec.calibration import Calibration, logit
@@ -182,7 +182,7 @@ class Heartbeat:
     def status(self) -> dict[str, Any]:
         """The heartbeat's part of the replica's status."""
         return {
-            "budget": budget_to_wire(self.budget),
+            "budget": self.budget.to_wire(),
             "budget_source": self.budget_source,
             "controller_ok": self.controller_ok,
             "registrations": self.registrations,
@@ -225,7 +225,7 @@ class Heartbeat:
             "rss_bytes": rss_bytes(),
             "tokens_per_s": emitted / dt if dt > 0 else 0.0,
             "tree": tree.__dict__,
-            "budget": budget_to_wire(self.budget),
+            "budget": self.budget.to_wire(),
             "budget_source": self.budget_source,
             "counters": counters,
             "calibration_records": records[-1024:],
@@ -265,7 +265,7 @@ class Heartbeat:
         if not self.args.controller.pricing:  # the controller observes; this replica prices itself
             self._use_local_policy()
             return reply
-        budget = budget_from_wire(reply["budget"])
+        budget = Budget.from_wire(reply["budget"])
         if budget != self.budget and reply.get("priced_at"):
             self.price_latency.append(max(time.time() - float(reply["priced_at"]), 0.0))
         self.apply_budget(budget, "controller")

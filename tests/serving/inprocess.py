@@ -96,9 +96,9 @@ class LocalController:
             return self.state.metrics_view()
 
         async def set_override(budget: Any) -> None:
-            from deployments.reports import budget_from_wire
+            from treespark.spec.budget import Budget
 
-            self.state.set_override(None if budget is None else budget_from_wire(budget))
+            self.state.set_override(None if budget is None else Budget.from_wire(budget))
 
         self.status = _Method(status)
         self.metrics_view = _Method(metrics_view)

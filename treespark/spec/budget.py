@@ -15,7 +15,9 @@ Both are ordinary budgets, so there is one decoding path for all of them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # The most children one node may have unless told otherwise: the library's adaptive tree,
 # the pricing policies and the served config all start from it. At a low price the
@@ -61,6 +63,16 @@ class Budget:
     @property
     def is_off(self) -> bool:
         return self.node_cap == 0 or self.theta >= 1.0
+
+    def to_wire(self) -> dict[str, float | int]:
+        """The one wire form of a budget (controller replies, replica reports, configs,
+        the override body): ``{"theta", "node_cap", "branch_cap"}``."""
+        return {"theta": self.theta, "node_cap": self.node_cap, "branch_cap": self.branch_cap}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Budget:
+        """The budget of ``to_wire``'s form (JSON numbers: an integral float is a cap)."""
+        return cls(theta=float(d["theta"]), node_cap=int(d["node_cap"]), branch_cap=int(d["branch_cap"]))
 
     @property
     def kind(self) -> str:
