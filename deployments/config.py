@@ -63,7 +63,7 @@ class PolicyArgs(_Strict):
     from the repository root, or the JSON object itself) and the acceptance per tree size
     (a saturating prior ``prior_ceiling * (1 - exp(-n / prior_scale))`` refined online)."""
 
-    kind: Literal["perstep", "ladder", "fixed", "costmodel"] = "ladder"
+    kind: Literal["perstep", "ladder", "fixed", "costmodel"] = "perstep"   # what every shipped config runs
     thresholds: list[float] = Field(default_factory=lambda: [r.max_load for r in LadderPolicy().rungs[:-1]])
     budgets: list[BudgetArgs] = Field(default_factory=_default_ladder_budgets)
     budget: BudgetArgs | None = None

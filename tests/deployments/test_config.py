@@ -39,7 +39,7 @@ def test_budgets_the_engines_would_clip_are_refused():
     with pytest.raises(ValidationError, match=r"policy.budget.node_cap is 48 but max_tree_nodes is 32"):
         AppArgs(policy=fixed, max_tree_nodes=32)
     with pytest.raises(ValidationError, match=r"policy.budgets\[0\].node_cap is 24 but max_tree_nodes is 16"):
-        AppArgs(max_tree_nodes=16, policy={"thresholds": [2.0], "budgets": [
+        AppArgs(max_tree_nodes=16, policy={"kind": "ladder", "thresholds": [2.0], "budgets": [
             {"theta": 0.0, "node_cap": 24, "branch_cap": 4}, {"theta": 1.0, "node_cap": 0, "branch_cap": 1}]})
     with pytest.raises(ValidationError, match=r"policy.max_nodes is 32 but max_tree_nodes is 8"):
         AppArgs(max_tree_nodes=8, policy={"kind": "costmodel", "cost_model": "configs/costmodel-smollm2.json"})

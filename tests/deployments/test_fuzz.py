@@ -13,11 +13,12 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serving.policies import LADDER
 
 from deployments.config import AppArgs, LimitArgs
 
 MODEL = "treespark-random"
-ARGS = AppArgs(model="random", vocab_size=512, max_batch_size=4, max_context=64,
+ARGS = AppArgs(model="random", vocab_size=512, max_batch_size=4, max_context=64, policy=LADDER,
                limits=LimitArgs(max_tokens=12, max_body_bytes=16384, max_prompt_chars=400))
 
 scalar = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True, allow_infinity=True)

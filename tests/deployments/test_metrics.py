@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving.fake_engine import StepStats
+from serving.policies import LADDER
 
 from deployments.config import AppArgs
 from deployments.controller.state import ControllerState
@@ -183,7 +184,7 @@ def test_queue_time_from_the_real_engine():
     request, observed before its first token."""
     from serving.inprocess import LocalApi
 
-    a = LocalApi(AppArgs(model="random", vocab_size=512, max_batch_size=2, max_context=128))
+    a = LocalApi(AppArgs(model="random", vocab_size=512, max_batch_size=2, max_context=128, policy=LADDER))
     try:
         for extra in ({}, {"stream": True}):
             assert a.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, **extra}).status == 200

@@ -12,6 +12,7 @@ import time
 import pytest
 import requests
 from serving.harness import wait_for
+from serving.policies import LADDER
 
 from deployments.config import AppArgs, ControllerArgs, ReplicaArgs
 from loadtests.cluster import WORKER_RESOURCE, ClusterSpec, local_cluster
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "treespark-random"
 TIMEOUT_S = 2.0
-ARGS = AppArgs(model="random", vocab_size=512, max_batch_size=4, max_context=256,
+ARGS = AppArgs(model="random", vocab_size=512, max_batch_size=4, max_context=256, policy=LADDER,
                replica=ReplicaArgs(num_cpus=0.5, torch_threads=1, num_replicas=2, resources={WORKER_RESOURCE: 1}),
                controller=ControllerArgs(name="treespark-multinode-test", heartbeat_s=0.25,
                                          heartbeat_timeout_s=TIMEOUT_S))

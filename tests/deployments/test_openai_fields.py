@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import httpx2 as httpx  # what the openai client (3.x) is built on
 import pytest
+from serving.policies import LADDER
 
 from deployments.config import AppArgs, LimitArgs
 from deployments.http.validation import SEED_STRIDE, choice_requests, choice_seed
 
 MODEL = "treespark-random"
-ARGS = AppArgs(model="random", vocab_size=512, max_batch_size=4, max_context=128,
+ARGS = AppArgs(model="random", vocab_size=512, max_batch_size=4, max_context=128, policy=LADDER,
                limits=LimitArgs(max_tokens=16, max_n=3))
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 import requests
 from serving.harness import serve_app, wait_for
+from serving.policies import LADDER
 
 from deployments.config import AppArgs, ControllerArgs, LimitArgs, ReplicaArgs
 from loadtests.common import get_status as spec
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "treespark-random"
 ARGS = AppArgs(
-    model="random", vocab_size=512, max_batch_size=4, max_context=4096, default_max_tokens=16,
+    model="random", vocab_size=512, max_batch_size=4, max_context=4096, default_max_tokens=16, policy=LADDER,
     replica=ReplicaArgs(num_cpus=0.5, num_replicas=2, torch_threads=1, max_ongoing_requests=4, max_queued_requests=4,
                         retry_after_s=2),
     controller=ControllerArgs(name="treespark-reliability-controller", heartbeat_s=0.25, heartbeat_timeout_s=2.0),
@@ -235,7 +236,7 @@ def test_disconnect_mid_stream_frees_kv_inprocess():
     client leaves after three SSE chunks of a 2000-token completion."""
     from serving.inprocess import LocalApi
 
-    a = LocalApi(AppArgs(model="random", vocab_size=512, max_batch_size=2, max_context=2048))
+    a = LocalApi(AppArgs(model="random", vocab_size=512, max_batch_size=2, max_context=2048, policy=LADDER))
     try:
         engine = a.core.bundle.engine
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2000, "stream": True, "ignore_eos": True}

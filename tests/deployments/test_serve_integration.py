@@ -10,6 +10,7 @@ import time
 import pytest
 import requests
 from serving.harness import serve_app, wait_for
+from serving.policies import LADDER
 
 from deployments.config import AppArgs, AutoscalingArgs, ControllerArgs, ReplicaArgs
 
@@ -21,6 +22,7 @@ ARGS = AppArgs(
     vocab_size=512,
     max_batch_size=8,
     max_context=1024,
+    policy=LADDER,
     replica=ReplicaArgs(num_cpus=0.5, torch_threads=1,
                         autoscaling=AutoscalingArgs(min_replicas=2, max_replicas=3, target_ongoing_requests=1,
                                                     upscale_delay_s=0, downscale_delay_s=600)),

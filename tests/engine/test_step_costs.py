@@ -70,7 +70,8 @@ def test_the_replica_factory_installs_the_allocation_for_perstep():
     bundle = build_engine(args)
     assert bundle.engine.allocator is not None and bundle.step_costs["source"] == "measured"
     assert bundle.step_costs["measured_s"] > 0 and StepCostTable.from_json(bundle.step_costs["table"])
-    ladder = build_engine(AppArgs(model="random", vocab_size=64, max_batch_size=2, max_context=64))
+    ladder = build_engine(AppArgs(model="random", vocab_size=64, max_batch_size=2, max_context=64,
+                                   policy={"kind": "ladder"}))
     assert ladder.engine.allocator is None and ladder.step_costs is None
 
 
