@@ -47,7 +47,9 @@ class TwoReplicas(LocalReplicaHandle):
     def __init__(self, cores: list[ReplicaCore], die: dict[int, int], error: BaseException | None = None,
                  tamper=None) -> None:
         super().__init__(cores[0])
+        self.cores = cores
         self.requests: list[dict[str, Any]] = []
+        self.first = cores[0].generate   # what the first call runs
 
         async def tampered(agen):
             async for ev in agen:
@@ -57,7 +59,7 @@ class TwoReplicas(LocalReplicaHandle):
             i = len(self.requests)
             self.requests.append(req)
             core = cores[min(i, 1)]
-            agen = core.generate(req) if i == 0 else tampered(core.generate(req))
+            agen = self.first(req) if i == 0 else tampered(core.generate(req))
             if i in die:
                 return _Dying(agen, die[i], error or ActorDiedError())
             return _Gen(agen)
@@ -165,6 +167,26 @@ def test_chat_stream_and_a_non_streamed_request_resume_too(api):
     got = b.post("/v1/completions", plain).json()
     assert got["choices"][0]["text"] == want["choices"][0]["text"] and got["usage"] == want["usage"]
     assert counters(b)["retries"] == 1 and counters(b)["resumes"] == 0   # resumes count streams only
+
+
+def test_a_replica_whose_engine_loop_stops_hands_its_streams_over(api):
+    """The core ends a request whose engine loop stopped with ``replica_stopping``; the
+    API resumes such a stream elsewhere like a dead replica's."""
+    a = api({})
+    whole = a.post("/v1/completions", stream_body()).sse()
+    second = a.api.replica.cores[1]
+
+    async def stop_after_first_delta(req):
+        async for ev in a.core.generate(req):
+            yield ev
+            if ev["type"] == "delta":
+                a.core.loop.stop()
+
+    a.api.replica.first = stop_after_first_delta
+    a.api.replica.requests.clear()   # the next call is the first again
+    events = a.post("/v1/completions", stream_body()).sse()
+    assert text_of(events) == text_of(whole) and not any("error" in e for e in events[:-1])
+    assert counters(a)["resumes"] == 1 and second.counters["requests"] == 1
 
 
 def test_a_replay_that_differs_ends_the_stream_with_a_clear_error(api):
