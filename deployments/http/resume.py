@@ -29,6 +29,7 @@ poison request) from taking the fleet down with it.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,6 +42,8 @@ from ray.exceptions import RayActorError
 from deployments.http.errors import error_response, retry_after
 from deployments.http.responses import cancel_call
 from deployments.metrics import IngressMetrics
+
+log = logging.getLogger(__name__)
 
 REPLICA_STOPPING = "replica_stopping"   # an engine replica's error code: its engine loop stopped
 
@@ -203,10 +206,13 @@ class ResumableCall:
                 return   # ended without an end event: the reader says so
             except ReplayMismatch as err:
                 cancel_call(self._gen)
+                log.error("request %s: the replay on another replica differed: %s", self.ereq["request_id"], err)
                 yield error_event("resume_mismatch", f"the replay on another replica differed: {err}", 500)
                 return
-            except (RayActorError, ReplicaFailed):
+            except (RayActorError, ReplicaFailed) as err:
                 cancel_call(self._gen)
+                log.warning("request %s: engine replica failed after %d characters (%r); %d re-issues left",
+                            self.ereq["request_id"], sum(map(len, sent_text)), err, self.retries)
             failed_at = self.clock()
             if self.retries <= 0:
                 yield error_event("replica_failed", "the engine replica serving this request failed "
