@@ -12,7 +12,12 @@ API's ``/metrics`` renders the controller's view (``render``):
 * per-replica gauges (label ``replica``) from the replicas' last heartbeats: running and
   waiting requests, KV usage, the budget each replica runs (price ``theta``, caps and
   ``mode`` tree / chain / plain), the age of the controller's last budget broadcast to
-  it, and its recent tree statistics.
+  it, its time to its first budget, and its recent tree statistics;
+* the ingress's own counters (``IngressMetrics``): engine requests re-issued after their
+  replica failed, streams resumed on another replica, streams that ended with an error
+  event, and the pause a resume costs. Each API replica pushes its snapshot to the
+  controller, which keeps the latest per API replica (they are never dropped, so the
+  sums stay monotone).
 
 Terms: a *draft* is one request's tree in one engine step (vLLM: one proposal); its
 *draft tokens* are the tree's nodes; *accepted tokens* are the draft tokens on the
@@ -28,7 +33,7 @@ without the hook leave that histogram empty.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +50,7 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
 REQUEST_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+RESUME_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,21 @@ FAMILIES = (
     Family(P + "request_queue_time_seconds", "histogram",
            "Time from arrival at the replica until the engine scheduled the request.", buckets=QUEUE_BUCKETS),
 )
-_BY_NAME = {f.name: f for f in FAMILIES}
+# the ingress's (``IngressMetrics``): what the API did when an engine replica failed under a request
+STREAM_FAILURE_CODES = ("replica_failed", "resume_mismatch", "engine_error")
+INGRESS_FAMILIES = (
+    Family(P + "request_retries", "counter",
+           "Engine requests re-issued to another replica after theirs died or drained (before or after their "
+           "first token, streamed or not)."),
+    Family(P + "stream_resumes", "counter",
+           "Streamed responses continued on another replica after tokens had been sent (the replay matched them)."),
+    Family(P + "stream_failures", "counter",
+           "Streamed responses that ended with an error event after they began, by error code.", ("code",)),
+    Family(P + "stream_resume_seconds", "histogram",
+           "Pause a resumed stream's client saw: from the replica's failure to the first new token after it.",
+           buckets=RESUME_BUCKETS),
+)
+_BY_NAME = {f.name: f for f in FAMILIES + INGRESS_FAMILIES}
 
 # (metric name, help, key in the controller's per-replica status)
 REPLICA_GAUGES = (
@@ -96,6 +116,9 @@ REPLICA_GAUGES = (
     (P + "generation_tokens_per_second", "Generated tokens per second.", "tokens_per_s"),
     (P + "controller_broadcast_age_seconds",
      "Seconds since the controller last sent this replica its budget (answered its heartbeat).", "last_seen_s"),
+    (P + "replica_first_budget_seconds",
+     "Seconds from the replica's first heartbeat to its first budget from a controller (NaN until then).",
+     "first_budget_s"),
 )
 # the budget each replica runs (as it reported it): name, help, key
 BUDGET_GAUGES = (
@@ -118,15 +141,14 @@ def budget_mode(b: Mapping[str, Any]) -> str:
 Sample = tuple[str, tuple[tuple[str, str], ...], float]   # (sample name, sorted labels, value)
 
 
-class ReplicaMetrics:
-    """One replica's counters and histograms, in a registry of its own (several replicas
-    may share a process in tests). Thread-safe: request handlers and the heartbeat both
-    observe."""
+class _Registry:
+    """Counters and histograms of ``families`` in a registry of their own (several replicas
+    may share a process in tests). Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, families: tuple[Family, ...]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._m: dict[str, Any] = {}
-        for f in FAMILIES:
+        for f in families:
             if f.kind == "counter":
                 self._m[f.name] = Counter(f.name, f.help, f.labels, registry=self.registry)
             else:
@@ -138,6 +160,23 @@ class ReplicaMetrics:
 
     def _observe(self, name: str, value: float) -> None:
         self._m[P + name].observe(max(value, 0.0))
+
+    def snapshot(self) -> list[Sample]:
+        """Every counter and histogram sample (no ``_created``), for the controller."""
+        out: list[Sample] = []
+        for fam in self.registry.collect():
+            for s in fam.samples:
+                if not s.name.endswith("_created"):
+                    out.append((s.name, tuple(sorted(s.labels.items())), float(s.value)))
+        return out
+
+
+class ReplicaMetrics(_Registry):
+    """One replica's counters and histograms; request handlers and the heartbeat both
+    observe."""
+
+    def __init__(self) -> None:
+        super().__init__(FAMILIES)
 
     # -- observations ----------------------------------------------------------------------
     def steps(self, stats: Iterable[Any]) -> None:
@@ -165,14 +204,36 @@ class ReplicaMetrics:
     def request(self) -> RequestClock:
         return RequestClock(self)
 
-    def snapshot(self) -> list[Sample]:
-        """Every counter and histogram sample (no ``_created``), for the heartbeat."""
-        out: list[Sample] = []
-        for fam in self.registry.collect():
-            for s in fam.samples:
-                if not s.name.endswith("_created"):
-                    out.append((s.name, tuple(sorted(s.labels.items())), float(s.value)))
-        return out
+
+class IngressMetrics(_Registry):
+    """One API replica's counters of what it did when an engine replica failed under a
+    request (``deployments.http.resume``). ``changes`` counts observations, and
+    ``on_change`` (if set) is called after each, so the API can push them to the controller."""
+
+    def __init__(self) -> None:
+        super().__init__(INGRESS_FAMILIES)
+        for code in STREAM_FAILURE_CODES:  # read 0 before any failure (dashboards, rate())
+            self._m[P + "stream_failures"].labels(code=code)
+        self.changes = 0
+        self.on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        self.changes += 1
+        if self.on_change is not None:
+            self.on_change()
+
+    def retried(self) -> None:
+        self._inc("request_retries")
+        self._changed()
+
+    def resumed(self, pause_s: float) -> None:
+        self._inc("stream_resumes")
+        self._observe("stream_resume_seconds", pause_s)
+        self._changed()
+
+    def stream_failed(self, code: str) -> None:
+        self._inc("stream_failures", code=code)
+        self._changed()
 
 
 class RequestClock:
@@ -244,12 +305,12 @@ def _le_key(labels: tuple[tuple[str, str], ...]) -> float:
 def families(view: Mapping[str, Any], model: str, max_batch_size: int) -> Iterator[Metric]:
     """The metric families of the controller's ``metrics_view()``."""
     base = {"model_name": model}
-    grouped: dict[str, list[Sample]] = {f.name: [] for f in FAMILIES}
+    grouped: dict[str, list[Sample]] = {f.name: [] for f in FAMILIES + INGRESS_FAMILIES}
     for name, labels, value in view.get("samples", ()):
         fam = _family_of(name)
         if fam is not None:
             grouped[fam.name].append((name, tuple(tuple(x) for x in labels), value))
-    for f in FAMILIES:
+    for f in FAMILIES + INGRESS_FAMILIES:
         m = Metric(f.name, f.help, f.kind)
         samples = grouped[f.name]
         if f.kind == "counter" and not f.labels and not samples:

@@ -4,11 +4,13 @@ model is too heavy for several replicas on a 2-core machine; the serving path is
 same).
 
 * ``fault``: streaming and non-streaming users at a constant load; a worker node is
-  killed (SIGKILL to its raylet and processes) partway. Counts what was sent, answered,
-  failed and retried (the API's resends after a replica died, from its log), how long
-  the controller took to drop the dead replica, when the replacement registered and got
-  its first budget, and checks that nothing hung (every request answered within the
-  client's patience; Locust ends within its stop timeout).
+  killed (SIGKILL to its raylet and processes) partway. Counts what was sent, answered
+  and failed, and from the API's counters in ``/metrics`` its re-issues after a replica
+  died, the streams it resumed on another replica, the streams that ended with an error
+  event and the pause a resumed stream's client saw (``ingress_report``); how long the
+  controller took to drop the dead replica, when the replacement registered and got its
+  first budget, and checks that nothing hung (every request answered within the client's
+  patience; Locust ends within its stop timeout).
 * ``ramp``: a Locust ramp up and down drives Serve autoscaling 1 -> 3 -> 1 replicas
   across the workers; records each new replica's time to its first controller budget,
   each replica's price (theta) and the goodput over time, and every failed request.
@@ -94,19 +96,49 @@ def per_second(records: list[dict], t0: float, kind: str) -> dict[int, dict]:
     return {s: {**b, "kind": kind} for s, b in out.items()}
 
 
-API_LOG_LINES = {"api_retries": "engine replica failed",                     # a resend (deployments.http.api)
-                 "stream_errors": "the engine replica serving this request failed"}  # an SSE error event
+# the API's counters (deployments.metrics.INGRESS_FAMILIES), summed over their labels
+INGRESS_SAMPLES = ("request_retries_total", "stream_resumes_total", "stream_failures_total",
+                   "stream_resume_seconds_sum", "stream_resume_seconds_count")
 
 
-def api_log_counts(session_dir: Path) -> dict[str, int]:
-    """The API's resends of a request whose replica died and the streams it ended with an
-    error event, counted from its warnings (Ray writes them to the worker's stderr log)."""
-    n = dict.fromkeys(API_LOG_LINES, 0)
-    for f in (session_dir / "logs").glob("worker-*.err"):
-        for line in f.read_text(errors="replace").splitlines():
-            for k, marker in API_LOG_LINES.items():
-                n[k] += marker in line
-    return n
+def ingress_counters(metrics_text: str) -> dict[str, float]:
+    """The API's resend and resume counters from ``/metrics`` text (``stream_failures_total``
+    also by code, as ``stream_failures_total:<code>``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = dict.fromkeys(INGRESS_SAMPLES, 0.0)
+    for fam in text_string_to_metric_families(metrics_text):
+        for smp in fam.samples:
+            name = smp.name.removeprefix("treespark:")
+            if name in out:
+                out[name] += smp.value
+                if "code" in smp.labels:
+                    out[f"{name}:{smp.labels['code']}"] = out.get(f"{name}:{smp.labels['code']}", 0.0) + smp.value
+    return out
+
+
+def get_ingress_counters(url: str) -> dict[str, float]:
+    import requests
+
+    r = requests.get(f"{url}/metrics", timeout=10)
+    r.raise_for_status()
+    return ingress_counters(r.text)
+
+
+def ingress_report(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the API did about the fault, between two readings of its counters: re-issues,
+    streams resumed and failed (by error code), and the mean pause of a resumed stream."""
+    def d(k: str) -> float:
+        return after.get(k, 0.0) - before.get(k, 0.0)
+
+    resumed = d("stream_resumes_total")
+    return {
+        "api_retries": int(d("request_retries_total")),
+        "streams_resumed": int(resumed),
+        "streams_failed": int(d("stream_failures_total")),
+        "streams_failed_by_code": {k.split(":", 1)[1]: int(d(k)) for k in sorted(after) if ":" in k and d(k)},
+        "resumed_stream_added_latency_s": round(d("stream_resume_seconds_sum") / resumed, 3) if resumed else None,
+    }
 
 
 _SERVE_EVENT = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) controller \d+ -- (Adding|Removing) (\d+) "
@@ -171,6 +203,7 @@ def fault(a: argparse.Namespace) -> dict:
     spec = ClusterSpec(workers=2, http_port=a.port, gcs_port=a.gcs_port, agent_port_base=a.gcs_port + 10)
     with local_cluster(spec, lambda: build_app(args)) as cl:
         before = wait_replicas(cl.url, 2, 120)
+        counters_before = get_ingress_counters(cl.url)
         victim = before["replicas"][sorted(before["replicas"])[0]]["node_id"]
         lost = [rid for rid, r in before["replicas"].items() if r["node_id"] == victim]
         log(f"replicas on nodes {[r['node_id'][:8] for r in before['replicas'].values()]}; killing {victim[:8]} at "
@@ -185,14 +218,14 @@ def fault(a: argparse.Namespace) -> dict:
         t_end = time.time() - poller.t0
         time.sleep(3)
         poller.stop()
-        retries = api_log_counts(session_dir())
+        ingress = ingress_report(counters_before, get_ingress_counters(cl.url))
         scaling = serve_scaling(session_dir(), poller.t0)
         after = get_status(cl.url)
-    return fault_summary(a, poller, work, t_kill, t_end, lost, victim, retries, rcs, after, scaling)
+    return fault_summary(a, poller, work, t_kill, t_end, lost, victim, ingress, rcs, after, scaling)
 
 
 def fault_summary(a, poller: StatusPoller, work: Path, t_kill: float, t_end: float, lost: list[str], victim: str,
-                  retries: dict[str, int], rcs: dict, after: dict | None, scaling: list[dict]) -> dict:
+                  ingress: dict, rcs: dict, after: dict | None, scaling: list[dict]) -> dict:
     rows = poller.rows
     t0 = poller.t0
     recs = {k: read_records(work / f"{k}-records.jsonl") for k in ("stream", "plain")}
@@ -237,7 +270,7 @@ def fault_summary(a, poller: StatusPoller, work: Path, t_kill: float, t_end: flo
         "goodput_back_after_s": None if back is None else back - round(t_kill, 2),
         "replacement_node": None if first_new is None else first_new["node"],
         "replicas_at_end": {rid: (r.get("node_id") or "")[:8] for rid, r in (after or {}).get("replicas", {}).items()},
-        **retries, "requests": by_kind, "locust_rc": rcs, "locust_end_s": round(t_end, 1),
+        **ingress, "requests": by_kind, "locust_rc": rcs, "locust_end_s": round(t_end, 1),
         "hung": any(rc is None for rc in rcs.values()),
     }
     a.out.mkdir(parents=True, exist_ok=True)

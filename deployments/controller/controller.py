@@ -52,6 +52,9 @@ class Controller:
     def report(self, report: dict[str, Any]) -> dict[str, Any]:
         return self.state.report(ReplicaReport.from_wire(report))
 
+    def report_ingress(self, ingress_id: str, samples: list) -> None:
+        self.state.report_ingress(ingress_id, samples)
+
     def set_override(self, budget: dict[str, Any] | None) -> None:
         self.state.set_override(None if budget is None else Budget.from_wire(budget))
 

@@ -12,7 +12,8 @@ Replicas report every heartbeat; the state
   per-round (node cap, accepted) records, and refits what
   ``treespark.pricing.estimators`` learns from them;
 * keeps each replica's latest Prometheus samples, and the sum of the dropped replicas'
-  (``deployments.metrics.merge``), so cluster counters stay monotone;
+  (``deployments.metrics.merge``), so cluster counters stay monotone; and each API
+  replica's latest (``report_ingress``: its resends and stream resumes), never dropped;
 * answers ``status()``, what ``GET /v1/speculation`` shows, and ``metrics_view()``, what
   ``/metrics`` renders.
 
@@ -110,6 +111,7 @@ class ControllerState:
     override: Budget | None = None
     departed: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
     departed_samples: list = field(default_factory=list)   # dropped replicas' Prometheus samples, summed
+    ingress_samples: dict = field(default_factory=dict)    # API replica id -> its latest samples (cumulative)
     records: deque = field(default_factory=lambda: deque(maxlen=20000))
     calibration: tuple[float, float] | None = None
     calibration_report: dict[str, float] | None = None
@@ -152,6 +154,10 @@ class ControllerState:
             "registered": registered,
             "calibration": self.calibration if self.online_calibration else None,
         }
+
+    def report_ingress(self, ingress_id: str, samples: list) -> None:
+        """An API replica's latest counter samples (each report replaces its previous one)."""
+        self.ingress_samples[ingress_id] = [(n, tuple(tuple(x) for x in lab), float(v)) for n, lab, v in samples]
 
     def prune(self, now: float | None = None) -> list[str]:
         now = self.clock() if now is None else now
@@ -285,7 +291,9 @@ class ControllerState:
 
     def metrics_view(self) -> dict[str, Any]:
         """``status()`` and the cluster's Prometheus samples: every live replica's latest
-        plus the dropped replicas' totals, summed (``deployments.metrics.render``)."""
+        plus the dropped replicas' totals and the API replicas', summed
+        (``deployments.metrics.render``)."""
         st = self.status()
-        st["samples"] = merge(self.departed_samples, *(e.report.metrics for e in self.replicas.values()))
+        st["samples"] = merge(self.departed_samples, *(e.report.metrics for e in self.replicas.values()),
+                              *self.ingress_samples.values())
         return st

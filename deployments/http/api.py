@@ -20,8 +20,11 @@ Reliability and security (``AppArgs.limits``, ``AppArgs.api_key_env``):
 * overload: Serve's ``max_queued_requests`` (per caller) rejects at once, answered as
   503/429 with ``Retry-After``; a request no replica takes within ``queue_timeout_s`` gets
   503 too; nothing waits forever;
-* a request whose engine replica dies before its response started is resent once to
-  another replica; a stream already under way ends with an SSE error event;
+* a request whose engine replica dies or drains is re-issued to another replica with the
+  same seed (every sampled request gets one here), before or after its response started:
+  a stream under way continues where it was (``deployments.http.resume``), at most
+  ``limits.replica_retries`` times; the resends, resumes and failed streams are counted in
+  ``/metrics``;
 * 5xx bodies never carry exception text, tracebacks or paths: those go to the log under
   an ``error id`` that the body names.
 """
@@ -31,9 +34,10 @@ import asyncio
 import hmac
 import logging
 import os
+import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -62,6 +66,7 @@ from deployments.http.responses import (
     engine_error_response,
     sse_stream,
 )
+from deployments.http.resume import ReplicaFailed, ResumableCall
 from deployments.http.schemas import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -83,7 +88,7 @@ from deployments.http.validation import (
     json_body,
     parse,
 )
-from deployments.metrics import CONTENT_TYPE, render
+from deployments.metrics import CONTENT_TYPE, IngressMetrics, render
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +124,6 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(500, f"internal server error (error id {eid})", code="internal_error")
 
 
-class _ReplicaFailed(Exception):
-    """The engine replica died (or became unreachable) before the response started."""
-
-
 async def _all(coros: Iterable[Awaitable[Any]]) -> list[Any]:
     """Await every coroutine concurrently (one per choice); if one raises or the caller is
     cancelled, the others are cancelled too (their handle calls with them)."""
@@ -151,6 +152,12 @@ class Api:
         self.model = self.args.model_name
         self.created = int(time.time())
         self._controller = None
+        self._seeds = random.SystemRandom()   # seeds of sampled requests that bring none
+        self.ingress_id = uuid.uuid4().hex[:12]   # names this API replica's counters to the controller
+        self.metrics = IngressMetrics()
+        self.metrics.on_change = self._push_metrics_soon
+        self._metrics_pushed = -1   # the ``changes`` the controller has (-1: nothing yet)
+        self._push_task: asyncio.Task | None = None
         self._api_key: bytes | None = None
         if self.args.api_key_env is not None:
             key = os.environ.get(self.args.api_key_env, "")
@@ -170,7 +177,12 @@ class Api:
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def _engine_request(self, req: SamplingRequest) -> dict[str, Any] | JSONResponse:
-        return engine_request(req)
+        """The engine request; a sampled one without a seed gets one (not echoed), so that a
+        replica failure can be resumed exactly on another replica."""
+        ereq = engine_request(req)
+        if not isinstance(ereq, JSONResponse) and ereq["temperature"] > 0 and ereq["seed"] is None:
+            ereq["seed"] = self._seeds.getrandbits(63)
+        return ereq
 
     async def _controller_call(self, method: str, *args: Any) -> Any:
         timeout = self.args.controller.rpc_timeout_s
@@ -181,6 +193,22 @@ class Api:
         except Exception:
             self._controller = None
             raise
+
+    def _push_metrics_soon(self) -> None:
+        """Send this API replica's counters to the controller in the background, once per
+        burst of changes (a failed push is retried with the next change or scrape)."""
+        if self._push_task is None or self._push_task.done():
+            self._push_task = asyncio.ensure_future(self._push_metrics())
+
+    async def _push_metrics(self) -> None:
+        while self._metrics_pushed != self.metrics.changes:
+            changes = self.metrics.changes
+            try:
+                await self._controller_call("report_ingress", self.ingress_id, self.metrics.snapshot())
+            except Exception as err:  # noqa: BLE001 - the counters wait for the next push
+                log.info("could not report the ingress counters to the controller (%r)", err)
+                return
+            self._metrics_pushed = changes
 
     def _controller_unavailable(self, err: BaseException) -> JSONResponse:
         return error_response(503, f"the controller is unavailable ({type(err).__name__})", code="controller_unavailable",
@@ -200,38 +228,34 @@ class Api:
         prefix = "chatcmpl-" if chat else "cmpl-"
         ereqs = choice_requests(ereq, req.n)  # n independent engine requests
         if req.stream:
-            opened = await _all(self._retrying(e, self._open) for e in ereqs)
+            opened = await _all(self._call(e) for e in ereqs)
             if (refused := _first_error(opened)) is not None:
                 for o in opened:
                     if not isinstance(o, JSONResponse):
-                        cancel_call(o[0])
+                        o.cancel()
                 return refused
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            rid = prefix + opened[0][1]["request_id"]
-            return StreamingResponse(sse_stream([gen for gen, _ in opened], rid, chat, include_usage, self.model),
+            rid = prefix + opened[0].request_id
+            return StreamingResponse(sse_stream(opened, rid, chat, include_usage, self.model,
+                                                on_error=self.metrics.stream_failed),
                                      media_type="text/event-stream")
-        done = await _all(self._retrying(e, self._complete) for e in ereqs)
+        done = await _all(self._complete(e) for e in ereqs)
         if (refused := _first_error(done)) is not None:
             return refused
         return completion_body(prefix + done[0][0]["request_id"], chat, self.model,
                                [(text, end, lps) for _, text, end, lps in done])
 
-    async def _retrying(self, ereq: dict[str, Any], attempt: Callable[[dict[str, Any]], Awaitable[Any]]) -> Any:
-        """``attempt(ereq)``, resent under a new id while it raises ``_ReplicaFailed``."""
-        retries = self.args.limits.replica_retries
-        for i in range(retries + 1):
-            try:
-                return await attempt(ereq)
-            except _ReplicaFailed as err:
-                log.warning("request %s: engine replica failed (%r); attempt %d of %d", ereq["request_id"], err.__cause__,
-                            i + 1, retries + 1)
-                ereq = {**ereq, "request_id": uuid.uuid4().hex}
-        return error_response(503, "the engine replica serving this request failed; retry", code="replica_failed",
-                              headers=retry_after(self.args.replica.retry_after_s))
+    async def _call(self, ereq: dict[str, Any], stream: bool = True) -> ResumableCall | JSONResponse:
+        """One engine request, started on some replica (re-issued while replicas fail, up to
+        ``limits.replica_retries`` times in all), or the refusal."""
+        call = ResumableCall(ereq, self._open, self.args.limits.replica_retries, self.metrics, stream=stream,
+                             retry_after_s=self.args.replica.retry_after_s)
+        refused = await call.open()
+        return call if refused is None else refused
 
     async def _open(self, ereq: dict[str, Any]) -> tuple[Any, dict[str, Any]] | JSONResponse:
         """Start one engine request on one replica: (the handle call, its first event), or the
-        refusal; raises ``_ReplicaFailed`` if the replica died first (nothing was sent)."""
+        refusal; raises ``ReplicaFailed`` if the replica died first (nothing was sent)."""
         gen = None
         try:  # (Serve may raise BackPressureError from .remote() itself)
             gen = self.replica.options(stream=True).generate.remote(ereq)
@@ -250,26 +274,26 @@ class Api:
         except asyncio.CancelledError:
             cancel_call(gen)
             raise
-        except RayActorError as err:
+        except RayActorError as err:  # ActorDiedError, ActorUnavailableError: ResumableCall re-issues
             cancel_call(gen)
-            raise _ReplicaFailed() from err
-        if first["type"] == "error":
+            log.warning("request %s: engine replica failed (%r)", ereq["request_id"], err)
+            raise ReplicaFailed() from err
+        if first["type"] == "error" and first.get("code") != "replica_stopping":
             return engine_error_response(first)
         return gen, first
 
     async def _complete(self, ereq: dict[str, Any]) -> tuple[dict[str, Any], str, dict[str, Any], Any] | JSONResponse:
         """One engine request to its end: (first event, whole text, end event, log-prob entries
-        or None), or the refusal;
-        raises ``_ReplicaFailed`` if the replica died (nothing was sent to the client yet)."""
-        opened = await self._open(ereq)
-        if isinstance(opened, JSONResponse):
-            return opened
-        gen, first = opened
+        or None), or the refusal (resumed on another replica, as a stream is, if its replica
+        fails)."""
+        call = await self._call(ereq, stream=False)
+        if isinstance(call, JSONResponse):
+            return call
         texts: list[str] = []
         lps: list[dict[str, Any]] | None = None if ereq.get("logprobs") is None else []
         end: dict[str, Any] | None = None
         try:
-            async for ev in gen:
+            async for ev in call:
                 if ev["type"] == "delta":
                     texts.append(ev["text"])
                     if lps is not None:
@@ -277,16 +301,16 @@ class Api:
                 elif ev["type"] == "end":
                     end = ev
                 elif ev["type"] == "error":
+                    if ev["code"] == "replica_failed":
+                        return error_response(503, "the engine replica serving this request failed; retry",
+                                              code="replica_failed", headers=retry_after(self.args.replica.retry_after_s))
                     return engine_error_response(ev)
         except asyncio.CancelledError:
-            cancel_call(gen)
+            call.cancel()
             raise
-        except RayActorError as err:  # nothing sent to the client yet: the caller may resend
-            cancel_call(gen)
-            raise _ReplicaFailed() from err
         if end is None:
             return internal_error("generation ended without a result", "the replica's event stream ended early")
-        return first, "".join(texts), end, lps
+        return call.start, "".join(texts), end, lps
 
     @app.post("/v1/completions", summary="Complete a prompt", openapi_extra=request_body(CompletionRequest),
               responses=answers(CompletionResponse, 400, 401, 404, 413, 429, 503, stream=CompletionChunk))
@@ -359,6 +383,9 @@ class Api:
     @app.get("/metrics", summary="Prometheus metrics of the whole cluster", response_class=PlainTextResponse,
              responses=answers(None, 401, 503, text="Prometheus text format 0.0.4"))
     async def metrics(self, request: Request) -> Any:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        await self._push_metrics()   # this API replica's counters, if the controller lacks its latest
         view = await self._authorized_status(request, "metrics_view")
         if not isinstance(view, dict):
             return view

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -141,10 +141,20 @@ async def _indexed(gens: list[Any]) -> AsyncIterator[tuple[int, Any]]:
             t.cancel()
 
 
-async def sse_stream(gens: list[Any], rid: str, chat: bool, include_usage: bool, model: str) -> AsyncIterator[str]:
-    """The streamed response: ``gens`` (the handle calls of the request's choices, each past
-    its first event) as SSE lines; chunks carry their choice's index. A client that goes
-    away before the end cancels every call (the replicas abort the requests)."""
+# what the client reads in a stream's error event, by its code (the detail goes to the log)
+STREAM_ERRORS = {
+    "replica_failed": "the engine replica serving this request failed",
+    "resume_mismatch": "the engine replica serving this request failed, and the stream could not be resumed "
+                       "on another replica: its replay differed from the text already sent",
+}
+
+
+async def sse_stream(gens: list[Any], rid: str, chat: bool, include_usage: bool, model: str,
+                     on_error: Callable[[str], None] | None = None) -> AsyncIterator[str]:
+    """The streamed response: ``gens`` (the calls of the request's choices, each past its
+    first event: ``deployments.http.resume.ResumableCall``) as SSE lines; chunks carry their
+    choice's index. A client that goes away before the end cancels every call (the
+    replicas abort the requests). ``on_error(code)`` hears of every error event sent."""
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -162,6 +172,8 @@ async def sse_stream(gens: list[Any], rid: str, chat: bool, include_usage: bool,
         return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
 
     def error(what: str, detail: Any, code: str) -> str:
+        if on_error is not None:
+            on_error(code)
         eid = uuid.uuid4().hex[:12]
         log.error("stream %s: %s [error id %s]: %s", rid, what, eid, detail)
         return sse({"error": {"message": f"{what} (error id {eid})", "type": "internal_error", "param": None, "code": code}})
@@ -188,7 +200,8 @@ async def sse_stream(gens: list[Any], rid: str, chat: bool, include_usage: bool,
                                            "usage": merge_usage(done), "speculation": merge_speculation(done)})
                     elif ev["type"] == "error":  # final for its choice; the others are cancelled below
                         finished = len(gens) == 1
-                        yield error("the engine failed on this request", ev["message"], ev["code"] or "engine_error")
+                        code = ev["code"] or "engine_error"
+                        yield error(STREAM_ERRORS.get(code, "the engine failed on this request"), ev["message"], code)
                         break
         except RayActorError as err:  # the replica died mid-stream: tell the client, end cleanly
             finished = len(gens) == 1

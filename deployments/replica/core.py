@@ -4,7 +4,9 @@ The core owns an ``EngineLoop`` (the engine in its own thread) so concurrent req
 join the running batch. ``generate`` is an async generator of small event dicts that
 the API turns into OpenAI responses:
 
-* ``{"type": "error", "status", "message", "param", "code"}``   (bad input; final)
+* ``{"type": "error", "status", "message", "param", "code"}``   (bad input; final; code
+  ``replica_stopping`` when the engine loop stopped under the request: the API resumes it
+  on another replica)
 * ``{"type": "start", "request_id", "prompt_tokens"}``
 * ``{"type": "delta", "text", "token_ids"}``                    (one per engine step; with
   ``"logprobs"``, one ``text.logprob_entry`` per token, when the request asked)
@@ -34,6 +36,7 @@ from deployments.replica.engine_loop import (
     Aborted,
     EngineLoop,
     Failed,
+    LoopStopped,
     asyncio_sink,
 )
 from deployments.replica.heartbeat import Heartbeat, ReplicaCounters, rss_bytes
@@ -53,6 +56,13 @@ def _build_bundle(args: AppArgs) -> EngineBundle:
 
 def _error(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> dict[str, Any]:
     return {"type": "error", "status": status, "message": message, "param": param, "code": code}
+
+
+def _failed(error: BaseException) -> dict[str, Any]:
+    """The error event of an engine failure under a running request."""
+    if isinstance(error, LoopStopped):
+        return _error(f"the engine loop stopped: {error}", status=503, code="replica_stopping")
+    return _error(f"engine error: {error}", status=500, code="engine_error")
 
 
 class ReplicaCore:
@@ -160,10 +170,7 @@ class ReplicaCore:
                 first = await q.get()
             if isinstance(first, Failed):
                 done = True
-                if isinstance(first.error, ValueError):
-                    yield _error(str(first.error))
-                else:
-                    yield _error(f"engine error: {first.error}", status=500, code="engine_error")
+                yield _error(str(first.error)) if isinstance(first.error, ValueError) else _failed(first.error)
                 return
             assert first is ACCEPTED
             yield {"type": "start", "request_id": rid, "prompt_tokens": len(ids)}
@@ -175,7 +182,7 @@ class ReplicaCore:
                     continue
                 if isinstance(item, Failed):
                     done = True
-                    yield _error(f"engine error: {item.error}", status=500, code="engine_error")
+                    yield _failed(item.error)
                     return
                 if isinstance(item, Aborted):  # our own abort after a stop string
                     done = True

@@ -78,6 +78,11 @@ class Failed:
     error: BaseException
 
 
+class LoopStopped(RuntimeError):
+    """The error of ``Failed`` items for requests the loop dropped because it stopped (the
+    replica is going away), not because of anything in the request."""
+
+
 @dataclass(frozen=True)
 class Aborted:
     request_id: str
@@ -263,12 +268,12 @@ class EngineLoop:
             raise
         finally:
             for rid in list(self._sinks):
-                self._finish(rid, Failed(RuntimeError("engine loop stopped")))
+                self._finish(rid, Failed(LoopStopped("engine loop stopped")))
             self._fail_queued()
 
     def _fail_queued(self) -> None:
         """Answer the commands nobody will run: pending calls raise, adds fail."""
-        stopped = RuntimeError("engine loop stopped")
+        stopped = LoopStopped("engine loop stopped")
         while True:
             try:
                 cmd = self._cmds.get_nowait()

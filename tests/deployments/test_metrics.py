@@ -222,7 +222,9 @@ def test_grafana_dashboard_queries_are_exported(local_api):
     assert used and used <= exported, sorted(used - exported)
     # the issue's must-haves are on the dashboard
     for name in ("time_to_first_token_seconds_bucket", "spec_decode_num_accepted_tokens_per_pos_total",
-                 "spec_decode_theta", "spec_decode_mode", "controller_broadcast_age_seconds", "kv_cache_usage_perc"):
+                 "spec_decode_theta", "spec_decode_mode", "controller_broadcast_age_seconds", "kv_cache_usage_perc",
+                 "request_retries_total", "stream_resumes_total", "stream_failures_total",
+                 "stream_resume_seconds_bucket", "replica_first_budget_seconds"):
         assert "treespark:" + name in used, name
 
 
@@ -235,3 +237,25 @@ def test_grafana_dashboard_is_well_formed():
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
             assert all('model_name=~"$model"' in t["expr"] for t in p["targets"]), p["title"]
+
+
+def test_ingress_counters_of_several_api_replicas_add_up():
+    """Each API replica's latest snapshot replaces its previous one; the API replicas' sum
+    is in /metrics next to the engine replicas' counters."""
+    from deployments.metrics import IngressMetrics
+
+    st = ControllerState(LadderPolicy())
+    a, b = IngressMetrics(), IngressMetrics()
+    a.retried()
+    st.report_ingress("api-a", a.snapshot())
+    a.resumed(2.0)
+    a.stream_failed("resume_mismatch")
+    st.report_ingress("api-a", a.snapshot())   # replaces the first
+    b.retried()
+    st.report_ingress("api-b", b.snapshot())
+    m = parse(render(st.metrics_view(), MODEL, 4))
+    assert value(m, "treespark:request_retries_total") == 2
+    assert value(m, "treespark:stream_resumes_total") == 1
+    assert value(m, "treespark:stream_resume_seconds_sum") == 2.0
+    assert value(m, "treespark:stream_failures_total", code="resume_mismatch") == 1
+    assert value(m, "treespark:stream_failures_total", code="replica_failed") == 0

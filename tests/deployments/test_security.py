@@ -155,12 +155,12 @@ def test_backpressure_maps_to_openai_error_with_retry_after(api, status):
     assert complete(api).status == 200
 
 
-def test_replica_death_is_retried_once_then_503(api):
+def test_replica_death_is_retried_then_503(api):
     api.handle.fail_next = [RayActorError(error_msg="The actor died: /secret-path/replica.py line 3")]
     n = api.handle.calls
     r = complete(api)
     assert r.status == 200 and api.handle.calls == n + 2  # resent to "another" replica
-    api.handle.fail_next = [RayActorError(error_msg="/secret-path"), RayActorError(error_msg="/secret-path")]
+    api.handle.fail_next = [RayActorError(error_msg="/secret-path")] * 3   # limits.replica_retries = 2
     r = complete(api)
     assert_openai_error(r, 503, "replica_failed")
     assert r.headers["retry-after"] == "1"

@@ -100,8 +100,12 @@ class LocalController:
 
             self.state.set_override(None if budget is None else Budget.from_wire(budget))
 
+        async def report_ingress(ingress_id: str, samples: list) -> None:
+            self.state.report_ingress(ingress_id, samples)
+
         self.status = _Method(status)
         self.metrics_view = _Method(metrics_view)
+        self.report_ingress = _Method(report_ingress)
         self.set_override = _Method(set_override)
 
 
