@@ -5,7 +5,7 @@ with positive and negative cases, by the schemathesis CLI.
 Checks: no 5xx, every status and content type documented, every JSON body valid
 against its documented schema, schema-violating bodies rejected. Valid generation bodies
 are steered to the engine (``steer``: the served model's name, no field the API refuses,
-``n`` and ``max_tokens`` within the limits), as in ``tests/test_openapi.py``, which runs
+``n`` and ``max_tokens`` within the limits), as in ``tests/deployments/test_openapi.py``, which runs
 the same cases in-process in CI. The CLI loads ``loadtests.openapi_hooks`` as its hooks
 module (``SCHEMATHESIS_HOOKS``), which registers ``steer``.
 

@@ -4,7 +4,7 @@ the API must never answer 5xx, nor end a stream with an internal error.
 
 Here the real ``Api`` routes and the real engine on the tiny random pair run in-process
 (``serving.inprocess``: no Ray, milliseconds per request, 600 requests);
-``tests/test_reliability.py::test_fuzz_served_app`` sends 500 of the same requests to
+``tests/deployments/test_reliability.py::test_fuzz_served_app`` sends 500 of the same requests to
 the app served by Ray Serve over loopback HTTP (the proxy, handles and replicas too).
 """
 
