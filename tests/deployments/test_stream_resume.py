@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from serving.inprocess import LocalApi, LocalReplicaHandle, _Gen
+from serving.policies import LADDER
 from test_metrics import parse, value
 
 from deployments.config import AppArgs, LimitArgs
@@ -255,7 +256,9 @@ def _collect(call: ResumableCall, loop: asyncio.AbstractEventLoop) -> tuple[list
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_real_engine_resumes_token_for_token(temperature):
-    args = AppArgs(model="random", vocab_size=512, max_batch_size=2, max_context=256)
+    # both replicas under the same fixed ladder: a sampled replay is exact only under the same
+    # draft trees (docs/stream-resume.md), and the per-step default cuts trees on measured times
+    args = AppArgs(model="random", vocab_size=512, max_batch_size=2, max_context=256, policy=LADDER)
     cores = [ReplicaCore(args, f"r{i}", connect=None) for i in range(2)]
     loop = asyncio.new_event_loop()
     try:
