@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from treespark.engine.cost_measure import MeasureConfig
+from treespark.models.errors import ModelLoadError
 from treespark.spec.budget import Budget
 from treespark.spec.calibration import SIBLING_OFFSETS
 
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ModelLoadError, ValueError, FileNotFoundError) as e:  # a model that does not load: one line
         print(f"treespark: error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -244,3 +244,14 @@ def test_shipped_drafter_is_bf16_with_offsets_and_maps_as_before():
     ids = torch.arange(d2t.numel()) + d2t
     assert d2t.dtype == torch.int64 and int(d2t.min()) >= 0
     assert hashlib.sha256(ids.numpy().tobytes()).hexdigest() == OLD_ABSOLUTE_D2T_SHA256
+
+
+def test_a_model_that_does_not_load_is_one_line_from_the_cli(tmp_path, capsys):
+    from treespark.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["calibrate", "--target", str(tmp_path / "no-target"), "--drafter", str(tmp_path / "no-drafter"),
+              "--out", str(tmp_path / "cal"), "--device", "cpu"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("treespark: error: target ") and "Traceback" not in err[0]
