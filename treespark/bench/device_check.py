@@ -533,6 +533,10 @@ def device_check(config: CheckConfig, out_dir: str | Path, *, device: str | None
     return result
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a markdown table cell
+
+
 def render(r: dict[str, Any]) -> str:
     cfg, pre = r["config"], r["preflight"]
     lines = [f"# Device check: {cfg['shape']['name']} shapes, random weights, on {pre['device_name']} "
@@ -542,7 +546,8 @@ def render(r: dict[str, Any]) -> str:
     lines += [f"- {k}: {v}" for k, v in pre.items()]
     lines += ["", "## Correctness", "", markdown_table(
         ["check", "result", "value", "bound"],
-        [[c["check"], "ok" if c["ok"] else "**FAIL**", c["value"], c["bound"]] for c in r["checks"]])]
+        [[_cell(c["check"]), "ok" if c["ok"] else "**FAIL**", _cell(c["value"]), _cell(c["bound"])]
+         for c in r["checks"]])]
     lines += ["", "## Throughput", "",
               f"{cfg['timed_steps']} timed steps per row, every one at the full batch, after "
               f"{cfg['prompt_len']}-token prompts; medians per step in ms. verify: the target forward; backbone: "
