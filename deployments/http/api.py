@@ -338,6 +338,9 @@ class Api:
         except Exception as err:  # noqa: BLE001
             return error_response(503, f"no engine replica is ready ({type(err).__name__})", code="not_ready",
                                   headers=retry_after(self.args.replica.retry_after_s))
+        if status.get("startup_error"):  # the replica could not load its model: say why
+            return error_response(503, f"the engine replica cannot serve: {status['startup_error']}",
+                                  code="replica_not_ready")
         if not status.get("engine_alive", False):
             return error_response(503, "the engine loop is not running", code="not_ready")
         return {"status": "ok"}

@@ -39,6 +39,8 @@ def sse(obj: Any) -> str:
 
 def engine_error_response(ev: dict[str, Any]) -> JSONResponse:
     """An engine ``error`` event as a response: 4xx as they are, 5xx by error id only."""
+    if ev.get("code") == "replica_not_ready":  # a model that did not load: the operator's own reason, no traceback
+        return error_response(503, ev["message"], ev["param"], ev["code"])
     if ev["status"] >= 500:  # the message may hold exception text: log it, answer an id
         return internal_error("the engine failed on this request", ev["message"], ev["status"], ev["code"] or "engine_error")
     return error_response(ev["status"], ev["message"], ev["param"], ev["code"])

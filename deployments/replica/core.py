@@ -18,11 +18,17 @@ Each request is timed and counted in the replica's Prometheus registry
 Tokenization, the context check and stop strings happen here, where the tokenizer is.
 The controller link (reports, budget, calibration) is its ``Heartbeat``
 (``deployments.replica.heartbeat``).
+
+A replica whose model cannot be loaded (``treespark.models.errors.ModelLoadError``: a bad
+path, a refused drafter checkpoint) logs the reason in one line and stays up without an
+engine: restarting cannot fix its configuration, so instead of a crash loop it reports
+``startup_error`` in its status and answers every request 503 with that reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -43,6 +49,10 @@ from deployments.replica.heartbeat import Heartbeat, ReplicaCounters, rss_bytes
 from deployments.replica.text import Detokenizer, StopMatcher, encode_text, logprob_entry
 from deployments.reports import COUNTERS
 from treespark.models.chat import chat_ids
+from treespark.models.errors import ModelLoadError
+from treespark.spec.calibration import Calibration
+
+log = logging.getLogger(__name__)
 
 
 def _build_bundle(args: AppArgs) -> EngineBundle:
@@ -52,6 +62,13 @@ def _build_bundle(args: AppArgs) -> EngineBundle:
 
         torch.set_num_threads(args.replica.torch_threads)
     return import_attr(args.engine_factory)(args)
+
+
+class _NoEngine:
+    """What a replica that could not load its model holds instead of an engine."""
+
+    vocab_size = 0
+    calibration = Calibration()
 
 
 def _error(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> dict[str, Any]:
@@ -77,9 +94,15 @@ class ReplicaCore:
         # The engine is built on the thread that runs it, so torch keeps one OpenMP
         # worker team (see deployments.replica.engine_loop).
         self.loop = EngineLoop().start()
+        self.startup_error: str | None = None
         try:
             bundle: EngineBundle = self.loop.call(lambda: _build_bundle(args))
             self.loop.attach(bundle.engine)
+        except ModelLoadError as err:  # one line, no traceback; the replica stays up and says why
+            self.startup_error = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            log.error("replica %s cannot serve: %s", replica_id, self.startup_error)
+            bundle = EngineBundle(engine=_NoEngine(), tokenizer=None, make_params=dict)
+            connect = None  # not registered with the controller: it takes no share of the load
         except BaseException:
             self.loop.stop()
             raise
@@ -147,6 +170,10 @@ class ReplicaCore:
             return _error(str(err))
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        if self.startup_error is not None:
+            yield _error(f"this engine replica cannot serve: {self.startup_error}", code="replica_not_ready",
+                         status=503)
+            return
         clock = self.metrics.request()
         ids = self._prompt_ids(req)
         if isinstance(ids, dict):
@@ -249,7 +276,8 @@ class ReplicaCore:
             "waiting": load.waiting,
             "kv_slots_in_use": load.kv_slots_in_use,
             "rss_bytes": rss_bytes(),
-            "engine_alive": load.alive,
+            "engine_alive": load.alive and self.startup_error is None,
+            "startup_error": self.startup_error,
             "steps": self.loop.steps,
         }
 

@@ -39,7 +39,9 @@ class Replica:
         return self.core.status()
 
     def check_health(self) -> None:
-        if not self.core.loop.alive:
+        # a model that could not load is not a failure a restart fixes: the replica stays up and
+        # answers 503 with the reason (ReplicaCore.startup_error) instead of crash-looping
+        if self.core.startup_error is None and not self.core.loop.alive:
             raise RuntimeError("engine loop thread died")
 
     def __del__(self) -> None:

@@ -1,12 +1,16 @@
-"""The one-shot device check runs end to end (here on CPU, with the tiny shape)."""
+"""The device check's CPU mode runs in the suite: every section, and it fails when it should."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
+import pytest
 import torch
 
 from treespark.bench.device_check import TINY, CheckConfig, build_pair, device_check
-from treespark.engine.cost_measure import MeasureConfig
-from treespark.pricing.costmodel import CostModel
+
+SECTIONS = ("## Preflight", "## Correctness", "## Throughput", "## Long context", "## The floor")
 
 
 def test_meta_built_pair_is_materialised_and_tied():
@@ -14,14 +18,68 @@ def test_meta_built_pair_is_materialised_and_tied():
     tensors = list(pair.target.parameters()) + list(pair.target.buffers()) + list(pair.drafter.parameters())
     assert not any(t.is_meta for t in tensors) and all(torch.isfinite(t).all() for t in tensors)
     assert pair.target.lm_head.weight.data_ptr() == pair.target.model.embed_tokens.weight.data_ptr()
+    assert pair.vocab_size == 151_936  # the real vocabulary, at tiny widths
 
 
-def test_device_check_writes_tables_and_cost_model(tmp_path):
-    cfg = CheckConfig(shape=TINY, batch_sizes=(1, 2), prompt_len=8, new_tokens=6,
-                      cost_grid=MeasureConfig(batch_sizes=(1, 2), tokens=(1, 2, 4), context=16, repeats=1))
-    text = device_check(cfg, tmp_path, device="cpu", log=lambda m: None)
-    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
-    assert len(rows) == 2 * 2 * 3  # temperatures x batch sizes x policies
-    assert (tmp_path / "device-check.md").read_text() == text
-    cost = CostModel.load(tmp_path / "costmodel.json")
-    assert cost.time(2, 4) > 0
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("device-check")
+    return out, device_check(CheckConfig.cpu(), out, device="cpu", log=lambda m: None)
+
+
+def test_cpu_mode_passes_and_reports_every_section(cpu_run):
+    out, result = cpu_run
+    assert result["ok"], [c for c in result["checks"] if not c["ok"]]
+    text = (out / "device-check.md").read_text()
+    assert all(s in text for s in SECTIONS) and "PASSED" in text
+    assert json.loads((out / "device-check.json").read_text())["ok"] is True
+    names = {c["check"] for c in result["checks"]}
+    assert any("greedy tree of 32" in n for n in names) and any("loader" in n for n in names)
+    cfg = CheckConfig.cpu()
+    rows = result["throughput"]
+    assert len(rows) == len(cfg.temperatures) * len(cfg.batch_sizes) * 4  # plain, chain, tree, served
+    assert all(r["tokens_per_s"] > 0 and r["verify"] > 0 for r in rows)
+    assert result["long_context"] and result["floor"]["floor_s"] > 0
+    # the greedy trees equal plain decoding in float32, token for token
+    assert all(g["matched"] == g["of"] for g in result["greedy"].values())
+
+
+def _fails(tmp_path, inject) -> dict:
+    # every section, at the smallest sizes: the correctness checks are what is tested here
+    cfg = replace(CheckConfig.cpu(), batch_sizes=(1,), temperatures=(0.0,), timed_steps=1, warm_steps=0,
+                  greedy_prompts=1, greedy_tokens=4, long_context=((1, 32),), policy_profile_s=0.5)
+    result = device_check(cfg, tmp_path, device="cpu", log=lambda m: None, inject=inject)
+    assert not result["ok"] and "FAILED" in (tmp_path / "device-check.md").read_text()
+    return {c["check"] for c in result["checks"] if not c["ok"]}
+
+
+def test_a_wrong_logit_fails_the_check(tmp_path):
+    def wrong(name, t):
+        if name == "runner_logits":
+            t = t.clone()
+            t[0, 5, 7] = t[0, 5].max() + 50.0   # one position's argmax moved
+        return t
+
+    failed = _fails(tmp_path, wrong)
+    assert any("argmax agreement" in n for n in failed) and any("max |logit diff|" in n for n in failed)
+
+
+def test_a_nan_fails_the_check(tmp_path):
+    def nan(name, t):
+        if name == "drafter_logits":
+            t = t.clone()
+            t[0, 1, 3] = float("nan")
+        return t
+
+    assert any("finite" in n for n in _fails(tmp_path, nan))
+
+
+def test_the_cli_exits_non_zero_when_a_check_fails(tmp_path, monkeypatch):
+    import treespark.bench.device_check as dc
+    from treespark.cli import main
+
+    monkeypatch.setattr(dc, "device_check", lambda *a, **k: {"ok": False, "checks": [
+        {"check": "runner vs transformers: argmax agreement", "ok": False}]})
+    with pytest.raises(SystemExit) as e:
+        main(["device-check", "--device", "cpu", "--out", str(tmp_path)])
+    assert "argmax agreement" in str(e.value.code)

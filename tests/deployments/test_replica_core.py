@@ -95,3 +95,32 @@ def test_round_records_are_keyed_by_each_rows_node_cap():
     s = StepStats(tree_sizes=(4, 0, 1), accepted=(2, 0, 1), node_caps=(8, 8, 2), **base)
     # the empty tree counts as a round at its cap that accepted nothing, not at the widest tree
     assert round_records(s) == [(8, 2), (8, 0), (2, 1)]
+
+
+def build_refused_engine(args):
+    from treespark.models.errors import DrafterCheckpointError
+
+    raise DrafterCheckpointError("drafter checkpoint /models/d is missing tensors: fc.weight")
+
+
+def test_a_model_that_does_not_load_leaves_the_replica_up_and_saying_why(caplog):
+    """No crash loop and no traceback: one log line, then 503 with the reason on every request
+    and at /health (through the status), and a health check that does not restart it."""
+    from deployments.http.responses import engine_error_response
+
+    args = AppArgs(model="random", engine_factory="test_replica_core:build_refused_engine", max_context=64)
+    with caplog.at_level("ERROR"):
+        core = ReplicaCore(args, "r0", connect=None)
+    try:
+        reason = "drafter checkpoint /models/d is missing tensors: fc.weight"
+        assert core.startup_error == reason
+        (rec,) = [r for r in caplog.records if "cannot serve" in r.getMessage()]
+        assert rec.exc_info is None and reason in rec.getMessage()
+        status = core.status()
+        assert status["startup_error"] == reason and status["engine_alive"] is False
+        (ev,) = asyncio.run(_collect(core, {"prompt": "ab", "max_tokens": 4}))
+        assert ev["type"] == "error" and ev["status"] == 503 and reason in ev["message"]
+        resp = engine_error_response(ev)
+        assert resp.status_code == 503 and reason.encode() in resp.body
+    finally:
+        core.shutdown()

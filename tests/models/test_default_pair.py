@@ -29,7 +29,7 @@ def pair():
 
 
 def test_committed_drafter_loads_strictly(pair):
-    from treespark.models.drafter import load_drafter
+    from treespark.models.checkpoint import load_drafter
 
     d = load_drafter(default_drafter_dir(), target=pair.target)  # strict: any stray key fails
     assert d.config.shared_embeddings and d.d2t is not None

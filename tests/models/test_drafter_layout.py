@@ -1,4 +1,6 @@
-"""Layer f: a state dict in the public DSpark layout loads strictly and round-trips."""
+"""Layer f: a state dict in the public DSpark layout loads strictly and round-trips.
+
+The loader's rules (vLLM's) for the other public shapes are in test_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from treespark.models.drafter import DSparkConfig, load_drafter, save_drafter
+from treespark.models.checkpoint import DrafterCheckpointError, load_drafter, save_drafter
+from treespark.models.drafter import DSparkConfig
 
 # A public-style config (deepseek-ai/dspark_qwen3_4b_block7 shape, scaled down).
 CONFIG = {
@@ -17,6 +20,7 @@ CONFIG = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
     "rope_theta": 1000000, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
     "block_size": 7, "target_layer_ids": [1, 9, 17], "mask_token_id": 100, "markov_rank": 16,
+    "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
 }
 
 
@@ -59,7 +63,7 @@ def test_public_layout_loads_strictly_and_round_trips(tmp_path, confidence):
     assert set(ours) == set(state)
     for k, v in state.items():
         assert torch.equal(ours[k], v), k
-    save_drafter(drafter, tmp_path / "again")
+    save_drafter(drafter, tmp_path / "again", dtype=None)  # as they are: the round trip is exact
     again = load_file(str(tmp_path / "again" / "model.safetensors"))
     assert set(again) == set(state) and all(torch.equal(again[k], state[k]) for k in state)
     reloaded = load_drafter(tmp_path / "again")
@@ -75,14 +79,14 @@ def test_layout_is_the_modules_own():
 
 def test_unexpected_or_missing_keys_are_errors(tmp_path):
     write_checkpoint(tmp_path / "extra", False, {"surprise.weight": torch.zeros(2)})
-    with pytest.raises(RuntimeError, match="surprise"):
+    with pytest.raises(DrafterCheckpointError, match="unexpected tensors: surprise.weight"):
         load_drafter(tmp_path / "extra")
     state = write_checkpoint(tmp_path / "missing", False)
     del state["fc.weight"]
     save_file(state, str(tmp_path / "missing" / "model.safetensors"))
-    with pytest.raises(RuntimeError, match="fc.weight"):
+    with pytest.raises(DrafterCheckpointError, match="missing tensors: fc.weight"):
         load_drafter(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(DrafterCheckpointError, match="no drafter checkpoint directory"):
         load_drafter(tmp_path / "nowhere")
 
 

@@ -8,7 +8,7 @@ import math
 import torch
 
 from treespark import Budget, generate, random_pair
-from treespark.models.drafter import load_drafter
+from treespark.models.checkpoint import load_drafter
 from treespark.training.judge import judge
 from treespark.training.train import (
     SequenceDraws,

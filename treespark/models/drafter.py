@@ -16,20 +16,21 @@ The module's parameter names follow the public DSpark checkpoint layout
 (``deepseek-ai/dspark_qwen3_4b_block7``: embed_tokens, fc, hidden_norm,
 layers.N.self_attn.{q,k,v,o}_proj / q_norm / k_norm, layers.N.mlp, norms, norm,
 lm_head, markov_head.markov_w1 / markov_w2), so that checkpoint loads strictly.
-Two extensions keep small drafters cheap: ``shared_embeddings`` (embedding and LM
-head taken from the target, not stored) and a reduced draft vocabulary
-(``draft_vocab_size`` with a ``d2t`` index map, as in EAGLE-3 / FR-Spec).
+Two extensions keep small drafters cheap: shared embeddings (the embedding and the LM
+head taken from the target, not stored: ``shared_embeddings``, ``shared_lm_head``) and
+a reduced draft vocabulary (``draft_vocab_size``, as in EAGLE-3 / FR-Spec). Its map is
+the ``d2t`` buffer, stored as EAGLE-3 and vLLM store it: *offsets*, so draft index i
+is token ``i + d2t[i]`` (``draft_to_target`` gives the token ids).
+
+Checkpoints (reading the public layout, writing ours) are ``treespark.models.checkpoint``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -57,8 +58,10 @@ class DSparkConfig:
     max_position_embeddings: int = 40_960
     hidden_act: str = "silu"
     draft_vocab_size: int = 0            # 0: the full vocabulary
-    shared_embeddings: bool = False      # embed_tokens / lm_head come from the target
-    confidence_head: bool = False        # the public checkpoint may carry one (unused)
+    shared_embeddings: bool = False      # embed_tokens comes from the target (and lm_head, unless
+    shared_lm_head: bool | None = None   # ... this says otherwise; None: as shared_embeddings)
+    confidence_head: bool = False        # the public checkpoint may carry one (unused here)
+    confidence_head_with_markov: bool = False  # its input: hidden state, plus the Markov embedding if set
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -75,6 +78,11 @@ class DSparkConfig:
     @property
     def draft_vocab(self) -> int:
         return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def head_shared(self) -> bool:
+        """Whether the LM head comes from the target."""
+        return self.shared_embeddings if self.shared_lm_head is None else self.shared_lm_head
 
     @property
     def context_size(self) -> int:
@@ -241,9 +249,12 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
+    """DSpark's per-position acceptance estimate: a linear map of the hidden state (and of
+    the parent's Markov embedding W1[parent] when ``confidence_head_with_markov``)."""
+
     def __init__(self, c: DSparkConfig) -> None:
         super().__init__()
-        self.proj = nn.Linear(c.hidden_size + c.markov_rank, 1)
+        self.proj = nn.Linear(c.hidden_size + (c.markov_rank if c.confidence_head_with_markov else 0), 1)
 
 
 class DSparkDrafter(nn.Module):
@@ -256,6 +267,7 @@ class DSparkDrafter(nn.Module):
         c = self.config = config
         if not c.shared_embeddings:
             self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        if not c.head_shared:
             self.lm_head = Linear(c.hidden_size, c.draft_vocab, bias=False)
         self.fc = Linear(c.context_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -264,8 +276,8 @@ class DSparkDrafter(nn.Module):
         self.markov_head = MarkovHead(c)
         if c.confidence_head:
             self.confidence_head = ConfidenceHead(c)
-        if c.draft_vocab_size:
-            self.register_buffer("d2t", torch.arange(c.draft_vocab_size), persistent=True)
+        if c.draft_vocab_size:  # offsets: draft index i is token i + d2t[i] (zeros: the first Vd ids)
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long), persistent=True)
         else:
             self.d2t = None
         self._shared_embed: torch.Tensor | None = None
@@ -275,12 +287,16 @@ class DSparkDrafter(nn.Module):
     # -- shared embeddings ------------------------------------------------------------
     def attach_target_embeddings(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Use the target's embedding [V, h] and LM head [V, h] (rows cut to the draft
-        vocabulary). They stay out of the drafter's state dict."""
-        if not self.config.shared_embeddings:
-            raise ValueError("this drafter stores its own embeddings (shared_embeddings=False)")
-        self._shared_embed = embed.detach()
-        head = lm_head.detach()
-        self._shared_head = head[self.d2t] if self.d2t is not None else head
+        vocabulary) where this drafter shares them. They stay out of its state dict."""
+        c = self.config
+        if not (c.shared_embeddings or c.head_shared):
+            raise ValueError("this drafter stores its own embeddings and LM head (nothing to share)")
+        if c.shared_embeddings:
+            self._shared_embed = embed.detach()
+        if c.head_shared:
+            head = lm_head.detach()
+            d2t = self.draft_to_target
+            self._shared_head = head[d2t.to(head.device)] if d2t is not None else head
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.config.shared_embeddings:
@@ -290,14 +306,26 @@ class DSparkDrafter(nn.Module):
         return self.embed_tokens(ids)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        if self.config.shared_embeddings:
-            assert self._shared_head is not None
+        if self.config.head_shared:
+            if self._shared_head is None:
+                raise RuntimeError("shared-LM-head drafter used before attach_target_embeddings()")
             return linear(h, self._shared_head)
         return self.lm_head(h)
 
     @property
     def draft_to_target(self) -> torch.Tensor | None:
-        return self.d2t
+        """[Vd] the token id of each draft index (``i + d2t[i]``); None: the identity."""
+        if self.d2t is None:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def set_draft_vocabulary(self, token_ids: torch.Tensor) -> None:
+        """Make draft index i stand for ``token_ids[i]`` (stored as offsets in ``d2t``)."""
+        if self.d2t is None or token_ids.shape != self.d2t.shape:
+            raise ValueError(f"a draft vocabulary of {self.config.draft_vocab} ids is needed, got "
+                             f"{tuple(token_ids.shape)}")
+        with torch.no_grad():
+            self.d2t.copy_(token_ids.to(self.d2t) - torch.arange(token_ids.numel(), device=self.d2t.device))
 
     # -- serving -------------------------------------------------------------------------
     def context(self, taps: torch.Tensor) -> torch.Tensor:
@@ -373,54 +401,6 @@ class DSparkDrafter(nn.Module):
         return u + self.markov_head.bias(parents)
 
 
-# -- checkpoint I/O ----------------------------------------------------------------------
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-
-
-def save_drafter(drafter: DSparkDrafter, directory: str | Path, dtype: torch.dtype | None = None) -> None:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / CONFIG_NAME).write_text(json.dumps(drafter.config.to_dict(), indent=2) + "\n")
-    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().cpu()
-             for k, v in drafter.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS_NAME))
-
-
-def load_drafter(
-    directory: str | Path,
-    *,
-    target: torch.nn.Module | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> DSparkDrafter:
-    """Load a drafter from ``config.json`` + ``model.safetensors`` (strictly: a missing
-    or unexpected key is an error). A shared-embedding drafter needs its ``target``."""
-    directory = Path(directory)
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (directory / name).is_file():
-            raise FileNotFoundError(f"drafter checkpoint {directory} has no {name}")
-    raw = json.loads((directory / CONFIG_NAME).read_text())
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    # straight onto the device, in the serving dtype: no float32 CPU copy of a large drafter
-    state = {k: v.to(dtype) if v.is_floating_point() else v
-             for k, v in load_file(str(directory / WEIGHTS_NAME), device=str(dev)).items()}
-    if any(k.startswith("confidence_head.") for k in state):
-        raw = {**raw, "confidence_head": True}
-    if "d2t" in state and not raw.get("draft_vocab_size"):
-        raw = {**raw, "draft_vocab_size": int(state["d2t"].numel())}
-    with torch.device("meta"):  # no memory and no random init: the checkpoint's tensors are assigned
-        drafter = DSparkDrafter(DSparkConfig.from_dict(raw))
-    drafter.load_state_dict(state, strict=True, assign=True)
-    if drafter.d2t is not None:
-        drafter.d2t = drafter.d2t.long()
-    if drafter.config.shared_embeddings:
-        if target is None:
-            raise ValueError("this drafter shares the target's embeddings: pass target=")
-        attach_from_target(drafter, target)
-    return drafter.eval()
-
-
 def grown(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
     """``drafter`` with layers appended up to ``num_layers``: each new one a copy of the
     last with its output projections (attention ``o_proj``, MLP ``down_proj``) zeroed, so
@@ -438,8 +418,8 @@ def grown(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
             zero = k.endswith(("o_proj.weight", "down_proj.weight"))
             state[f"layers.{i}.{k}"] = torch.zeros_like(v) if zero else v.clone()
     out.load_state_dict(state, strict=True)   # d2t is copied into the module's own int64 buffer
-    if drafter.config.shared_embeddings:   # the target's tensors, already cut to the draft vocabulary
-        out._shared_embed, out._shared_head = drafter._shared_embed, drafter._shared_head
+    # the target's tensors where shared (the head already cut to the draft vocabulary)
+    out._shared_embed, out._shared_head = drafter._shared_embed, drafter._shared_head
     return out.train(drafter.training)
 
 

@@ -146,7 +146,8 @@ def load_pair(
     """
     from pathlib import Path
 
-    from treespark.models.drafter import load_drafter
+    from treespark.models.checkpoint import load_drafter, resolve_checkpoint
+    from treespark.models.errors import ModelLoadError
 
     dev = pick_device(device)
     if dtype is None:
@@ -160,22 +161,19 @@ def load_pair(
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, use_safetensors=True).eval().to(dev)
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, use_safetensors=True).eval().to(dev)
+            tokenizer = AutoTokenizer.from_pretrained(target)
+        except (OSError, ValueError) as e:  # a bad path, no network, no safetensors: one line, not a traceback
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelLoadError(f"target {target!r} could not be loaded: {first}") from None
         name = f"{target}+{drafter}"
     if drafter is None:
         if target is not None:
             raise ValueError("a custom target needs its drafter: pass drafter=")
         ddir = Path(str(default_drafter_dir()))
     else:
-        ddir = Path(drafter)
-        if not ddir.is_dir():
-            from huggingface_hub import snapshot_download
-
-            ddir = Path(snapshot_download(drafter, allow_patterns=["*.json", "*.safetensors"]))
-    if not (ddir / "model.safetensors").is_file():
-        raise FileNotFoundError(
-            f"no drafter at {ddir}: train one with `treespark train-drafter --out {ddir}`")
+        ddir = resolve_checkpoint(drafter)
     draft = load_drafter(ddir, target=model, device=dev, dtype=dtype)
     return ModelPair(target=model, drafter=draft, tokenizer=tokenizer,
                      calibration=calibration_for(ddir, drafter), name=name)

@@ -64,8 +64,9 @@ def block_matches(drafter: DSparkDrafter, feats: Features, seq: int) -> tuple[to
     anchors = torch.arange(start, n, device=dev)                          # [A]
     logits = drafter.train_logits(taps, tokens, anchors)                  # [A, blk, Vd]
     guess = logits.argmax(-1)
-    if drafter.d2t is not None:
-        guess = drafter.d2t.to(dev)[guess]
+    d2t = drafter.draft_to_target
+    if d2t is not None:
+        guess = d2t.to(dev)[guess]
     pos = anchors[:, None] + torch.arange(blk, device=dev)                # row k predicts after p + k
     valid = pos <= n - 2
     return (guess == labels[pos]) & valid, valid

@@ -31,7 +31,8 @@ import torch
 
 from treespark.engine.run import target_answers
 from treespark.models.chat import chat_ids
-from treespark.models.drafter import grown, load_drafter, save_drafter
+from treespark.models.checkpoint import load_drafter, save_drafter
+from treespark.models.drafter import grown
 from treespark.models.pair import ModelPair
 from treespark.models.prompts import load_prompts, synthetic_prompts, varied_prompts
 from treespark.training import trainset

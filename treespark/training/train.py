@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from treespark.engine.kv import KVStore
 from treespark.engine.target import TargetRunner
-from treespark.models.drafter import DSparkConfig, DSparkDrafter, attach_from_target, save_drafter
+from treespark.models.checkpoint import save_drafter
+from treespark.models.drafter import DSparkConfig, DSparkDrafter, attach_from_target
 
 
 @dataclass(frozen=True)
@@ -165,10 +166,11 @@ def init_from_target(drafter: DSparkDrafter, target, layer: int | None = None) -
 
 def target_to_draft(drafter: DSparkDrafter) -> torch.Tensor | None:
     """[V] draft index of each target token (-1 outside the draft vocabulary)."""
-    if drafter.d2t is None:
+    d2t = drafter.draft_to_target
+    if d2t is None:
         return None
     t2d = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
-    t2d[drafter.d2t.cpu()] = torch.arange(drafter.d2t.numel())
+    t2d[d2t.cpu()] = torch.arange(d2t.numel())
     return t2d
 
 
@@ -345,7 +347,7 @@ def train_drafter(
 
 
 def _checkpoint(drafter, opt, g, step, order: list[int], out_dir: Path) -> None:
-    save_drafter(drafter, out_dir)
+    save_drafter(drafter, out_dir, dtype=torch.float32)  # resumed training continues from exact weights
     _save_optimizer(opt, g, out_dir)
     (out_dir / "train_state.json").write_text(json.dumps({"step": step, "order": order}) + "\n")
 
@@ -398,7 +400,7 @@ def new_drafter_for(target, *, block_size: int, tap_layers: tuple[int, ...], mar
         drafter.markov_head.markov_w1.weight.copy_(torch.randn(drafter.markov_head.markov_w1.weight.shape, generator=g) * 0.02)
         drafter.markov_head.markov_w2.weight.zero_()
         if d2t is not None:
-            drafter.d2t.copy_(d2t)
+            drafter.set_draft_vocabulary(d2t)
     init_from_target(drafter, target)
     attach_from_target(drafter, target)
     return drafter
