@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -69,6 +70,12 @@ class _NoEngine:
 
     vocab_size = 0
     calibration = Calibration()
+
+
+def without_paths(message: str) -> str:
+    """``message`` with each absolute file path cut to its last component: a 5xx body tells
+    the client why, never where the server's files are (the log and the status keep it)."""
+    return re.sub(r"(?<![\w.])/(?:[^\s'\"/]+/)+([^\s'\"/]*)", r".../\1", message)
 
 
 def _error(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> dict[str, Any]:
@@ -171,8 +178,8 @@ class ReplicaCore:
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         if self.startup_error is not None:
-            yield _error(f"this engine replica cannot serve: {self.startup_error}", code="replica_not_ready",
-                         status=503)
+            yield _error(f"this engine replica cannot serve: {without_paths(self.startup_error)}",
+                         code="replica_not_ready", status=503)
             return
         clock = self.metrics.request()
         ids = self._prompt_ids(req)
@@ -277,7 +284,7 @@ class ReplicaCore:
             "kv_slots_in_use": load.kv_slots_in_use,
             "rss_bytes": rss_bytes(),
             "engine_alive": load.alive and self.startup_error is None,
-            "startup_error": self.startup_error,
+            "startup_error": None if self.startup_error is None else without_paths(self.startup_error),
             "steps": self.loop.steps,
         }
 
