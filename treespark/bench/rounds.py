@@ -34,6 +34,29 @@ def _steps(pair, budget: Budget, temperature: float, new_tokens: int, seed: int)
     return stats
 
 
+HOST_BUDGET = Budget(0.0, 32, 4)  # trees of 32 nodes, 4 children a node
+
+
+def batch_steps(pair, batch: int, temperature: float, steps: int, *, budget: Budget = HOST_BUDGET,
+                engine=Engine, seed: int = 0) -> list[StepStats]:
+    """``steps`` decode steps of ``batch`` requests drafting under ``budget``, after one
+    warm-up step. The batch is filled with plain decoding (each request's prefill, one
+    per step), so that only the steps reported draft trees."""
+    new = batch + 8 * (steps + 2)  # plain tokens while the batch fills, then <= 8 a round
+    eng = engine(pair, EngineConfig(max_batch_size=batch, max_context=8 + new), budget=Budget.off())
+    for i in range(batch):
+        eng.add_request(f"r{i}", [(7 * i + j) % pair.vocab_size for j in range(1, 9)],
+                        SamplingParams(temperature=temperature, max_tokens=new, seed=seed + i))
+    while eng.num_waiting:
+        eng.step()
+    eng.set_budget(budget)
+    stats: list[StepStats] = []
+    eng.on_step = stats.append
+    for _ in range(steps + 1):
+        eng.step()
+    return stats[1:]
+
+
 def rounds_benchmark(*, vocab_size: int = 151_936, markov_rank: int = 256, block_size: int = 7,
                      family: str = "qwen3", draft_vocab: int = 0, new_tokens: int = 32,
                      temperatures=(0.0, 1.0), repeats: int = 3, seed: int = 0, log=print) -> str:

@@ -17,12 +17,18 @@ Each ``step()``:
    requests (their rows are freed at once; the last running row moves into the gap
    so the batch stays a contiguous view).
 
-Host syncs per decode step: one per drafting wave (at most the drafter's block size),
-one for verification, one for the first token of a request whose prefill ends in the
-step, and on CUDA two waits that make the stage times device times; no copy to the
-host grows with the vocabulary (``StepStats.host_syncs`` / ``host_elements``). A request
-that asked for its tapped states (``capture_taps``, for drafter training data) keeps them
-on the device and adds one copy when it finishes.
+Copies between host and device all go through ``treespark.kernels.transfer`` (and a
+test fails on any other). Device to host, each a host sync: one per drafting wave (at
+most the drafter's block size), one for verification, one for the logprobs of rows that
+ask; a prefill that ends in the step adds one for its first token (and one for its
+logprobs); a request that asked for its tapped states (``capture_taps``, for drafter
+training data) keeps them on the device and adds one copy when it finishes. No copy to
+the host grows with the vocabulary (``StepStats.host_syncs`` / ``host_elements``). Host
+to device, each non-blocking from a pinned buffer on CUDA (``StepStats.host_uploads``):
+one for the backbone, one per wave, two for the trees, two for the T > 0 walk, one for
+the commit, one for logprobs; a prefill chunk one, a sampled first token one more. The
+step never waits for the device otherwise: ``measure_stages`` adds two waits (CUDA) so
+that the stage times are device times.
 
 The engine is synchronous and not thread-safe: one thread owns it.
 """
@@ -34,6 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from treespark.engine.kv import KVCache, StoreShape, bytes_per_token, device_kv_budget, rows_within
@@ -107,7 +114,10 @@ class Engine:
                           device=self.device, dtype=self.runner.dtype)
         self.budget = budget or Budget.adaptive()
         self.calibration = calibration or pair.calibration
-        self.transfers = HostTransfers()
+        self.transfers = HostTransfers(self.device)
+        # wait for the device before reading each stage's clock (CUDA), so that draft_s and
+        # verify_s are device times: two more host syncs a step, so only when measuring
+        self.measure_stages = False
         markov = self.drafter.markov_head
         self._d2t = self.drafter.draft_to_target
         self.waves = WaveDrafter(markov.markov_w1.weight.detach(), markov.markov_w2.weight.detach(),
@@ -182,7 +192,7 @@ class Engine:
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        self.transfers.reset()
+        self.transfers.new_step()
         outputs, self._aborted = self._aborted, []
         prefill_tokens = self._prefill_step(outputs)
         if self._running:
@@ -202,7 +212,7 @@ class Engine:
         end = min(len(req.prompt), start + self.config.prefill_chunk)
         last = end == len(req.prompt)
         dev = self.device
-        tokens = torch.tensor([req.prompt[start:end]], device=dev)
+        tokens = self.transfers.upload([req.prompt[start:end]], torch.long)
         pos = torch.arange(start, end, device=dev)[None]
         mask = (torch.arange(end, device=dev)[None, :] <= pos[0][:, None])[None, None]
         rows = slice(req.slot, req.slot + 1)
@@ -220,7 +230,7 @@ class Engine:
             lps = None
             if req.params.logprobs is not None:
                 (lps,) = step_logprobs(out.logits[:, -1:], [Emitted(0, [0], [first], req.params.logprobs)],
-                                       self.transfers.fetch)
+                                       self.transfers)
             done = self._emit(req, [first], outputs, is_prefill=True, logprobs=lps)
             if done:
                 self.kv.free(req.slot)
@@ -238,10 +248,12 @@ class Engine:
         if t == 0:
             token = logits.argmax(-1)
         else:
-            dev = logits.device
-            top_p = None if req.params.top_p >= 1 else torch.tensor([req.params.top_p], device=dev)
-            p = target_probs_rows(logits, torch.tensor([t], dtype=torch.float64, device=dev), top_p)
-            token = sample_rows(p, torch.tensor(req.sampler.uniform(1), device=dev))
+            # one upload: the temperature, the uniform and top-p
+            # (top-p rounded to float32, the precision it has always been applied at)
+            x = self.transfers.upload([t, *req.sampler.uniform(1), float(np.float32(req.params.top_p))],
+                                      torch.float64)
+            p = target_probs_rows(logits, x[:1], None if req.params.top_p >= 1 else x[2:])
+            token = sample_rows(p, x[1:2])
         return int(self.transfers.fetch(token)[0])
 
     def _write_context(self, slot: int, taps: torch.Tensor, pos: torch.Tensor) -> None:
@@ -264,7 +276,8 @@ class Engine:
             budgets = self.allocator.drafting([r.id for r in batch], budgets, [r.budget is None for r in batch],
                                               self.budget.theta)
         drafted = self._draft(batch, budgets, lengths)
-        self.sync()
+        if self.measure_stages:
+            self.sync()
         policy_s = 0.0 if self.allocator is None else self.allocator.policy_s
         if self.allocator is not None and drafted.waves:
             drafted = self.allocator.cut([r.id for r in batch], [r.params.temperature for r in batch],
@@ -275,15 +288,16 @@ class Engine:
         results = self._accept(batch, drafted, logits)
         asked = [Emitted(i, [0, *r.path], list(r.tokens), req.params.logprobs)
                  for i, (req, r) in enumerate(zip(batch, results, strict=True)) if req.params.logprobs is not None]
-        lps = dict(zip((e.row for e in asked), step_logprobs(logits, asked, self.transfers.fetch), strict=True))
+        lps = dict(zip((e.row for e in asked), step_logprobs(logits, asked, self.transfers), strict=True))
         outputs = self._commit(batch, drafted.trees, results, taps, lengths, lps)
-        self.sync()
+        if self.measure_stages:
+            self.sync()
         t_end = time.perf_counter()
         observe = self.allocator is not None and self.allocator.observes
         if self.on_step is not None or observe:
             stats = step_stats(batch, drafted, results, budgets, theta=self.budget.theta,
                                times=(t0, t_draft, t_verify, t_end), prefill_tokens=prefill_tokens,
-                               host=self.transfers.reset(), policy_s=policy_s)
+                               host=self.transfers.counts(), policy_s=policy_s)
             if observe:
                 self.allocator.observe(stats)
             if self.on_step is not None:
@@ -306,17 +320,16 @@ class Engine:
                 for r, b in zip(batch, budgets, strict=True)]
         base = None
         if any(not b.is_off and row.depth_limit > 0 for b, row in zip(budgets, rows, strict=True)):
-            n, c, dev = len(batch), max(lengths), self.device
-            anchors = torch.tensor([r.root for r in batch], device=dev)
-            base = self.drafter.block_logits(anchors, self.kv.drafter.k[:, :n, :, :c],
-                                             self.kv.drafter.v[:, :n, :, :c],
-                                             torch.tensor(lengths, device=dev))
+            n, c = len(batch), max(lengths)
+            ints = self.transfers.upload([[r.root for r in batch], lengths], torch.long)  # anchors, lengths
+            base = self.drafter.block_logits(ints[0], self.kv.drafter.k[:, :n, :, :c],
+                                             self.kv.drafter.v[:, :n, :, :c], ints[1])
         return self.waves.draft(base, rows)
 
     def _verify_forward(self, batch: list[Request], trees: list[DraftTree],
                         lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over every tree: logits [B, K, V] and taps, on the device."""
-        b = tree_batch(trees, lengths, self.device)
+        b = tree_batch(trees, lengths, self.device, self.transfers.upload)
         out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, slice(0, len(batch)), b.mask)
         assert out.logits is not None
         return out.logits, out.taps
@@ -328,8 +341,9 @@ class Engine:
         greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0]
         sampled = [i for i, r in enumerate(batch) if r.params.temperature > 0]
         parts = []
-        if greedy:
-            parts.append(logits[greedy].argmax(-1).flatten())
+        if greedy:  # no copy of the logits: the argmax of every row, then the greedy rows'
+            best = logits.argmax(-1)
+            parts.append((best if len(greedy) == len(batch) else best[greedy]).flatten())
         if sampled:
             parts.append(self._walk(batch, drafted, logits, sampled).flatten())
         host = self.transfers.fetch(torch.cat(parts)).tolist()
@@ -346,60 +360,65 @@ class Engine:
 
     def _walk(self, batch: list[Request], drafted: RoundDraft, logits: torch.Tensor,
               sampled: list[int]) -> torch.Tensor:
-        """The T > 0 rows' recursive rejection walk (``treespark.spec.walk``)."""
-        dev = self.device
-        trees = SampledTrees.pad([drafted.trees[i] for i in sampled], [drafted.draft_ids[i] for i in sampled],
-                                 [drafted.q_row_of[i] for i in sampled], logits.shape[1], dev)
-        r, depth, c = len(sampled), trees.depth, trees.children.shape[2]
+        """The T > 0 rows' recursive rejection walk (``treespark.spec.walk``): the trees,
+        the uniforms and the rows' parameters go up in two uploads."""
+        trees = [drafted.trees[i] for i in sampled]
+        r, width, depth = len(sampled), logits.shape[1], max(t.depth for t in trees)
+        host = SampledTrees.host_arrays(trees, [drafted.draft_ids[i] for i in sampled],
+                                        [drafted.q_row_of[i] for i in sampled], width)
+        c = (host.shape[1] - 3 * width) // width
         # each request draws uniforms for its own tree's shape only (batch-independent)
-        u = torch.full((r, (depth + 1) * c + 1), 0.5, dtype=torch.float64)
-        for j, i in enumerate(sampled):
-            t = drafted.trees[i]
+        u = np.full((r, (depth + 1) * c + 1), 0.5)
+        for j, (i, t) in enumerate(zip(sampled, trees, strict=True)):
             ci = branching(t)
-            own = torch.tensor(batch[i].sampler.uniform((t.depth + 1) * ci + 1), dtype=torch.float64)
-            u[j, :-1].view(depth + 1, c)[: t.depth + 1, :ci] = own[:-1].view(t.depth + 1, ci)
+            own = np.asarray(batch[i].sampler.uniform((t.depth + 1) * ci + 1))
+            u[j, :-1].reshape(depth + 1, c)[: t.depth + 1, :ci] = own[:-1].reshape(t.depth + 1, ci)
             u[j, -1] = own[-1]
         params = [batch[i].params for i in sampled]
-        top_p = None
-        if any(p.top_p < 1 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev)
-        u = u.to(dev)
-        return walk_sampled(logits[sampled], torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev),
-                            top_p, trees, drafted.q_rows, drafted.q_totals, self._d2t, u[:, :-1].view(r, depth + 1, c), u[:, -1])
+        # (top-p rounded to float32, the precision it has always been applied at)
+        rowwise = np.array([[p.temperature, float(np.float32(p.top_p))] for p in params])
+        floats = self.transfers.upload(np.concatenate([u, rowwise], 1), torch.float64)   # [R, ...]
+        ints = self.transfers.upload(np.concatenate([np.asarray(sampled)[:, None], host], 1), torch.long)
+        dev_trees = SampledTrees.unpack(ints[:, 1:], width, depth)
+        top_p = floats[:, -1] if any(p.top_p < 1 for p in params) else None
+        n_u = (depth + 1) * c
+        return walk_sampled(logits, ints[:, 0], floats[:, -2], top_p, dev_trees, drafted.q_rows,
+                            drafted.q_totals, self._d2t, floats[:, :n_u].view(r, depth + 1, c), floats[:, n_u])
 
     def _commit(self, batch: list[Request], trees: list[DraftTree], results: list[VerifyResult],
                 taps: torch.Tensor, lengths: list[int],
                 logprobs: dict[int, list[TokenLogprob]]) -> list[RequestOutput]:
         """Emit the rounds' tokens, keep the accepted nodes' KV entries next to the
         committed context, feed their taps to the drafter, retire finished requests."""
-        dev = self.device
+        # every row's root and accepted nodes move next to its committed context, and their
+        # taps go to the drafter, in one upload and a few batched device operations (rows
+        # that finish now too: their KV row is freed below, whatever it holds)
+        keeps = [[0, *r.path] for r in results]
+        rows = [i for i, keep in enumerate(keeps) for _ in keep]
+        nodes = [n for keep in keeps for n in keep]
+        slots = [req.slot for req, keep in zip(batch, keeps, strict=True) for _ in keep]
+        src = [lengths[i] + n for i, n in zip(rows, nodes, strict=True)]
+        dst = [lengths[i] + j for i, keep in enumerate(keeps) for j in range(len(keep))]
+        m = len(rows)
+        ints = self.transfers.upload([rows, nodes, slots, src, dst], torch.long)   # [5, M]
+        kept_taps = taps[ints[0], ints[1]]                                        # [M, taps]
+        self.kv.move_entries(ints[2], ints[3], ints[4])
+        k, v = self.drafter.context_kv(kept_taps[None], ints[4][None])             # [L, 1, kvh, M, hd]
+        self.kv.drafter.write_entries(ints[2], ints[4], k[:, 0], v[:, 0])
         outputs: list[RequestOutput] = []
-        commit_taps, commit_pos, commit_slot = [], [], []
+        at = 0
         for i, (req, tree, result) in enumerate(zip(batch, trees, results, strict=True)):
             req.rounds.append(RoundStats(tree.size, tree.depth, tree.width, result.accepted,
                                          (req.budget or self.budget).theta))
-            length = lengths[i]
-            keep = [0, *result.path]                # the root and the accepted nodes
-            kept_taps = taps[i, keep]
+            n = len(keeps[i])
             if req.taps is not None:                # (a finished row's are cut to its output)
-                req.taps.append(kept_taps)
+                req.taps.append(kept_taps[at:at + n])
+            at += n
             if self._emit(req, list(result.tokens), outputs, logprobs=logprobs.get(i)):
                 continue
-            self.kv.move_entries(req.slot, [length + s for s in keep], [length + j for j in range(len(keep))])
-            commit_taps.append(kept_taps)
-            commit_pos.append(torch.arange(length, length + len(keep), device=dev))
-            commit_slot.append(req.slot)
-            self.kv.lengths[req.slot] = length + len(keep)
+            self.kv.lengths[req.slot] = lengths[i] + n
             req.root = result.tokens[-1]
-        if commit_taps:
-            flat_k, flat_v = self.drafter.context_kv(torch.cat(commit_taps)[None],
-                                                      torch.cat(commit_pos)[None])
-            at = 0
-            for slot, pos in zip(commit_slot, commit_pos, strict=True):
-                m = pos.numel()
-                self.kv.drafter.write_all(slice(slot, slot + 1), pos[None],
-                                          flat_k[:, :, :, at:at + m], flat_v[:, :, :, at:at + m])
-                at += m
+        assert at == m
         for req in [r for r in batch if r.id not in self._ids]:
             self._release(req)
         return outputs

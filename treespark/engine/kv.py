@@ -72,10 +72,16 @@ class KVStore:
         for layer in range(k.shape[0]):
             self.write(layer, rows, pos, k[layer], v[layer])
 
-    def move(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy entries at positions ``src`` to ``dst`` within one row (all layers)."""
-        self.k[:, slot, :, dst] = self.k[:, slot, :, src].clone()
-        self.v[:, slot, :, dst] = self.v[:, slot, :, src].clone()
+    def write_entries(self, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Entries of many rows at once: slots, pos [N]; k, v [L, kvh, N, hd] (every layer)."""
+        self.k[:, slots, :, pos] = k.permute(2, 0, 1, 3).to(self.k.dtype)
+        self.v[:, slots, :, pos] = v.permute(2, 0, 1, 3).to(self.v.dtype)
+
+    def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy entries at (slots, src) to (slots, dst) (all layers); [N] each. Every source
+        is read before any destination is written."""
+        self.k[:, slots, :, dst] = self.k[:, slots, :, src]
+        self.v[:, slots, :, dst] = self.v[:, slots, :, src]
 
     def copy_row(self, src_slot: int, dst_slot: int, length: int) -> None:
         self.k[:, dst_slot, :, :length] = self.k[:, src_slot, :, :length]
@@ -99,14 +105,11 @@ class KVCache:
         self.drafter = KVStore(drafter, slots, capacity, device, dtype)
         self.lengths = [0] * slots
 
-    def move_entries(self, slot: int, src: list[int], dst: list[int]) -> None:
-        if src == dst:
-            return
-        dev = self.target.k.device
-        s = torch.tensor(src, device=dev)
-        d = torch.tensor(dst, device=dev)
-        self.target.move(slot, s, d)
-        self.drafter.move(slot, s, d)
+    def move_entries(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move entries within rows, both stores: (slots[i], src[i]) -> (slots[i], dst[i]),
+        [N] device tensors of every row's moves at once."""
+        self.target.move(slots, src, dst)
+        self.drafter.move(slots, src, dst)
 
     def copy_row(self, src_slot: int, dst_slot: int) -> None:
         n = self.lengths[src_slot]

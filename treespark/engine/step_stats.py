@@ -14,9 +14,9 @@ from treespark.spec.verify import VerifyResult
 
 def step_stats(batch: Sequence[Request], drafted: RoundDraft, results: Sequence[VerifyResult],
                budgets: Sequence[Budget], *, theta: float, times: tuple[float, float, float, float],
-               prefill_tokens: int, host: tuple[int, int], policy_s: float) -> StepStats:
+               prefill_tokens: int, host: tuple[int, int, int, int], policy_s: float) -> StepStats:
     """``times``: the step's start, drafting start, verify start and end (perf_counter);
-    ``host``: (syncs, elements copied to the host). Calibration records are split by
+    ``host``: (syncs, elements copied to the host, uploads, elements uploaded). Calibration records are split by
     regime: T = 0 rows' and T > 0 rows'."""
     t0, t_draft, t_verify, t_end = times
     trees = drafted.trees
@@ -40,5 +40,6 @@ def step_stats(batch: Sequence[Request], drafted: RoundDraft, results: Sequence[
         draft_waves=drafted.waves,
         host_syncs=host[0],
         host_elements=host[1],
+        host_uploads=host[2],
         policy_s=policy_s,
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from treespark.kernels.linear import linear
@@ -69,7 +70,7 @@ def score_parents(
     rows: torch.Tensor,       # [P] batch row of each parent
     depths: torch.Tensor,     # [P] depth of the children (1-based)
     parents: torch.Tensor,    # [P] parent token ids
-    temperature: torch.Tensor,  # [P] T (1 for T = 0, which ranks at T = 1)
+    temperature: torch.Tensor | None,  # [P] T (1 for T = 0, which ranks at T = 1); None: 1 for all
     sampled: torch.Tensor,    # [S] indices (into P) of the parents drawn at T > 0
     uniforms: torch.Tensor,   # [S, k] float64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,22 +78,34 @@ def score_parents(
     float32 and their float64 totals [S] for the sampled parents): packed holds the
     top-M q, their indices, then the k drawn indices and their q (zeros for T = 0
     parents). The q that tokens are drawn from, and verified against, is a row over
-    its total (one cumulative sum in float64, taken while converting)."""
+    its total (one cumulative sum in float64, taken while converting). Passes over the
+    vocabulary per parent: the product, the base, top-M, the shift (and the temperature),
+    one exp-and-sum; a sampled parent adds its row of q and the cumulative sum."""
     k = uniforms.shape[1]
-    logits = base[rows, depths - 1].float() + linear(w1[parents], w2).float()  # CPU: the fast layout
-    # shift first: a tiny temperature then gives -inf (not NaN) off the argmax
-    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature[:, None], dim=-1)
-    m = min(TOP_M, probs.shape[-1])
-    top = probs.topk(m, dim=-1)
-    drawn = torch.zeros(probs.shape[0], 2 * k, dtype=torch.float64, device=probs.device)
-    rows_s = probs[sampled]
-    totals = torch.zeros(0, dtype=torch.float64, device=probs.device)
+    logits = linear(w1[parents], w2).float()                         # CPU: the fast layout
+    logits += base[rows, depths - 1]                                 # [P, Vd], in place
+    # q = softmax((logits - max) / T), never materialised except for the sampled parents'
+    # rows, which are drawn from: the top-M of q are the top-M of the logits (T > 0), and
+    # shifting first makes a tiny temperature give -inf, not NaN, off the argmax
+    m = min(TOP_M, logits.shape[-1])
+    top = logits.topk(m, dim=-1)
+    top_scaled = top.values - top.values[:, :1]                      # [P, M]
+    scaled = logits.sub_(top.values[:, :1])
+    if temperature is not None:
+        scaled.div_(temperature[:, None])
+        top_scaled = top_scaled / temperature[:, None]
+    lse = scaled.exp().sum(-1, keepdim=True).log_()                  # [P, 1]
+    top_q = (top_scaled - lse).exp_()
+    drawn = torch.zeros(scaled.shape[0], 2 * k, dtype=torch.float64, device=scaled.device)
+    totals = torch.zeros(0, dtype=torch.float64, device=scaled.device)
+    rows_s = scaled.new_zeros(0, scaled.shape[-1])
     if sampled.numel():
+        rows_s = (scaled[sampled] - lse[sampled]).exp_()             # [S, Vd] float32
         c = torch.cumsum(rows_s, -1, dtype=torch.float64)
         ids, qx = draw_without_replacement(c, uniforms)
         totals = c[:, -1]
         drawn[sampled] = torch.cat([ids.to(torch.float64), qx], dim=1)
-    packed = torch.cat([top.values.to(torch.float64), top.indices.to(torch.float64), drawn], dim=1)
+    packed = torch.cat([top_q.to(torch.float64), top.indices.to(torch.float64), drawn], dim=1)
     return packed, rows_s, totals
 
 
@@ -176,7 +189,6 @@ class WaveDrafter:
         chunks: list[torch.Tensor] = []
         total_chunks: list[torch.Tensor] = []
         n_rows = 0
-        dev = self.w2.device
         while base is not None:
             opens = [(b, n) for b, bl in enumerate(builders) for n in bl.to_open()]
             if not opens:
@@ -188,15 +200,19 @@ class WaveDrafter:
             # request draws never depends on who shares its batch
             u = [rows[opens[i][0]].sampler.uniform(rows[opens[i][0]].budget.branch_cap) for i in sampled]
             u = [x + [0.5] * (k - len(x)) for x in u]
-            host = torch.tensor([[b, builders[b].nodes[n].depth + 1, builders[b].token(n),
-                                  rows[b].temperature if rows[b].temperature > 0 else 1.0]
-                                 for b, n in opens], dtype=torch.float64)
-            dev_host = host.to(dev)
+            # one upload: per parent (row, depth, token, temperature), the sampled parents, their uniforms
+            host = np.array([[b, builders[b].nodes[n].depth + 1, builders[b].token(n),
+                              rows[b].temperature if rows[b].temperature > 0 else 1.0]
+                             for b, n in opens], dtype=np.float64)
+            p, s = len(opens), len(sampled)
+            up = self.transfers.upload(np.concatenate([host.ravel(), np.asarray(sampled, dtype=np.float64),
+                                                       np.asarray(u, dtype=np.float64).ravel()]), torch.float64)
+            dev_host = up[:4 * p].view(p, 4)
+            unit = all(rows[b].temperature <= 0 or rows[b].temperature == 1 for b, _ in opens)
             packed, q_rows, totals = score_parents(
                 base, self.w1, self.w2, dev_host[:, 0].long(), dev_host[:, 1].long(),
-                dev_host[:, 2].long(), dev_host[:, 3].float().clamp(min=1e-30),  # fp32 keeps it > 0
-                torch.tensor(sampled, dtype=torch.long, device=dev),
-                torch.tensor(u, dtype=torch.float64, device=dev).view(len(sampled), k))
+                dev_host[:, 2].long(), None if unit else dev_host[:, 3].float().clamp(min=1e-30),  # > 0 in fp32
+                up[4 * p:4 * p + s].long(), up[4 * p + s:].view(s, k))
             if sampled:
                 chunks.append(q_rows)
                 total_chunks.append(totals)

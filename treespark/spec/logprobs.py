@@ -62,17 +62,17 @@ class Emitted:
     k: int
 
 
-def step_logprobs(logits: torch.Tensor, emitted: list[Emitted], fetch) -> list[list[TokenLogprob]]:
+def step_logprobs(logits: torch.Tensor, emitted: list[Emitted], transfers) -> list[list[TokenLogprob]]:
     """logits [B, K, V] of one step -> each ``Emitted``'s ``TokenLogprob`` list, with one
-    device call and one copy (``fetch``: device tensor -> host tensor)."""
+    upload, one device call and one copy back (``transfers``: a
+    ``treespark.kernels.transfer.HostTransfers``)."""
     if not emitted:
         return []
-    dev = logits.device
-    rows = torch.tensor([e.row for e in emitted for _ in e.positions], device=dev)
-    cols = torch.tensor([p for e in emitted for p in e.positions], device=dev)
-    toks = torch.tensor([t for e in emitted for t in e.tokens], device=dev)
+    where = transfers.upload([[e.row for e in emitted for _ in e.positions],
+                              [p for e in emitted for p in e.positions],
+                              [t for e in emitted for t in e.tokens]], torch.long)   # rows, nodes, tokens
     k = max(e.k for e in emitted)
-    host = fetch(token_logprobs(logits[rows, cols], toks, k)).tolist()   # [M, 1 + 2k]
+    host = transfers.fetch(token_logprobs(logits[where[0], where[1]], where[2], k)).tolist()   # [M, 1 + 2k]
     out, at = [], 0
     for e in emitted:
         m = len(e.positions)

@@ -96,4 +96,5 @@ class StepStats:
     draft_waves: int = 0             # batched drafter calls that grew the trees (one per depth level)
     host_syncs: int = 0              # device-to-host copies (and CUDA waits) in the step
     host_elements: int = 0           # numbers those copies brought back
+    host_uploads: int = 0            # host-to-device copies in the step (non-blocking on CUDA)
     policy_s: float = 0.0            # the per-step allocation's CPU seconds (its calls are inside draft_s)

@@ -97,8 +97,9 @@ def target_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: to
     logits: [R, V]; temperature, top_p: [R] (every T > 0, float64 so that the smallest
     survive; top_p None: 1 everywhere)
     -> [R, V] float64."""
-    x = logits.to(torch.float64)
-    probs = torch.softmax((x - x.amax(-1, keepdim=True)) / temperature.to(x)[:, None], dim=-1)
+    x = logits.to(torch.float64, copy=True)                    # worked on in place
+    x.sub_(x.amax(-1, keepdim=True)).div_(temperature.to(x)[:, None]).exp_()
+    probs = x.div_(x.sum(-1, keepdim=True))
     if top_p is not None:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p.to(x)[:, None]

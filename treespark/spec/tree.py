@@ -10,8 +10,10 @@ Children are kept in draw order: verification visits siblings in that order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -72,14 +74,8 @@ class DraftTree:
     # -- tensors for the verify forward -------------------------------------------------
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: mask[i, j] is True iff node j is node i or one of its ancestors."""
-        n = self.num_nodes
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            mask[i, i] = True
-            p = self.parents[i]
-            if p >= 0:
-                mask[i] |= mask[p]
-        return mask
+        parents = np.asarray([0, *self.parents[1:]], dtype=np.int64)[None]
+        return torch.from_numpy(ancestor_masks(parents, self.depth)[0])
 
     def position_offsets(self) -> torch.Tensor:
         """[N] long: each node's position relative to the root (its depth)."""
@@ -120,27 +116,58 @@ class TreeBatch:
     mask: torch.Tensor
 
 
-def tree_batch(trees: list[DraftTree], lengths: list[int], device: torch.device) -> TreeBatch:
-    """The batch of ``trees`` after committed contexts of ``lengths`` tokens: built on the
-    host in the trees' size, moved once, widened to the context on the device."""
+def padded_arrays(trees: list[DraftTree], width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The trees as padded host arrays [B, width]: tokens, parents (padding: the root),
+    depths, and each row's node count [B]."""
     n = len(trees)
-    kmax = max(t.num_nodes for t in trees)
-    tokens = torch.zeros(n, kmax, dtype=torch.long)
-    offsets = torch.zeros(n, kmax, dtype=torch.long)
-    tree_mask = torch.zeros(n, kmax, kmax, dtype=torch.bool)
+    tokens = np.zeros((n, width), dtype=np.int64)
+    parents = np.zeros((n, width), dtype=np.int64)
+    depths = np.zeros((n, width), dtype=np.int64)
+    sizes = np.fromiter((t.num_nodes for t in trees), dtype=np.int64, count=n)
     for i, t in enumerate(trees):
         k = t.num_nodes
-        tokens[i, :k] = torch.tensor(t.tokens)
-        offsets[i, :k] = t.position_offsets()
-        tree_mask[i, :k, :k] = t.ancestor_mask()
-        tree_mask[i, k:, 0] = True  # padding rows see the root only (no all-masked rows)
-    tokens, offsets, tree_mask = tokens.to(device), offsets.to(device), tree_mask.to(device)
-    lens = torch.tensor(lengths, device=device)[:, None]
+        tokens[i, :k] = t.tokens
+        parents[i, 1:k] = t.parents[1:]
+        depths[i, :k] = t.depths
+    return tokens, parents, depths, sizes
+
+
+def ancestor_masks(parents: np.ndarray, depth: int) -> np.ndarray:
+    """[B, K, K] bool from parents [B, K] (node 0 the root, padding pointing at it):
+    mask[b, i, j] iff node j is node i or one of its ancestors; ``depth`` bounds the
+    deepest node, so that many rounds of "my parent's ancestors are mine" settle it."""
+    b, k = parents.shape
+    eye = np.eye(k, dtype=bool)[None].repeat(b, 0)
+    mask = eye.copy()
+    rows = np.arange(b)[:, None]
+    for _ in range(depth):
+        mask = eye | mask[rows, parents]
+    return mask
+
+
+def tree_batch(trees: list[DraftTree], lengths: list[int], device: torch.device,
+               upload: Callable[[object, torch.dtype], torch.Tensor] | None = None) -> TreeBatch:
+    """The batch of ``trees`` after committed contexts of ``lengths`` tokens: built on the
+    host as arrays in the trees' size, moved in two uploads (``upload``: host array ->
+    device tensor; default: ``torch.as_tensor`` then ``.to(device)``), widened to the
+    context on the device."""
+    upload = upload or (lambda x, dtype: torch.as_tensor(x, dtype=dtype).to(device))
+    n = len(trees)
+    kmax = max(t.num_nodes for t in trees)
+    tokens, parents, depths, sizes = padded_arrays(trees, kmax)
+    tree_mask = ancestor_masks(parents, int(depths.max()))
+    pad = np.arange(kmax)[None, :] >= sizes[:, None]                     # [B, K] padding nodes
+    tree_mask[pad] = False
+    tree_mask[pad, 0] = True  # padding rows see the root only (no all-masked rows)
+    lens = np.asarray(lengths, dtype=np.int64)[:, None]
+    ints = upload(np.concatenate([tokens, lens + depths, lens], 1), torch.long)   # [B, 2K + 1]
+    tokens_d, positions, lens_d = ints[:, :kmax], ints[:, kmax:2 * kmax], ints[:, 2 * kmax:]
+    tree_mask_d = upload(tree_mask, torch.bool)
     total = max(lengths) + kmax
     cols = torch.arange(total, device=device)[None, None, :]              # [1, 1, T]
-    in_ctx = cols < lens[:, :, None]                                      # [B, 1, T]
-    rel = cols - lens[:, :, None]                                         # tree slot of a column
+    in_ctx = cols < lens_d[:, :, None]                                    # [B, 1, T]
+    rel = cols - lens_d[:, :, None]                                       # tree slot of a column
     in_tree = (rel >= 0) & (rel < kmax)
-    tree_cols = torch.gather(tree_mask, 2, rel.clamp(0, kmax - 1).expand(n, kmax, total))
+    tree_cols = torch.gather(tree_mask_d, 2, rel.clamp(0, kmax - 1).expand(n, kmax, total))
     mask = (in_ctx.expand(n, kmax, total) | (in_tree & tree_cols))[:, None]
-    return TreeBatch(tokens, lens + offsets, lens + torch.arange(kmax, device=device)[None], mask)
+    return TreeBatch(tokens_d, positions, lens_d + torch.arange(kmax, device=device)[None], mask)

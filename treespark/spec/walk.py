@@ -7,14 +7,17 @@ children's proposal q (the drafting rows kept on the device), then tries the chi
 in draw order: accept x_j when u_j * q_j(x_j) < p_j(x_j); on rejection p <- norm(max(p -
 q, 0)) and q loses x_j. A row stops at the first node where no child is accepted and
 draws its last token from the residual there (inverse CDF). The uniforms come from
-each request's own generator. Cost: one [rows, V] pass per sibling per depth, whatever
-the tree's size; out come ``[rows, depth + 1]`` integers.
+each request's own generator. Cost per visited depth: the target distribution at
+the rows' nodes, one reduction over the vocabulary per sibling (``walk_sampled`` says
+why that suffices) and the residual once; whatever the tree's size, out come
+``[rows, depth + 1]`` integers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from treespark.spec.sampling import sample_rows, target_probs_rows
@@ -31,23 +34,47 @@ class SampledTrees:
     q_row: torch.Tensor      # [R, K] row of ``q_rows`` each node's children were drawn from (-1: none)
     depth: int               # the deepest node of any row
 
+    @staticmethod
+    def host_arrays(trees: list[DraftTree], draft_ids: list[list[int]], q_row_of: list[list[int]],
+                    width: int) -> np.ndarray:
+        """The rows' trees padded to ``width`` nodes and to the widest branching C, as one
+        host array [R, 3 * width + width * C]: tokens, draft ids, q rows, children."""
+        r = len(trees)
+        tokens = np.zeros((r, width), dtype=np.int64)
+        ids = np.zeros((r, width), dtype=np.int64)
+        q_row = np.full((r, width), -1, dtype=np.int64)
+        parents = np.full((r, width), -1, dtype=np.int64)
+        for j, t in enumerate(trees):
+            k = t.num_nodes
+            tokens[j, :k] = t.tokens
+            ids[j, :k] = draft_ids[j]
+            q_row[j, :k] = q_row_of[j]
+            parents[j, 1:k] = t.parents[1:]
+        ids[:, 0] = 0  # the root's -1 is never read
+        # a child's rank among its siblings: the earlier nodes under the same parent
+        real = parents >= 0
+        earlier = np.tril(np.ones((width, width), dtype=bool), -1)[None]
+        rank = ((parents[:, :, None] == parents[:, None, :]) & earlier).sum(-1)
+        c = int(rank[real].max()) + 1 if real.any() else 1
+        children = np.full((r, width, c), -1, dtype=np.int64)
+        row, node = np.nonzero(real)
+        children[row, parents[row, node], rank[row, node]] = node
+        return np.concatenate([tokens, ids, q_row, children.reshape(r, width * c)], 1)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, width: int, depth: int) -> SampledTrees:
+        """The device copy of ``host_arrays``' array, and the deepest node of any row."""
+        r = packed.shape[0]
+        c = (packed.shape[1] - 3 * width) // width
+        return cls(packed[:, :width], packed[:, width:2 * width], packed[:, 3 * width:].view(r, width, c),
+                   packed[:, 2 * width:3 * width], depth)
+
     @classmethod
     def pad(cls, trees: list[DraftTree], draft_ids: list[list[int]], q_row_of: list[list[int]],
             width: int, device: torch.device) -> SampledTrees:
         """The rows' trees padded to ``width`` nodes and to the widest branching, on ``device``."""
-        r, c = len(trees), max(branching(t) for t in trees)
-        tokens = torch.zeros(r, width, dtype=torch.long)
-        ids = torch.zeros(r, width, dtype=torch.long)
-        children = torch.full((r, width, c), -1, dtype=torch.long)
-        q_row = torch.full((r, width), -1, dtype=torch.long)
-        for j, t in enumerate(trees):
-            tokens[j, :t.num_nodes] = torch.tensor(t.tokens)
-            ids[j, :t.num_nodes] = torch.tensor(draft_ids[j]).clamp(min=0)  # the root's -1 is never read
-            q_row[j, :t.num_nodes] = torch.tensor(q_row_of[j])
-            for n, ch in enumerate(t.children):
-                children[j, n, :len(ch)] = torch.tensor(ch, dtype=torch.long)
-        return cls(tokens.to(device), ids.to(device), children.to(device), q_row.to(device),
-                   max(t.depth for t in trees))
+        packed = torch.as_tensor(cls.host_arrays(trees, draft_ids, q_row_of, width)).to(device)
+        return cls.unpack(packed, width, max(t.depth for t in trees))
 
 
 def branching(tree: DraftTree) -> int:
@@ -57,7 +84,8 @@ def branching(tree: DraftTree) -> int:
 
 @torch.no_grad()
 def walk_sampled(
-    logits: torch.Tensor,        # [R, K, V] target logits at every node
+    logits: torch.Tensor,        # [B, K, V] target logits at every node of the step's rows
+    rows: torch.Tensor,          # [R] the T > 0 rows' batch rows in ``logits``
     temperature: torch.Tensor,   # [R]
     top_p: torch.Tensor | None,  # [R] (None: 1 for every row)
     trees: SampledTrees,
@@ -68,44 +96,76 @@ def walk_sampled(
     final_u: torch.Tensor,       # [R] uniforms for the last token
 ) -> torch.Tensor:
     """Returns [R, depth + 1] long: the accepted nodes, root to leaf (-1 after the
-    last), then the token drawn at the last accepted node."""
-    r = logits.shape[0]
+    last), then the token drawn at the last accepted node.
+
+    The residuals are never materialised per sibling. With p_0 the target distribution
+    at the node and q the drafting distribution, every token v not yet drawn has the
+    unnormalised residual P(v) = max(p_0(v) - a q(v), 0) after any number of
+    rejections (subtracting non-negative multiples of q one after another, clamping
+    each time, is subtracting their sum once), and a drawn token keeps the value it had
+    when it was drawn. So a row carries a few numbers per sibling: the coefficient
+    ``a``, the normaliser N = sum P (one reduction over the vocabulary per rejection),
+    the drawn tokens' p_0, q and frozen values, and the mass drawn so far."""
+    r = rows.shape[0]
     dev = logits.device
+    f64 = torch.float64
     ar = torch.arange(r, device=dev)
     cur = torch.zeros(r, dtype=torch.long, device=dev)
     active = torch.ones(r, dtype=torch.bool, device=dev)
     path = torch.full((r, trees.depth + 1), -1, dtype=torch.long, device=dev)
     p_last = None
     for d in range(trees.depth + 1):
-        p = target_probs_rows(logits[ar, cur], temperature, top_p)          # [R, V]
+        p0 = target_probs_rows(logits[rows, cur], temperature, top_p)         # [R, V] float64
         qi = trees.q_row[ar, cur]
-        q = None
+        taken = torch.full((r,), -1, dtype=torch.long, device=dev)
+        residual = p0
         if q_rows is not None:
             qc = qi.clamp(min=0)
-            q = q_rows[qc].to(torch.float64) / q_totals[qc, None]                  # [R, Vd]
-        taken = torch.full((r,), -1, dtype=torch.long, device=dev)
-        for j in range(trees.children.shape[2] if q is not None else 0):
-            child = trees.children[ar, cur, j]
-            live = active & (taken < 0) & (child >= 0) & (qi >= 0)
-            c = child.clamp(min=0)
-            x, xd = trees.tokens[ar, c], trees.draft_ids[ar, c]
-            px = p.gather(1, x[:, None])[:, 0]
-            qx = q.gather(1, xd[:, None])[:, 0]
-            ok = live & (qx > 0) & (accept_u[:, d, j] * qx < px)
-            taken = torch.where(ok, child, taken)
-            rej = (live & ~ok)[:, None]
-            res = p.clone()
-            if draft_to_target is None:
-                res -= q
-            else:
-                res[:, draft_to_target] -= q
-            res.clamp_(min=0.0)
-            mass = res.sum(-1, keepdim=True)
-            p = torch.where(rej & (mass > 0), res / mass.clamp(min=1e-300), p)
-            q2 = q.scatter(1, xd[:, None], 0.0)
-            q = torch.where(rej, q2 / q2.sum(-1, keepdim=True).clamp(min=1e-300), q)
-        stop = active & (taken < 0)
-        p_last = torch.where(stop[:, None], p, p if p_last is None else p_last)
+            q = q_rows[qc].to(f64)                                             # [R, Vd], q = row / total
+            inv_total = 1.0 / q_totals[qc]
+            pd = p0 if draft_to_target is None else p0[:, draft_to_target]     # p_0 of draft tokens
+            outside = None if draft_to_target is None else p0.sum(-1) - pd.sum(-1)  # never reduced
+            a = torch.zeros(r, dtype=f64, device=dev)      # the residual's coefficient (q raw)
+            norm = torch.ones(r, dtype=f64, device=dev)    # N = sum of the residual
+            mass = torch.zeros(r, dtype=f64, device=dev)   # q mass of the drawn siblings
+            drawn: list[tuple[torch.Tensor, ...]] = []     # (x, p_0(x), q(x), frozen P(x), drawn?)
+            for j in range(trees.children.shape[2]):
+                child = trees.children[ar, cur, j]
+                live = active & (taken < 0) & (child >= 0) & (qi >= 0)
+                c = child.clamp(min=0)
+                xd = trees.draft_ids[ar, c]
+                px = pd.gather(1, xd[:, None])[:, 0]                           # p_0(x)
+                qx = q.gather(1, xd[:, None])[:, 0]                            # raw q(x)
+                scale = torch.where(mass < 1, 1.0 / (1.0 - mass).clamp(min=1e-300), 0.0)
+                qj = qx * inv_total * scale                                    # q_j(x)
+                pj = (px - a * qx).clamp(min=0.0)                              # N * p_j(x)
+                ok = live & (qj > 0) & (accept_u[:, d, j] * qj * norm < pj)
+                taken = torch.where(ok, child, taken)
+                rej = live & ~ok
+                # p_{j+1} = norm(max(p_j - q_j, 0)): a grows by N_j * s_j / total
+                a_new = a + norm * scale * inv_total
+                s_new = torch.addcmul(pd, a_new[:, None], q, value=-1.0).clamp_(min=0.0).sum(-1)
+                if outside is not None:
+                    s_new = s_new + outside
+                for _, dpx, dqx, dfz, dlive in drawn:  # drawn tokens keep their frozen values
+                    s_new = s_new + torch.where(dlive, dfz - (dpx - a_new * dqx).clamp(min=0.0), 0.0)
+                step = rej & (s_new > 0)            # a residual of mass 0 leaves p as it was
+                a = torch.where(step, a_new, a)
+                norm = torch.where(step, s_new, norm)
+                drawn.append((xd, px, qx, (px - a * qx).clamp(min=0.0), rej))
+                mass = torch.where(rej, mass + qx * inv_total, mass)
+            stop = active & (taken < 0)
+            residual = torch.addcmul(pd, a[:, None], q, value=-1.0).clamp_(min=0.0)   # [R, Vd]
+            for dx, _, _, dfz, dlive in drawn:
+                at = residual.gather(1, dx[:, None])
+                residual.scatter_(1, dx[:, None], torch.where(dlive[:, None], dfz[:, None], at))
+            if draft_to_target is not None:
+                full = p0.clone()
+                full[:, draft_to_target] = residual
+                residual = full
+        else:
+            stop = active & (taken < 0)
+        p_last = residual if p_last is None else torch.where(stop[:, None], residual, p_last)
         active = active & (taken >= 0)
         path[:, d] = torch.where(active, taken, -1)
         cur = torch.where(active, taken, cur)
