@@ -162,8 +162,14 @@ def cmd_bench(args) -> None:
     from treespark.models.pair import pair_by_name
 
     if args.what == "rounds":  # builds its own random pair at the given vocabulary
-        from treespark.bench.rounds import rounds_benchmark
+        from treespark.bench.rounds import host_benchmark, rounds_benchmark
 
+        if args.host:
+            _write(host_benchmark(vocab_size=args.vocab_size, draft_vocab=args.draft_vocab,
+                                  markov_rank=args.markov_rank, family=args.family,
+                                  batch_sizes=tuple(args.batch_sizes), temperatures=tuple(args.temperatures),
+                                  steps=args.steps), args.out)
+            return
         _write(rounds_benchmark(vocab_size=args.vocab_size, draft_vocab=args.draft_vocab,
                                 markov_rank=args.markov_rank, family=args.family,
                                 temperatures=tuple(args.temperatures)), args.out)
@@ -389,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-vocab", type=int, default=0, help="rounds: a reduced draft vocabulary (0: the full one)")
     b.add_argument("--markov-rank", type=int, default=256, help="rounds: the drafter's Markov rank")
     b.add_argument("--family", default="qwen3", choices=["qwen3", "llama"], help="rounds: the target's architecture")
+    b.add_argument("--host", action="store_true",
+                   help="rounds: whole decode steps at each of --batch-sizes with trees of 32 (CPU and wall ms, "
+                        "host syncs and uploads per step)")
+    b.add_argument("--steps", type=int, default=3, help="rounds --host: timed steps per cell")
     b.add_argument("--drafter", help="the default target with this drafter directory (its calibration.json)")
     b.add_argument("--goals", action="store_true",
                    help="acceptance: only the drafter's goal rows (first-token, tuned chain, adaptive at a low price)")

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from treespark.kernels.linear import linear
+from treespark.kernels.linear import SMALL_ROWS, linear
 from treespark.kernels.transfer import HostTransfers
 from treespark.spec.budget import Budget
 from treespark.spec.calibration import Calibration
 from treespark.spec.sampling import Sampler
-from treespark.spec.select import TOP_M, TreeBuilder, slot_values
+from treespark.spec.select import TOP_M, TreeBuilder, slot_table
 from treespark.spec.tree import DraftTree
 
 
@@ -82,8 +82,12 @@ def score_parents(
     vocabulary per parent: the product, the base, top-M, the shift (and the temperature),
     one exp-and-sum; a sampled parent adds its row of q and the cumulative sum."""
     k = uniforms.shape[1]
-    logits = linear(w1[parents], w2).float()                         # CPU: the fast layout
-    logits += base[rows, depths - 1]                                 # [P, Vd], in place
+    x = w1[parents]                                                  # [P, r]
+    if x.shape[0] > SMALL_ROWS or x.device.type != "cpu":            # the base, then += x W2^T in the product
+        logits = base[rows, depths - 1].float().addmm_(x.float(), w2.float().t())  # (a fresh gather)
+    else:                                                            # CPU, few rows: the fast layout
+        logits = linear(x, w2).float()
+        logits += base[rows, depths - 1]                             # [P, Vd], in place
     # q = softmax((logits - max) / T), never materialised except for the sampled parents'
     # rows, which are drawn from: the top-M of q are the top-M of the logits (T > 0), and
     # shifting first makes a tiny temperature give -inf, not NaN, off the argmax
@@ -94,13 +98,14 @@ def score_parents(
     if temperature is not None:
         scaled.div_(temperature[:, None])
         top_scaled = top_scaled / temperature[:, None]
-    lse = scaled.exp().sum(-1, keepdim=True).log_()                  # [P, 1]
-    top_q = (top_scaled - lse).exp_()
+    e = scaled.exp_()                                                # in place: no second [P, Vd]
+    total = e.sum(-1, keepdim=True)                                  # [P, 1]
+    top_q = (top_scaled - total.log()).exp_()
     drawn = torch.zeros(scaled.shape[0], 2 * k, dtype=torch.float64, device=scaled.device)
     totals = torch.zeros(0, dtype=torch.float64, device=scaled.device)
     rows_s = scaled.new_zeros(0, scaled.shape[-1])
     if sampled.numel():
-        rows_s = (scaled[sampled] - lse[sampled]).exp_()             # [S, Vd] float32
+        rows_s = e[sampled].div_(total[sampled])                     # [S, Vd] float32
         c = torch.cumsum(rows_s, -1, dtype=torch.float64)
         ids, qx = draw_without_replacement(c, uniforms)
         totals = c[:, -1]
@@ -219,16 +224,23 @@ class WaveDrafter:
                 for j, i in enumerate(sampled):
                     q_row[opens[i]] = n_rows + j
                 n_rows += len(sampled)
-            values = self.transfers.fetch(packed).tolist()
-            m = (len(values[0]) - 2 * k) // 2
-            for (b, n), v in zip(opens, values, strict=True):
+            values = self.transfers.fetch(packed).numpy()
+            m = (values.shape[1] - 2 * k) // 2
+            top_q, top_ids = values[:, :m], values[:, m:2 * m].astype(np.int64)
+            drawn_ids, drawn_q = values[:, 2 * m:2 * m + k].astype(np.int64), values[:, 2 * m + k:]
+            # the slots of every parent, one array computation per (map, regime, branch cap)
+            groups: dict[tuple[int, bool, int], list[int]] = {}
+            for i, (b, _) in enumerate(opens):
                 r = rows[b]
-                drawn = None
-                if r.temperature > 0:
-                    drawn = list(zip((int(x) for x in v[2 * m:2 * m + k]), v[2 * m + k:], strict=True))
-                slots = slot_values(v[:m], [int(x) for x in v[m:2 * m]], drawn, r.calibration,
-                                    r.budget.branch_cap, self.vocab)
-                builders[b].open(n, slots)
+                groups.setdefault((id(r.calibration), r.temperature > 0, r.budget.branch_cap), []).append(i)
+            for (_, drawn, cap), idx in groups.items():
+                r = rows[opens[idx[0]][0]]
+                sel = np.asarray(idx)
+                table = slot_table(top_q[sel], top_ids[sel], drawn_ids[sel] if drawn else None,
+                                   drawn_q[sel] if drawn else None, r.calibration, cap, self.vocab)
+                for i, slots in zip(idx, table, strict=True):
+                    b, n = opens[i]
+                    builders[b].open(n, slots)
         for b, bl in enumerate(builders):
             tree, keep = bl.finish()
             out.trees.append(tree)

@@ -30,10 +30,13 @@ from its proposal, as recursive rejection sampling requires (``treespark.spec.ve
 from __future__ import annotations
 
 import math
+from bisect import insort
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from treespark.spec.budget import Budget
-from treespark.spec.calibration import Calibration
+from treespark.spec.calibration import _EPS, Calibration
 from treespark.spec.tree import DraftTree
 
 TOP_M = 16  # the largest q values of each opened node that reach the host (T > 0 expectations)
@@ -49,9 +52,54 @@ class Slots:
     realized: tuple[float, ...]  # p_hat_j(q_j): the acceptance once the token is known
 
 
+def p_hat_ranked(cal: Calibration, q: np.ndarray, rank: np.ndarray | int) -> np.ndarray:
+    """``cal.p_hat_scalar`` elementwise in float64: q at sibling rank ``rank`` (broadcast)."""
+    q = np.clip(q, _EPS, 1 - _EPS)
+    offsets = np.array([cal.offset(r) for r in range(len(cal.sibling_bias) + 1)])
+    off = offsets[np.minimum(rank, len(cal.sibling_bias))]
+    z = cal.a * (np.log(q) - np.log1p(-q)) + cal.b + off
+    with np.errstate(over="ignore"):
+        return np.where(z > -700, 1.0 / (1.0 + np.exp(-z)), 0.0)
+
+
+def slot_table(top_q: np.ndarray, top_ids: np.ndarray, drawn_ids: np.ndarray | None,
+               drawn_q: np.ndarray | None, cal: Calibration, k: int, vocab: int) -> list[Slots]:
+    """``slot_values`` for P opened nodes at once, as array operations over [P, k] (and
+    [P, k, M]): top_q / top_ids [P, M]; drawn_ids / drawn_q [P, >= k] (None at T = 0).
+    Rank j's numbers depend only on slots 0..j, so a node whose budget offers fewer
+    slots takes the first ones."""
+    p = top_q.shape[0]
+    ranks = np.arange(k)
+    if drawn_ids is None:
+        q = top_q[:, :k]
+        n = (q > 0).sum(1)                                   # descending: the positive ones lead
+        realized = p_hat_ranked(cal, q, ranks[None, :q.shape[1]])
+        return [Slots(tuple(top_ids[i, :n[i]].tolist()), tuple(q[i, :n[i]].tolist()),
+                      tuple(realized[i, :n[i]].tolist()), tuple(realized[i, :n[i]].tolist())) for i in range(p)]
+    m = top_q.shape[1]
+    ids, q = drawn_ids[:, :k], drawn_q[:, :k]
+    tail = np.maximum(1.0 - top_q.sum(1), 0.0)                             # [P]
+    tail_q = tail / max(vocab - m, 1)
+    # e(n, j) before slot j's draw: the top exactly and the tail spread evenly, less slots 0..j-1
+    total = ((top_q[:, None, :] * p_hat_ranked(cal, top_q[:, None, :], ranks[None, :, None])).sum(2)
+             + tail[:, None] * p_hat_ranked(cal, tail_q[:, None], ranks[None]))          # [P, k]
+    before = np.tril(np.ones((k, k), dtype=bool), -1)                       # [j, i]: i < j
+    taken = (before[None] * (q[:, None, :] * p_hat_ranked(cal, q[:, None, :], ranks[None, :, None]))).sum(2)
+    mass = np.concatenate([np.zeros((p, 1)), np.cumsum(q, 1)[:, :-1]], 1)  # drawn before slot j
+    repeat = ((ids[:, :, None] == ids[:, None, :]) & before[None]).any(2)
+    # beyond the support (or a rounding repeat): no more distinct tokens
+    ok = np.logical_and.accumulate((q > 0) & ~repeat & (mass < 1.0 - 1e-12), axis=1)
+    n = ok.sum(1)
+    with np.errstate(divide="ignore", invalid="ignore"):  # (only past a row's last slot)
+        expected = np.minimum(np.maximum(total - taken, 0.0) / (1.0 - mass), 1.0)
+    realized = p_hat_ranked(cal, q, ranks[None])
+    return [Slots(tuple(ids[i, :n[i]].tolist()), tuple(q[i, :n[i]].tolist()), tuple(expected[i, :n[i]].tolist()),
+                  tuple(realized[i, :n[i]].tolist())) for i in range(p)]
+
+
 def slot_values(top_q: list[float], top_ids: list[int], drawn: list[tuple[int, float]] | None,
                 cal: Calibration, k: int, vocab: int) -> Slots:
-    """The slots of one opened node from what reaches the host.
+    """The slots of one opened node from what reaches the host (``slot_table`` for one).
 
     top_q / top_ids: the node's ``TOP_M`` largest probabilities (descending) and their
     indices; drawn: T > 0, the (index, q) of its ``k`` draws without replacement, in draw
@@ -59,25 +107,13 @@ def slot_values(top_q: list[float], top_ids: list[int], drawn: list[tuple[int, f
     (``Calibration.at(T)``); e(n, j) at T > 0 sums exactly over the top and estimates
     the tail, which holds the rest of the mass spread evenly (any estimate is lossless:
     it only ranks slots before their draws)."""
-    if drawn is None:
-        pairs = [(i, q) for i, q in zip(top_ids[:k], top_q[:k], strict=True) if q > 0]
-        realized = [cal.p_hat_scalar(q, j) for j, (_, q) in enumerate(pairs)]
-        return Slots(tuple(i for i, _ in pairs), tuple(q for _, q in pairs), tuple(realized), tuple(realized))
-    tail = max(1.0 - sum(top_q), 0.0)
-    tail_q = tail / max(vocab - len(top_q), 1)
-    ids, qs, expected, realized = [], [], [], []
-    mass = 0.0
-    for j, (i, q) in enumerate(drawn[:k]):
-        if q <= 0 or i in ids or mass >= 1.0 - 1e-12:
-            break  # beyond the support (or a rounding repeat): no more distinct tokens
-        total = sum(t * cal.p_hat_scalar(t, j) for t in top_q) + tail * cal.p_hat_scalar(tail_q, j)
-        taken = sum(qp * cal.p_hat_scalar(qp, j) for qp in qs)
-        expected.append(min(max(total - taken, 0.0) / (1.0 - mass), 1.0))
-        realized.append(cal.p_hat_scalar(q, j))
-        ids.append(i)
-        qs.append(q)
-        mass += q
-    return Slots(tuple(ids), tuple(qs), tuple(expected), tuple(realized))
+    ids = qs = None
+    if drawn is not None:
+        drawn = list(drawn[:k]) + [(0, 0.0)] * (k - len(drawn))
+        ids = np.array([[int(i) for i, _ in drawn]], dtype=np.int64)
+        qs = np.array([[q for _, q in drawn]], dtype=np.float64)
+    return slot_table(np.array([top_q], dtype=np.float64), np.array([top_ids], dtype=np.int64), ids, qs,
+                      cal, k, vocab)[0]
 
 
 @dataclass
@@ -105,6 +141,8 @@ class TreeBuilder:
     depth_limit: int
     draft_to_target: list[int] | None = None  # draft index -> token id (None: identity)
     nodes: list[_Node] = field(default_factory=list)
+    # the candidates scoring >= theta as (-score, index), kept in order as they are added
+    _ranked: list[tuple[float, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.nodes = [_Node(parent=-1, draft_id=-1, q=1.0, score=1.0, survival=1.0, depth=0)]
@@ -116,9 +154,7 @@ class TreeBuilder:
     def kept(self) -> list[int]:
         """The kept candidates, best first: the root, then the ``node_cap`` best scoring
         >= theta (ties to the earlier candidate)."""
-        cands = [i for i in range(1, len(self.nodes)) if self.nodes[i].score >= self.budget.theta]
-        cands.sort(key=lambda i: (-self.nodes[i].score, i))
-        return [0, *cands[: self.budget.node_cap]]
+        return [0, *(i for _, i in self._ranked[: self.budget.node_cap])]
 
     def to_open(self) -> list[int]:
         """Kept nodes, not yet opened, one of whose children could still be kept."""
@@ -153,6 +189,8 @@ class TreeBuilder:
             score = min(prev, n.survival * e)
             self.nodes.append(_Node(parent=node, draft_id=i, q=q, score=score,
                                     survival=n.survival * r, depth=n.depth + 1))
+            if score >= self.budget.theta:
+                insort(self._ranked, (-score, len(self.nodes) - 1))
             prev = score
 
     def finish(self) -> tuple[DraftTree, list[int]]:
