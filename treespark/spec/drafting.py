@@ -83,8 +83,9 @@ def score_parents(
     one exp-and-sum; a sampled parent adds its row of q and the cumulative sum."""
     k = uniforms.shape[1]
     x = w1[parents]                                                  # [P, r]
-    if x.shape[0] > SMALL_ROWS or x.device.type != "cpu":            # the base, then += x W2^T in the product
-        logits = base[rows, depths - 1].float().addmm_(x.float(), w2.float().t())  # (a fresh gather)
+    fp32 = x.dtype == w2.dtype == torch.float32
+    if fp32 and (x.shape[0] > SMALL_ROWS or x.device.type != "cpu"):  # the base, then += x W2^T in the product
+        logits = base[rows, depths - 1].float().addmm_(x, w2.t())    # (the gather is a fresh tensor)
     else:                                                            # CPU, few rows: the fast layout
         logits = linear(x, w2).float()
         logits += base[rows, depths - 1]                             # [P, Vd], in place
