@@ -64,8 +64,8 @@ def p_hat_ranked(cal: Calibration, q: np.ndarray, rank: np.ndarray | int) -> np.
 
 def slot_table(top_q: np.ndarray, top_ids: np.ndarray, drawn_ids: np.ndarray | None,
                drawn_q: np.ndarray | None, cal: Calibration, k: int, vocab: int) -> list[Slots]:
-    """``slot_values`` for P opened nodes at once, as array operations over [P, k] (and
-    [P, k, M]): top_q / top_ids [P, M]; drawn_ids / drawn_q [P, >= k] (None at T = 0).
+    """``slot_values`` for P opened nodes at once (to rounding: sums are taken in another
+    order), as array operations over [P, k] (and [P, k, M]): top_q / top_ids [P, M]; drawn_ids / drawn_q [P, >= k] (None at T = 0).
     Rank j's numbers depend only on slots 0..j, so a node whose budget offers fewer
     slots takes the first ones."""
     p = top_q.shape[0]
@@ -99,7 +99,8 @@ def slot_table(top_q: np.ndarray, top_ids: np.ndarray, drawn_ids: np.ndarray | N
 
 def slot_values(top_q: list[float], top_ids: list[int], drawn: list[tuple[int, float]] | None,
                 cal: Calibration, k: int, vocab: int) -> Slots:
-    """The slots of one opened node from what reaches the host (``slot_table`` for one).
+    """The slots of one opened node from what reaches the host (``slot_table`` does the
+    same for many nodes at once as array operations, to rounding).
 
     top_q / top_ids: the node's ``TOP_M`` largest probabilities (descending) and their
     indices; drawn: T > 0, the (index, q) of its ``k`` draws without replacement, in draw
@@ -107,13 +108,25 @@ def slot_values(top_q: list[float], top_ids: list[int], drawn: list[tuple[int, f
     (``Calibration.at(T)``); e(n, j) at T > 0 sums exactly over the top and estimates
     the tail, which holds the rest of the mass spread evenly (any estimate is lossless:
     it only ranks slots before their draws)."""
-    ids = qs = None
-    if drawn is not None:
-        drawn = list(drawn[:k]) + [(0, 0.0)] * (k - len(drawn))
-        ids = np.array([[int(i) for i, _ in drawn]], dtype=np.int64)
-        qs = np.array([[q for _, q in drawn]], dtype=np.float64)
-    return slot_table(np.array([top_q], dtype=np.float64), np.array([top_ids], dtype=np.int64), ids, qs,
-                      cal, k, vocab)[0]
+    if drawn is None:
+        pairs = [(i, q) for i, q in zip(top_ids[:k], top_q[:k], strict=True) if q > 0]
+        realized = [cal.p_hat_scalar(q, j) for j, (_, q) in enumerate(pairs)]
+        return Slots(tuple(i for i, _ in pairs), tuple(q for _, q in pairs), tuple(realized), tuple(realized))
+    tail = max(1.0 - sum(top_q), 0.0)
+    tail_q = tail / max(vocab - len(top_q), 1)
+    ids, qs, expected, realized = [], [], [], []
+    mass = 0.0
+    for j, (i, q) in enumerate(drawn[:k]):
+        if q <= 0 or i in ids or mass >= 1.0 - 1e-12:
+            break  # beyond the support (or a rounding repeat): no more distinct tokens
+        total = sum(t * cal.p_hat_scalar(t, j) for t in top_q) + tail * cal.p_hat_scalar(tail_q, j)
+        taken = sum(qp * cal.p_hat_scalar(qp, j) for qp in qs)
+        expected.append(min(max(total - taken, 0.0) / (1.0 - mass), 1.0))
+        realized.append(cal.p_hat_scalar(q, j))
+        ids.append(i)
+        qs.append(q)
+        mass += q
+    return Slots(tuple(ids), tuple(qs), tuple(expected), tuple(realized))
 
 
 @dataclass
