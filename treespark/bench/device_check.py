@@ -400,6 +400,7 @@ def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float
                     budget=budget, products=_products(device))
     if allocator is not None:
         engine.set_allocator(allocator)
+    engine.measure_stages = True  # draft_s and verify_s below are device times
     for i, p in enumerate(_prompts(batch, plen, pair.vocab_size, cfg.seed)):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i))
     while engine.num_waiting:  # prefill: not timed (running rows decode meanwhile, untimed too)
