@@ -2,9 +2,14 @@
 
 Each ``step()``:
 
-1. prefill: at most one chunk of one waiting request's prompt (in the KV cache's
-   staging row), so new arrivals never starve running requests; its last chunk
-   samples the first token at the request's own temperature;
+0. schedule: every running request gets the KV blocks its next tree may take; where
+   the pool runs out, the newest request is preempted (its blocks freed, itself put
+   back at the front of the queue to be recomputed); then waiting requests are
+   admitted while their prompts' blocks and one tree fit, each reusing the longest
+   prefix of cached blocks (``treespark.engine.kv``);
+1. prefill: at most one chunk of one admitted request's prompt, so new arrivals never
+   starve running requests; its last chunk samples the first token at the request's
+   own temperature;
 2. draft: ONE drafter backbone pass for every running request, then every tree grown
    in depth waves, one batched device call per wave (``treespark.spec.drafting``, the rule
    in ``treespark.spec.select``);
@@ -12,10 +17,15 @@ Each ``step()``:
    context and its tree ancestors), then on the device the argmax at every node
    (T = 0) or the recursive rejection walk (T > 0, ``treespark.spec.walk``); one copy
    brings the accepted paths to the host (``treespark.spec.verify`` builds the results);
-4. commit: move the accepted nodes' KV entries next to the committed context, feed
-   their tapped hidden states to the drafter's context cache, and retire finished
-   requests (their rows are freed at once; the last running row moves into the gap
-   so the batch stays a contiguous view).
+4. commit: move the accepted nodes' KV entries next to the committed context (inside
+   the request's blocks), feed their tapped hidden states to the drafter's context
+   cache, key the blocks that became full for the prefix cache, and retire finished
+   requests (their blocks are freed at once; nothing is copied).
+
+Preemption is by recomputation and exact: the preempted request keeps its output and
+its sampler, recomputes the KV of its prompt and output (mostly from the prefix cache),
+and goes on drawing from its own generator where it stopped (no draw happens between
+a step's start and its drafting, where preemption happens).
 
 Host syncs per decode step: one per drafting wave (at most the drafter's block size),
 one for verification, one for the first token of a request whose prefill ends in the
@@ -36,7 +46,14 @@ from dataclasses import dataclass
 
 import torch
 
-from treespark.engine.kv import KVCache, StoreShape, bytes_per_token, device_kv_budget, rows_within
+from treespark.engine.kv import (
+    PagedKV,
+    StoreShape,
+    block_hashes,
+    blocks_for,
+    bytes_per_token,
+    device_kv_budget,
+)
 from treespark.engine.request import Request, check_request, clip_emitted
 from treespark.engine.step_alloc import StepAllocator
 from treespark.engine.step_stats import step_stats
@@ -61,17 +78,21 @@ class EngineConfig:
     max_context: int = 1024         # prompt + generated tokens per request
     max_tree_nodes: int = 64        # hard cap on draft nodes per tree, whatever the budget
     prefill_chunk: int = 256        # prompt tokens per prefill forward
-    # KV memory: rows (a full context each, target + drafter) beyond what the budget holds
-    # are not allocated, and the engine runs fewer requests than max_batch_size at once
+    # KV memory: a pool of blocks of block_size tokens (target + drafter), as many as the
+    # budget holds; requests are admitted, and grow, by free blocks
+    block_size: int = 16
+    kv_blocks: int = 0              # > 0: this many blocks, whatever the budget
     kv_budget_bytes: int = 0        # 0: no budget in bytes
     kv_memory_fraction: float = 0.0 # 0: none; else this fraction of device memory less what is in use
+    # (no kv_blocks nor budget: max_batch_size requests at max_context each)
+    prefix_caching: bool = True     # reuse the cached blocks of a prompt's longest known prefix
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_context", "prefill_chunk"):
+        for name in ("max_batch_size", "max_context", "prefill_chunk", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0")
-        if self.kv_budget_bytes < 0 or not 0.0 <= self.kv_memory_fraction <= 1.0:
-            raise ValueError("EngineConfig.kv_budget_bytes must be >= 0 and kv_memory_fraction in [0, 1]")
+        if self.kv_blocks < 0 or self.kv_budget_bytes < 0 or not 0.0 <= self.kv_memory_fraction <= 1.0:
+            raise ValueError("EngineConfig.kv_blocks and kv_budget_bytes must be >= 0 and kv_memory_fraction in [0, 1]")
         if self.max_tree_nodes < 0:
             raise ValueError("EngineConfig.max_tree_nodes must be >= 0")
 
@@ -95,16 +116,28 @@ class Engine:
         self.device = self.runner.device
         dc = self.drafter.config
         shapes = (self.runner.store_shape, StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim))
-        capacity = self.config.max_context + self.config.max_tree_nodes + 1
-        self.row_bytes = capacity * bytes_per_token(*shapes, self.runner.dtype)
-        limits = [self.config.kv_budget_bytes] if self.config.kv_budget_bytes else []
-        if self.config.kv_memory_fraction:
-            limits.append(device_kv_budget(self.device, self.config.kv_memory_fraction))
-        # the running requests at once: what the KV budget holds, at most max_batch_size
-        self.max_batch_size = (rows_within(min(limits), self.row_bytes, self.config.max_batch_size) if limits
-                               else self.config.max_batch_size)
-        self.kv = KVCache(*shapes, max_batch=self.max_batch_size, capacity=capacity,
-                          device=self.device, dtype=self.runner.dtype)
+        cfg = self.config
+        bs = cfg.block_size
+        self.block_bytes = bs * bytes_per_token(*shapes, self.runner.dtype)
+        # one request at its longest, with its largest tree
+        per_request = blocks_for(cfg.max_context + cfg.max_tree_nodes + 1, bs)
+        limits = [cfg.kv_budget_bytes] if cfg.kv_budget_bytes else []
+        if cfg.kv_memory_fraction:
+            limits.append(device_kv_budget(self.device, cfg.kv_memory_fraction))
+        blocks = (cfg.kv_blocks or (min(limits) // self.block_bytes if limits
+                                    else cfg.max_batch_size * per_request))
+        if blocks < per_request:
+            raise ValueError(f"the KV pool ({blocks} blocks of {bs} tokens, {blocks * self.block_bytes / 2**20:.1f} "
+                             f"MiB) holds fewer than the {per_request} blocks one request at max_context and its "
+                             f"largest tree needs: lower max_context or raise the budget")
+        self.max_batch_size = cfg.max_batch_size
+        # + the null block (padding reads and writes it)
+        self.kv = PagedKV(*shapes, num_blocks=blocks + 1, block_size=bs, device=self.device,
+                          dtype=self.runner.dtype, caching=cfg.prefix_caching)
+        self.preemptions = 0            # requests preempted (by recomputation) so far
+        self.prefix_cache_queries = 0   # prompt tokens looked up in the prefix cache (vLLM's names)
+        self.prefix_cache_hits = 0      # of those, tokens found cached (not computed)
+        self.prefill_computed = 0       # prompt positions computed by prefill forwards
         self.budget = budget or Budget.adaptive()
         self.calibration = calibration or pair.calibration
         self.transfers = HostTransfers()
@@ -117,8 +150,9 @@ class Engine:
         self.allocator: StepAllocator | None = None  # per-step allocation (``treespark.engine.step_alloc``)
         self.vocab_size = self.runner.vocab_size
         self._waiting: deque[Request] = deque()
-        self._staging: Request | None = None
+        self._prefilling: list[Request] = []   # admitted, holding blocks, prompt not yet computed
         self._running: list[Request] = []
+        self._admitted = 0
         self._ids: set[str] = set()
         self._aborted: list[RequestOutput] = []
 
@@ -136,17 +170,14 @@ class Engine:
                                      taps=[] if capture_taps else None))
 
     def abort(self, request_id: str) -> None:
-        """Drop a request at once (its KV row is freed); reported finished with "abort"."""
+        """Drop a request at once (its KV blocks are freed); reported finished with "abort"."""
         if request_id not in self._ids:
             return
         req = next((r for r in self._waiting if r.id == request_id), None)
         if req is not None:
             self._waiting.remove(req)
-        elif self._staging is not None and self._staging.id == request_id:
-            req, self._staging = self._staging, None
-            self.kv.free(self.kv.staging)
         else:
-            req = next(r for r in self._running if r.id == request_id)
+            req = next(r for r in self._prefilling + self._running if r.id == request_id)
             self._release(req)
         self._ids.discard(request_id)
         self._aborted.append(RequestOutput(request_id, [], True, "abort", req.stats()))
@@ -169,66 +200,160 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + (self._staging is not None)
+        return len(self._waiting) + len(self._prefilling)
 
     @property
     def kv_rows_in_use(self) -> int:
-        """KV rows holding a request."""
-        return self.kv.slots_in_use
+        """Requests holding KV blocks (running, or admitted and prefilling)."""
+        return len(self._running) + len(self._prefilling)
+
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of the pool's blocks held by requests (cached free blocks excluded)."""
+        return self.kv.pool.blocks_in_use / self.kv.pool.num_usable
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._staging or self._aborted)
+        return bool(self._waiting or self._running or self._prefilling or self._aborted)
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.transfers.reset()
         outputs, self._aborted = self._aborted, []
+        self._reserve_trees()
+        self._admit()
         prefill_tokens = self._prefill_step(outputs)
+        if self._running:
+            self._reserve_trees()  # a request whose prefill ended joins this step's batch
         if self._running:
             outputs += self._decode_step(t0, prefill_tokens)
         return outputs
 
+    # -- blocks --------------------------------------------------------------------------
+    def _tree_slots(self, req: Request) -> int:
+        """Positions one step's tree of ``req`` may write (the root and its node cap)."""
+        return self._row_budget(req).node_cap + 1
+
+    def _reserve_trees(self) -> None:
+        """Give every running request the blocks its next tree may take, oldest first;
+        where the pool runs out, preempt the newest request holding blocks."""
+        pool, bs = self.kv.pool, self.kv.block_size
+        for req in sorted(self._running, key=lambda r: r.seq):
+            if req not in self._running:
+                continue  # preempted for an older one
+            need = blocks_for(req.computed + self._tree_slots(req), bs) - len(req.blocks)
+            while need > pool.num_free:
+                victim = max(self._running + self._prefilling, key=lambda r: r.seq)
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                if need > 0:
+                    req.blocks += pool.allocate(need)
+
+    def _preempt(self, req: Request) -> None:
+        """Free a request's blocks and put it back at the front of the queue, to be
+        recomputed (its output and sampler kept: it resumes exactly)."""
+        self._release(req)
+        req.keys, req.computed = [], 0
+        self._waiting.appendleft(req)
+        self.preemptions += 1
+
+    def _admit(self) -> None:
+        """Admit waiting requests, first come first served, while a request slot is free
+        and the pool holds the uncached blocks of the prompt plus one tree."""
+        while (self._waiting and not self._prefilling
+               and len(self._running) + len(self._prefilling) < self.max_batch_size):
+            req = self._waiting[0]
+            if not self._allocate_prompt(req):
+                return
+            self._waiting.popleft()
+            req.seq, self._admitted = self._admitted, self._admitted + 1
+            if self.on_schedule is not None and not req.scheduled:
+                self.on_schedule(req.id)
+            req.scheduled = True
+            self._prefilling.append(req)
+
+    def _allocate_prompt(self, req: Request) -> bool:
+        """Blocks for the positions ``req`` prefills: the cached blocks of its longest
+        known prefix (at most all but the block of its last position, whose logits must
+        be computed), then fresh ones; False (nothing taken) if they and one tree do not fit."""
+        pool, bs = self.kv.pool, self.kv.block_size
+        n = req.prefill_len
+        tokens = (req.prompt + req.output)[:n]
+        # a request capturing its tapped states needs them computed at every position
+        keys = block_hashes(tokens, bs) if pool.caching and req.taps is None else []
+        hits = pool.lookup(keys[:(n - 1) // bs])
+        need = blocks_for(n + self._tree_slots(req), bs) - len(hits)
+        if need > pool.num_free - sum(1 for b in hits if pool.ref[b] == 0):
+            return False
+        pool.hold(hits)
+        req.blocks = hits + pool.allocate(blocks_for(n, bs) - len(hits))
+        req.keys = keys[:len(hits)]
+        req.computed = len(hits) * bs
+        self.prefix_cache_queries += n
+        self.prefix_cache_hits += req.computed
+        return True
+
+    def _cache_blocks(self, req: Request) -> None:
+        """Key the request's blocks that became full of committed positions."""
+        pool, bs = self.kv.pool, self.kv.block_size
+        full = req.computed // bs
+        if not pool.caching or len(req.keys) >= full:
+            return
+        done = len(req.keys)
+        new = block_hashes((req.prompt + req.output)[:full * bs], bs, req.keys[-1] if done else b"", done)
+        for i, key in enumerate(new, start=done):
+            pool.register(req.blocks[i], key)
+        req.keys += new
+
+    def _release(self, req: Request) -> None:
+        """Free a request's blocks (cached ones stay findable until evicted)."""
+        self.kv.pool.free(req.blocks)
+        req.blocks = []
+        if req in self._running:
+            self._running.remove(req)
+        else:
+            self._prefilling.remove(req)
+
+    # -- prefill -------------------------------------------------------------------------
     def _prefill_step(self, outputs: list[RequestOutput]) -> int:
-        if self._staging is None:
-            if not self._waiting or len(self._running) >= self.max_batch_size:
-                return 0
-            self._staging = self._waiting.popleft()
-            self._staging.slot = self.kv.staging
-            if self.on_schedule is not None:
-                self.on_schedule(self._staging.id)
-        req = self._staging
-        start = req.prefilled
-        end = min(len(req.prompt), start + self.config.prefill_chunk)
-        last = end == len(req.prompt)
+        if not self._prefilling:
+            return 0
+        req = self._prefilling[0]
+        n = req.prefill_len
+        start = req.computed
+        end = min(n, start + self.config.prefill_chunk)
+        last = end == n
+        fresh = not req.output  # else a preempted request, recomputed: its root is already emitted
         dev = self.device
-        tokens = torch.tensor([req.prompt[start:end]], device=dev)
+        tokens = torch.tensor([(req.prompt + req.output)[start:end]], device=dev)
         pos = torch.arange(start, end, device=dev)[None]
         mask = (torch.arange(end, device=dev)[None, :] <= pos[0][:, None])[None, None]
-        rows = slice(req.slot, req.slot + 1)
-        out = self.runner.forward(tokens, pos, pos, self.kv.target, rows, mask,
-                                  logits_for="last" if last else "none")
-        self._write_context(req.slot, out.taps[0], pos[0])
-        if req.taps is not None:
-            req.taps.append(out.taps[0])
-        req.prefilled = end
-        self.kv.lengths[req.slot] = end
+        out = self.runner.forward(tokens, pos, pos, self.kv.target, self.kv.rows([req.blocks], end), mask,
+                                  logits_for="last" if last and fresh else "none")
+        self._write_context([req], [list(range(start, end))], out.taps[0])
+        if req.taps is not None:  # (a recomputed request has its earlier positions' already)
+            have = sum(t.shape[0] for t in req.taps)
+            if end > have:
+                req.taps.append(out.taps[0][max(have - start, 0):])
+        req.computed = end
+        self._cache_blocks(req)
+        self.prefill_computed += end - start
         if last:
-            self._staging = None
+            self._prefilling.remove(req)
+            if not fresh:
+                self._running.append(req)
+                return end - start
             assert out.logits is not None
             first = self._sample_first(req, out.logits[:, -1])
             lps = None
             if req.params.logprobs is not None:
                 (lps,) = step_logprobs(out.logits[:, -1:], [Emitted(0, [0], [first], req.params.logprobs)],
                                        self.transfers.fetch)
-            done = self._emit(req, [first], outputs, is_prefill=True, logprobs=lps)
-            if done:
-                self.kv.free(req.slot)
-            else:
-                row = len(self._running)
-                self.kv.copy_row(req.slot, row)
-                req.slot = row
-                self._running.append(req)
+            self._running.append(req)
+            if self._emit(req, [first], outputs, is_prefill=True, logprobs=lps):
+                self._release(req)
         return end - start
 
     def _sample_first(self, req: Request, logits: torch.Tensor) -> int:
@@ -244,10 +369,15 @@ class Engine:
             token = sample_rows(p, torch.tensor(req.sampler.uniform(1), device=dev))
         return int(self.transfers.fetch(token)[0])
 
-    def _write_context(self, slot: int, taps: torch.Tensor, pos: torch.Tensor) -> None:
-        """Feed committed positions' tapped hidden states to the drafter's context cache."""
-        k, v = self.drafter.context_kv(taps[None].to(self.drafter.fc.weight.dtype), pos[None])
-        self.kv.drafter.write_all(slice(slot, slot + 1), pos[None], k, v)
+    def _write_context(self, reqs: list[Request], positions: list[list[int]], taps: torch.Tensor) -> None:
+        """Feed committed positions' tapped hidden states (taps: [N, ...], the requests'
+        positions in order) to the drafter's context cache, in one drafter call."""
+        flat = [p for ps in positions for p in ps]
+        pos = torch.tensor(flat, device=self.device)
+        k, v = self.drafter.context_kv(taps[None].to(self.drafter.fc.weight.dtype), pos[None])  # [L, 1, kvh, N, hd]
+        slots = [s for r, ps in zip(reqs, positions, strict=True) for s in self.kv.slots(r.blocks, ps)]
+        self.kv.drafter.write_slots(torch.tensor(slots, device=self.device),
+                                    k[:, 0].transpose(1, 2), v[:, 0].transpose(1, 2))
 
     def _row_budget(self, req: Request) -> Budget:
         b = req.budget or self.budget
@@ -256,8 +386,7 @@ class Engine:
 
     def _decode_step(self, t0: float, prefill_tokens: int) -> list[RequestOutput]:
         batch = list(self._running)
-        assert all(r.slot == i for i, r in enumerate(batch)), "running rows must be compact"
-        lengths = [self.kv.lengths[r.slot] for r in batch]
+        lengths = [r.computed for r in batch]
         t_draft = time.perf_counter()
         budgets = [self._row_budget(r) for r in batch]
         if self.allocator is not None:
@@ -306,18 +435,18 @@ class Engine:
                 for r, b in zip(batch, budgets, strict=True)]
         base = None
         if any(not b.is_off and row.depth_limit > 0 for b, row in zip(budgets, rows, strict=True)):
-            n, c, dev = len(batch), max(lengths), self.device
+            c, dev = max(lengths), self.device
             anchors = torch.tensor([r.root for r in batch], device=dev)
-            base = self.drafter.block_logits(anchors, self.kv.drafter.k[:, :n, :, :c],
-                                             self.kv.drafter.v[:, :n, :, :c],
-                                             torch.tensor(lengths, device=dev))
+            ctx_k, ctx_v = self.kv.drafter.gather_all(self.kv.rows([r.blocks for r in batch], c), c)
+            base = self.drafter.block_logits(anchors, ctx_k, ctx_v, torch.tensor(lengths, device=dev))
         return self.waves.draft(base, rows)
 
     def _verify_forward(self, batch: list[Request], trees: list[DraftTree],
                         lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over every tree: logits [B, K, V] and taps, on the device."""
         b = tree_batch(trees, lengths, self.device)
-        out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, slice(0, len(batch)), b.mask)
+        rows = self.kv.rows([r.blocks for r in batch], b.mask.shape[-1])
+        out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, rows, b.mask)
         assert out.logits is not None
         return out.logits, out.taps
 
@@ -372,9 +501,8 @@ class Engine:
                 logprobs: dict[int, list[TokenLogprob]]) -> list[RequestOutput]:
         """Emit the rounds' tokens, keep the accepted nodes' KV entries next to the
         committed context, feed their taps to the drafter, retire finished requests."""
-        dev = self.device
         outputs: list[RequestOutput] = []
-        commit_taps, commit_pos, commit_slot = [], [], []
+        commit_taps, commit_pos, commit_reqs, src, dst = [], [], [], [], []
         for i, (req, tree, result) in enumerate(zip(batch, trees, results, strict=True)):
             req.rounds.append(RoundStats(tree.size, tree.depth, tree.width, result.accepted,
                                          (req.budget or self.budget).theta))
@@ -385,21 +513,21 @@ class Engine:
                 req.taps.append(kept_taps)
             if self._emit(req, list(result.tokens), outputs, logprobs=logprobs.get(i)):
                 continue
-            self.kv.move_entries(req.slot, [length + s for s in keep], [length + j for j in range(len(keep))])
+            kept = list(range(length, length + len(keep)))
+            if keep != list(range(len(keep))):   # the accepted path, down next to the context
+                src += self.kv.slots(req.blocks, [length + s for s in keep])
+                dst += self.kv.slots(req.blocks, kept)
             commit_taps.append(kept_taps)
-            commit_pos.append(torch.arange(length, length + len(keep), device=dev))
-            commit_slot.append(req.slot)
-            self.kv.lengths[req.slot] = length + len(keep)
+            commit_pos.append(kept)
+            commit_reqs.append(req)
+            req.computed = length + len(keep)
             req.root = result.tokens[-1]
+        if src:
+            self.kv.target.move(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
         if commit_taps:
-            flat_k, flat_v = self.drafter.context_kv(torch.cat(commit_taps)[None],
-                                                      torch.cat(commit_pos)[None])
-            at = 0
-            for slot, pos in zip(commit_slot, commit_pos, strict=True):
-                m = pos.numel()
-                self.kv.drafter.write_all(slice(slot, slot + 1), pos[None],
-                                          flat_k[:, :, :, at:at + m], flat_v[:, :, :, at:at + m])
-                at += m
+            self._write_context(commit_reqs, commit_pos, torch.cat(commit_taps))
+        for req in commit_reqs:
+            self._cache_blocks(req)
         for req in [r for r in batch if r.id not in self._ids]:
             self._release(req)
         return outputs
@@ -421,16 +549,3 @@ class Engine:
             taps = self.transfers.fetch(torch.cat(req.taps)[:positions].to(torch.float16))
         outputs.append(RequestOutput(req.id, tokens, finished, reason, req.stats() if finished else None, lps, taps))
         return finished
-
-    def _release(self, req: Request) -> None:
-        """Free a running request's row; the last running row moves into the gap."""
-        i = self._running.index(req)
-        last = len(self._running) - 1
-        if i != last:
-            self.kv.copy_row(last, i)
-            self._running[i] = self._running[last]
-            self._running[i].slot = i
-        else:
-            self.kv.free(i)
-        self._running.pop()
-        req.slot = -1
