@@ -7,9 +7,11 @@ Each ``step()``:
    back at the front of the queue to be recomputed); then waiting requests are
    admitted while their prompts' blocks and one tree fit, each reusing the longest
    prefix of cached blocks (``treespark.engine.kv``);
-1. prefill: at most one chunk of one admitted request's prompt, so new arrivals never
-   starve running requests; its last chunk samples the first token at the request's
-   own temperature;
+1. prefill: the step's token budget (``max_num_batched_tokens``) goes to the running
+   rows' trees first, then to prefill chunks of the admitted requests, oldest first,
+   all in ONE prefill forward (at least one chunk per step, so new arrivals never
+   starve, and at most the budget, so running requests keep their pace); a request's
+   last chunk samples its first token at the request's own temperature;
 2. draft: ONE drafter backbone pass for every running request, then every tree grown
    in depth waves, one batched device call per wave (``treespark.spec.drafting``, the rule
    in ``treespark.spec.select``);
@@ -28,7 +30,7 @@ and goes on drawing from its own generator where it stopped (no draw happens bet
 a step's start and its drafting, where preemption happens).
 
 Host syncs per decode step: one per drafting wave (at most the drafter's block size),
-one for verification, one for the first token of a request whose prefill ends in the
+one for verification, one for the first token of each request whose prefill ends in the
 step, and on CUDA two waits that make the stage times device times; no copy to the
 host grows with the vocabulary (``StepStats.host_syncs`` / ``host_elements``). A request
 that asked for its tapped states (``capture_taps``, for drafter training data) keeps them
@@ -77,18 +79,21 @@ class EngineConfig:
     max_batch_size: int = 8         # running requests verified together
     max_context: int = 1024         # prompt + generated tokens per request
     max_tree_nodes: int = 64        # hard cap on draft nodes per tree, whatever the budget
-    prefill_chunk: int = 256        # prompt tokens per prefill forward
+    prefill_chunk: int = 256        # most prompt tokens of one request per step
+    # tokens per step: the running rows' trees (their node caps), then prefill chunks of
+    # several requests up to this (always at least one chunk)
+    max_num_batched_tokens: int = 512
     # KV memory: a pool of blocks of block_size tokens (target + drafter), as many as the
     # budget holds; requests are admitted, and grow, by free blocks
     block_size: int = 16
     kv_blocks: int = 0              # > 0: this many blocks, whatever the budget
     kv_budget_bytes: int = 0        # 0: no budget in bytes
     kv_memory_fraction: float = 0.0 # 0: none; else this fraction of device memory less what is in use
-    # (no kv_blocks nor budget: max_batch_size requests at max_context each)
+    # (no kv_blocks: max_batch_size requests at max_context each, or fewer if the budget says so)
     prefix_caching: bool = True     # reuse the cached blocks of a prompt's longest known prefix
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_context", "prefill_chunk", "block_size"):
+        for name in ("max_batch_size", "max_context", "prefill_chunk", "block_size", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0")
         if self.kv_blocks < 0 or self.kv_budget_bytes < 0 or not 0.0 <= self.kv_memory_fraction <= 1.0:
@@ -124,8 +129,13 @@ class Engine:
         limits = [cfg.kv_budget_bytes] if cfg.kv_budget_bytes else []
         if cfg.kv_memory_fraction:
             limits.append(device_kv_budget(self.device, cfg.kv_memory_fraction))
-        blocks = (cfg.kv_blocks or (min(limits) // self.block_bytes if limits
-                                    else cfg.max_batch_size * per_request))
+        # a budget's blocks, at most what max_batch_size requests at max_context take
+        # (more would only keep cached prefixes longer)
+        blocks = cfg.max_batch_size * per_request
+        if cfg.kv_blocks:
+            blocks = cfg.kv_blocks
+        elif limits:
+            blocks = min(blocks, min(limits) // self.block_bytes)
         if blocks < per_request:
             raise ValueError(f"the KV pool ({blocks} blocks of {bs} tokens, {blocks * self.block_bytes / 2**20:.1f} "
                              f"MiB) holds fewer than the {per_request} blocks one request at max_context and its "
@@ -221,8 +231,7 @@ class Engine:
         self.transfers.reset()
         outputs, self._aborted = self._aborted, []
         self._reserve_trees()
-        self._admit()
-        prefill_tokens = self._prefill_step(outputs)
+        prefill_tokens = self._prefill_step(outputs, self._schedule_prefill())
         if self._running:
             self._reserve_trees()  # a request whose prefill ended joins this step's batch
         if self._running:
@@ -259,20 +268,35 @@ class Engine:
         self._waiting.appendleft(req)
         self.preemptions += 1
 
-    def _admit(self) -> None:
-        """Admit waiting requests, first come first served, while a request slot is free
-        and the pool holds the uncached blocks of the prompt plus one tree."""
-        while (self._waiting and not self._prefilling
-               and len(self._running) + len(self._prefilling) < self.max_batch_size):
+    def _schedule_prefill(self) -> list[tuple[Request, int]]:
+        """This step's prefill chunks (request, tokens): what the token budget leaves after
+        the running rows' trees (at least one chunk), to the admitted requests oldest
+        first, then to waiting requests admitted, first come first served, while a
+        request slot is free and the pool holds their prompts' uncached blocks and a tree."""
+        cfg = self.config
+        budget = max(cfg.max_num_batched_tokens - sum(self._tree_slots(r) for r in self._running),
+                     cfg.prefill_chunk)
+        chunks = []
+        for req in self._prefilling:
+            if budget <= 0:
+                return chunks
+            m = min(req.prefill_len - req.computed, cfg.prefill_chunk, budget)
+            chunks.append((req, m))
+            budget -= m
+        while budget > 0 and self._waiting and len(self._running) + len(self._prefilling) < self.max_batch_size:
             req = self._waiting[0]
             if not self._allocate_prompt(req):
-                return
+                break
             self._waiting.popleft()
             req.seq, self._admitted = self._admitted, self._admitted + 1
             if self.on_schedule is not None and not req.scheduled:
                 self.on_schedule(req.id)
             req.scheduled = True
             self._prefilling.append(req)
+            m = min(req.prefill_len - req.computed, cfg.prefill_chunk, budget)
+            chunks.append((req, m))
+            budget -= m
+        return chunks
 
     def _allocate_prompt(self, req: Request) -> bool:
         """Blocks for the positions ``req`` prefills: the cached blocks of its longest
@@ -317,57 +341,74 @@ class Engine:
             self._prefilling.remove(req)
 
     # -- prefill -------------------------------------------------------------------------
-    def _prefill_step(self, outputs: list[RequestOutput]) -> int:
-        if not self._prefilling:
+    def _prefill_step(self, outputs: list[RequestOutput], chunks: list[tuple[Request, int]]) -> int:
+        """One forward over every chunk (rows padded to the longest; a padding token writes
+        past its row's chunk, where nothing is committed, or into the null block)."""
+        if not chunks:
             return 0
-        req = self._prefilling[0]
-        n = req.prefill_len
-        start = req.computed
-        end = min(n, start + self.config.prefill_chunk)
-        last = end == n
-        fresh = not req.output  # else a preempted request, recomputed: its root is already emitted
         dev = self.device
-        tokens = torch.tensor([(req.prompt + req.output)[start:end]], device=dev)
-        pos = torch.arange(start, end, device=dev)[None]
-        mask = (torch.arange(end, device=dev)[None, :] <= pos[0][:, None])[None, None]
-        out = self.runner.forward(tokens, pos, pos, self.kv.target, self.kv.rows([req.blocks], end), mask,
-                                  logits_for="last" if last and fresh else "none")
-        self._write_context([req], [list(range(start, end))], out.taps[0])
-        if req.taps is not None:  # (a recomputed request has its earlier positions' already)
-            have = sum(t.shape[0] for t in req.taps)
-            if end > have:
-                req.taps.append(out.taps[0][max(have - start, 0):])
-        req.computed = end
-        self._cache_blocks(req)
-        self.prefill_computed += end - start
-        if last:
-            self._prefilling.remove(req)
-            if not fresh:
-                self._running.append(req)
-                return end - start
+        reqs = [r for r, _ in chunks]
+        sizes = [m for _, m in chunks]
+        starts = [r.computed for r in reqs]
+        width = max(sizes)
+        tokens = torch.zeros(len(chunks), width, dtype=torch.long)
+        for i, (req, m) in enumerate(chunks):
+            tokens[i, :m] = torch.tensor((req.prompt + req.output)[starts[i]:starts[i] + m])
+        pos = (torch.tensor(starts)[:, None] + torch.arange(width)[None]).to(dev)        # [R, S]
+        t = max(starts) + width
+        mask = (torch.arange(t, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [R, 1, S, T]
+        # the first token's logits, for each request whose prompt ends here (a recomputed
+        # request's root is already emitted)
+        ends = [s + m == r.prefill_len for r, s, m in zip(reqs, starts, sizes, strict=True)]
+        firsts = [i for i, r in enumerate(reqs) if ends[i] and not r.output]
+        out = self.runner.forward(tokens.to(dev), pos, pos, self.kv.target, self.kv.rows([r.blocks for r in reqs], t),
+                                  mask, logits_for=torch.tensor(sizes, device=dev) - 1 if firsts else "none")
+        positions = [list(range(s, s + m)) for s, m in zip(starts, sizes, strict=True)]
+        self._write_context(reqs, positions, torch.cat([out.taps[i, :m] for i, m in enumerate(sizes)]))
+        tokens_first: dict[int, int] = {}
+        lps: dict[int, list[TokenLogprob]] = {}
+        if firsts:
             assert out.logits is not None
-            first = self._sample_first(req, out.logits[:, -1])
-            lps = None
-            if req.params.logprobs is not None:
-                (lps,) = step_logprobs(out.logits[:, -1:], [Emitted(0, [0], [first], req.params.logprobs)],
-                                       self.transfers.fetch)
+            logits = out.logits[firsts]                                                   # [F, 1, V]
+            tokens_first = dict(zip(firsts, self._sample_firsts([reqs[i] for i in firsts], logits[:, 0]),
+                                    strict=True))
+            asked = [Emitted(j, [0], [tokens_first[i]], reqs[i].params.logprobs) for j, i in enumerate(firsts)
+                     if reqs[i].params.logprobs is not None]
+            lps = {firsts[e.row]: lp for e, lp in zip(asked, step_logprobs(logits, asked, self.transfers.fetch),
+                                                      strict=True)}
+        for i, req in enumerate(reqs):
+            end = starts[i] + sizes[i]
+            if req.taps is not None:  # (a recomputed request has its earlier positions' already)
+                have = sum(x.shape[0] for x in req.taps)
+                if end > have:
+                    req.taps.append(out.taps[i, max(have - starts[i], 0):sizes[i]])
+            req.computed = end
+            self._cache_blocks(req)
+            if not ends[i]:
+                continue
+            self._prefilling.remove(req)
             self._running.append(req)
-            if self._emit(req, [first], outputs, is_prefill=True, logprobs=lps):
+            if i in tokens_first and self._emit(req, [tokens_first[i]], outputs, is_prefill=True,
+                                                logprobs=lps.get(i)):
                 self._release(req)
-        return end - start
+        self.prefill_computed += sum(sizes)
+        return sum(sizes)
 
-    def _sample_first(self, req: Request, logits: torch.Tensor) -> int:
-        """The first token after prefill (logits [1, V]), at the request's temperature
-        (never argmax at T > 0)."""
-        t = req.params.temperature
-        if t == 0:
-            token = logits.argmax(-1)
-        else:
+    def _sample_firsts(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        """The first token after prefill of each request (logits [R, V]), at its own
+        temperature (never argmax at T > 0; one uniform from its own generator), in one copy."""
+        tokens = logits.argmax(-1)
+        sampled = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
+        if sampled:
             dev = logits.device
-            top_p = None if req.params.top_p >= 1 else torch.tensor([req.params.top_p], device=dev)
-            p = target_probs_rows(logits, torch.tensor([t], dtype=torch.float64, device=dev), top_p)
-            token = sample_rows(p, torch.tensor(req.sampler.uniform(1), device=dev))
-        return int(self.transfers.fetch(token)[0])
+            params = [reqs[i].params for i in sampled]
+            top_p = (None if all(p.top_p >= 1 for p in params)
+                     else torch.tensor([p.top_p for p in params], device=dev))
+            p = target_probs_rows(logits[sampled], torch.tensor([q.temperature for q in params],
+                                                                dtype=torch.float64, device=dev), top_p)
+            u = torch.tensor([reqs[i].sampler.uniform(1)[0] for i in sampled], dtype=torch.float64, device=dev)
+            tokens[torch.tensor(sampled, device=dev)] = sample_rows(p, u)
+        return self.transfers.fetch(tokens).tolist()
 
     def _write_context(self, reqs: list[Request], positions: list[list[int]], taps: torch.Tensor) -> None:
         """Feed committed positions' tapped hidden states (taps: [N, ...], the requests'

@@ -205,6 +205,7 @@ class PagedKV:
                  device: torch.device, dtype: torch.dtype, caching: bool = True) -> None:
         self.block_size = block_size
         self.device = device
+        self.target_shape, self.drafter_shape = target, drafter
         self.pool = BlockPool(num_blocks, block_size, caching)
         self.target = PagedStore(target, num_blocks * block_size, device, dtype)
         self.drafter = PagedStore(drafter, num_blocks * block_size, device, dtype)

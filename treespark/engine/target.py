@@ -243,7 +243,8 @@ class TargetRunner:
         store: KVStore | PagedStore,
         rows: slice | PagedRows,   # the batch's rows of a dense store, or its block tables' slots
         mask: torch.Tensor,        # [B, 1, K, T] bool: True = may attend (T >= every position + 1)
-        logits_for: str = "all",   # "all" nodes, the "last" one of each row, or "none"
+        logits_for: str | torch.Tensor = "all",  # "all" nodes, the "last" one of each row, "none",
+                                                 # or [B] the index of each row's one token
     ) -> ForwardOutput:
         b, k = tokens.shape
         h = self.base.embed_tokens(tokens).to(self.dtype)                  # [B, K, h]
@@ -259,9 +260,12 @@ class TargetRunner:
             if idx in self.tap_layers:
                 taps[idx] = x
         tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
-        if logits_for == "none":
+        if isinstance(logits_for, torch.Tensor):
+            x = x.view(b, k, -1)[torch.arange(b, device=x.device), logits_for]
+            k = 1
+        elif logits_for == "none":
             return ForwardOutput(logits=None, taps=tapped)
-        if logits_for == "last":
+        elif logits_for == "last":
             x = x.view(b, k, -1)[:, -1]
             k = 1
         else:
