@@ -5,7 +5,8 @@ Three measurements, each on a fresh engine:
 
 * held at once: 64 chats of 300 tokens (200 prompt + 100 generated) arriving together,
   at a KV budget of 8 dense rows of max_context 2048; the most requests holding KV at
-  once (``Engine.kv_rows_in_use``);
+  once (``Engine.kv_rows_in_use``), and how many preemptions it took (requests are
+  admitted by their prompts' blocks, and some are preempted as they grow);
 * TTFT: a burst of 16 requests with long prompts arriving together; seconds from the
   burst to each request's first token, p50 and p95;
 * prefix cache: 4 conversations of 4 turns over one shared ~500-token system prompt
@@ -89,6 +90,7 @@ def measure(pair_name: str, burst_prompt: int = 1500) -> dict:
     engine = Engine(pair, EngineConfig(max_batch_size=128, max_context=2048, kv_budget_bytes=budget),
                     budget=Budget.off())
     _, out["held"] = _run(engine, [(f"c{i}", tokens(200), 100) for i in range(64)])
+    out["preempted"] = getattr(engine, "preemptions", 0)  # (a dense engine queues instead)
     out["kv_budget_mib"] = budget / 2**20
     # TTFT of a burst of 16 long prompts
     engine = Engine(pair, EngineConfig(max_batch_size=16, max_context=burst_prompt + 64), budget=Budget.off())
@@ -139,10 +141,10 @@ def serving_benchmark(pairs: tuple[str, ...] = PAIRS, *, base: Path | None = Non
         runs = ([("before", _measure_at(base, pair, burst_prompt))] if base is not None else [])
         runs.append(("after", _measure_at(None, pair, burst_prompt)))
         for label, m in runs:
-            rows.append([pair, label, str(m["held"]), f"{m['ttft_p50']:.2f} / {m['ttft_p95']:.2f}",
+            rows.append([pair, label, f"{m['held']} ({m['preempted']})", f"{m['ttft_p50']:.2f} / {m['ttft_p95']:.2f}",
                          f"{m['hit_rate']:.2f}", f"{m['computed_per_received']:.2f}"])
     m = runs[-1][1]
-    header = ["pair", "engine", f"300-token chats held at once ({m['kv_budget_mib']:.1f} MiB KV)",
+    header = ["pair", "engine", f"300-token chats held at once (preempted) ({m['kv_budget_mib']:.1f} MiB KV)",
               f"TTFT p50 / p95 s (16 x {burst_prompt}-token burst)", "prefix-cache hit rate",
               "prefill computed / prompt received"]
     note = ("\n\nPlain decoding, 1 thread; random pairs: qwen3 = `random_pair(151936, 0, block_size=5, "
