@@ -174,6 +174,12 @@ def cmd_bench(args) -> None:
                                 markov_rank=args.markov_rank, family=args.family,
                                 temperatures=tuple(args.temperatures)), args.out)
         return
+    if args.what == "serving":  # random pairs, each measured in a subprocess (and the --base checkout's)
+        from treespark.bench.serving import serving_benchmark
+
+        _write(serving_benchmark(base=Path(args.base) if args.base else None, burst_prompt=args.burst_prompt),
+               args.out)
+        return
     pair = pair_by_name(args.pair, args.drafter)
     if args.what == "acceptance" and args.goals:
         from treespark.bench.acceptance import goals_benchmark
@@ -376,8 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--device")
     j.set_defaults(func=cmd_judge)
 
-    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear | rounds")
-    b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear", "rounds"])
+    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear | rounds | serving")
+    b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear", "rounds", "serving"])
     b.add_argument("--pair", default="default", choices=["default", "random"])
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     b.add_argument("--max-tokens", type=int, default=64)
@@ -402,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--drafter", help="the default target with this drafter directory (its calibration.json)")
     b.add_argument("--goals", action="store_true",
                    help="acceptance: only the drafter's goal rows (first-token, tuned chain, adaptive at a low price)")
+    b.add_argument("--base", help="serving: also measure this checkout (the 'before' rows)")
+    b.add_argument("--burst-prompt", type=int, default=1500, help="serving: the burst's prompt length")
     b.add_argument("--out", help="also write the markdown table here")
     b.set_defaults(func=cmd_bench)
 

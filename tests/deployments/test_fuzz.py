@@ -111,7 +111,7 @@ def test_fuzz_inprocess_no_5xx(local_api):
     assert sum(seen.values()) >= 500 and not any(s >= 500 for s in seen)
     assert seen.get(200, 0) >= 50 and sum(v for s, v in seen.items() if 400 <= s < 500) >= 100  # both sides exercised
     engine = local_api.core.bundle.engine
-    assert engine.kv.slots_in_use == 0 and engine.num_running == 0 and engine.num_waiting == 0
+    assert engine.kv_rows_in_use == 0 and engine.num_running == 0 and engine.num_waiting == 0
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-6])

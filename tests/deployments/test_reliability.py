@@ -288,10 +288,10 @@ def test_disconnect_mid_stream_frees_kv_inprocess():
         r = a.post("/v1/completions", body, disconnect_after=3)
         assert r.status == 200 and "[DONE]" not in r.sse()
         deadline = time.time() + 60  # generous: the loop ends as soon as the engine is empty
-        while time.time() < deadline and (engine.kv.slots_in_use or engine.num_running or engine.num_waiting
+        while time.time() < deadline and (engine.kv_rows_in_use or engine.num_running or engine.num_waiting
                                           or not a.core.counters["requests_aborted"]):
             a.loop.run_until_complete(asyncio.sleep(0.02))
-        assert engine.kv.slots_in_use == 0 and engine.num_running == 0 and engine.num_waiting == 0
+        assert engine.kv_rows_in_use == 0 and engine.num_running == 0 and engine.num_waiting == 0
         assert a.core.counters["requests_aborted"] == 1 and a.core.counters["requests"] == 0
         assert a.core.counters["generation_tokens"] < 2000  # cut off mid-generation
         # and the engine serves the next request

@@ -84,22 +84,23 @@ def test_full_engine_queues_and_limits_refuse_up_front(pair64):
         engine.add_request("dup", [1], SamplingParams(max_tokens=30))
 
 
-def test_kv_budget_sets_the_rows_and_admission(pair64):
-    """A KV budget of 3.5 rows allocates 2 running rows + the prefill row: at most 2
-    requests run at once although max_batch_size is 8, and every request completes with
-    the tokens it gets alone. Below 2 rows the engine refuses to start, saying why."""
-    row = Engine(pair64, EngineConfig(max_batch_size=1, max_context=40)).row_bytes
-    engine = Engine(pair64, EngineConfig(max_batch_size=8, max_context=40, kv_budget_bytes=int(3.5 * row)))
-    assert engine.max_batch_size == 2 and engine.kv.target.k.shape[1] == 3
+def test_kv_budget_sets_the_blocks_and_admission(pair64):
+    """A KV budget of 7 blocks (one request's worst case: max_context and the largest
+    tree) admits requests by free blocks: several run at once, every request completes
+    with the tokens it gets alone. Below one request's worst case the engine refuses to
+    start, saying why."""
+    block = Engine(pair64, EngineConfig(max_batch_size=1, max_context=40)).block_bytes
+    engine = Engine(pair64, EngineConfig(max_batch_size=8, max_context=40, kv_budget_bytes=7 * block))
+    assert engine.kv.pool.num_usable == 7
     arrivals = {0: [(f"q{i}", [i + 1, 2, 3], SamplingParams(max_tokens=5)) for i in range(5)]}
     peak = []
     engine.on_step = lambda s: peak.append(s.batch_size)
     tokens, reasons = run(engine, arrivals)
-    assert max(peak) == 2 and len(reasons) == 5
+    assert 2 <= max(peak) < 5 and len(reasons) == 5
     alone, _ = run(Engine(pair64, EngineConfig(max_batch_size=1, max_context=40)), {0: arrivals[0][3:4]})
     assert tokens["q3"] == alone["q3"]
-    with pytest.raises(ValueError, match="fewer than 2 rows"):
-        Engine(pair64, EngineConfig(max_context=40, kv_budget_bytes=int(1.5 * row)))
+    with pytest.raises(ValueError, match="holds fewer than the 7 blocks"):
+        Engine(pair64, EngineConfig(max_context=40, kv_budget_bytes=6 * block))
     assert Engine(pair64, EngineConfig(max_batch_size=4, max_context=40, kv_memory_fraction=0.5)).max_batch_size == 4
 
 
@@ -113,7 +114,7 @@ def test_no_leaks_after_200_requests_with_aborts(pair64):
     tokens, reasons = run(engine, arrivals, aborts)
     assert len(reasons) == 200
     assert "abort" in reasons.values() and "length" in reasons.values()
-    assert engine.kv.slots_in_use == 0 and sum(engine.kv.lengths) == 0
+    assert engine.kv_rows_in_use == 0 and engine.kv.blocks_in_use == 0
     assert not engine.has_unfinished() and engine.num_running == 0 and engine.num_waiting == 0
     assert not engine._ids
 
@@ -124,9 +125,9 @@ def test_abort_frees_the_row_at_once(pair64):
         engine.add_request(f"r{i}", [1, 2, 3 + i], SamplingParams(max_tokens=40))
     for _ in range(5):
         engine.step()
-    assert engine.kv.slots_in_use == 3
+    assert engine.kv_rows_in_use == 3
     engine.abort("r0")
-    assert engine.kv.slots_in_use == 2 and engine.num_running == 2
+    assert engine.kv_rows_in_use == 2 and engine.num_running == 2
     outs = engine.step()
     assert any(o.request_id == "r0" and o.finish_reason == "abort" for o in outs)
 

@@ -2,9 +2,16 @@
 
 Each ``step()``:
 
-1. prefill: at most one chunk of one waiting request's prompt (in the KV cache's
-   staging row), so new arrivals never starve running requests; its last chunk
-   samples the first token at the request's own temperature;
+0. schedule: every running request gets the KV blocks its next tree may take; where
+   the pool runs out, the newest request is preempted (its blocks freed, itself put
+   back at the front of the queue to be recomputed); then waiting requests are
+   admitted while their prompts' blocks and one tree fit, each reusing the longest
+   prefix of cached blocks (``treespark.engine.kv``);
+1. prefill: the step's token budget (``max_num_batched_tokens``) goes to the running
+   rows' trees first, then to prefill chunks of the admitted requests, oldest first,
+   all in ONE prefill forward (at least one chunk per step, so new arrivals never
+   starve, and at most the budget, so running requests keep their pace); a request's
+   last chunk samples its first token at the request's own temperature;
 2. draft: ONE drafter backbone pass for every running request, then every tree grown
    in depth waves, one batched device call per wave (``treespark.spec.drafting``, the rule
    in ``treespark.spec.select``);
@@ -12,23 +19,31 @@ Each ``step()``:
    context and its tree ancestors), then on the device the argmax at every node
    (T = 0) or the recursive rejection walk (T > 0, ``treespark.spec.walk``); one copy
    brings the accepted paths to the host (``treespark.spec.verify`` builds the results);
-4. commit: move the accepted nodes' KV entries next to the committed context, feed
-   their tapped hidden states to the drafter's context cache, and retire finished
-   requests (their rows are freed at once; the last running row moves into the gap
-   so the batch stays a contiguous view).
+4. commit: move the accepted nodes' KV entries next to the committed context (inside
+   the request's blocks), feed their tapped hidden states to the drafter's context
+   cache, key the blocks that became full for the prefix cache, and retire finished
+   requests (their blocks are freed at once; nothing is copied).
+
+Preemption is by recomputation and exact: the preempted request keeps its output and
+its sampler, recomputes the KV of its prompt and output (mostly from the prefix cache),
+and goes on drawing from its own generator where it stopped (no draw happens between
+a step's start and its drafting, where preemption happens).
 
 Copies between host and device all go through ``treespark.kernels.transfer`` (and a
 test fails on any other). Device to host, each a host sync: one per drafting wave (at
 most the drafter's block size), one for verification, one for the logprobs of rows that
-ask; a prefill that ends in the step adds one for its first token (and one for its
-logprobs); a request that asked for its tapped states (``capture_taps``, for drafter
-training data) keeps them on the device and adds one copy when it finishes. No copy to
-the host grows with the vocabulary (``StepStats.host_syncs`` / ``host_elements``). Host
-to device, each non-blocking from a pinned buffer on CUDA (``StepStats.host_uploads``):
-one for the backbone, one per wave, two for the trees, two for the T > 0 walk, one for
-the commit, one for logprobs; a prefill chunk one, a sampled first token one more. The
-step never waits for the device otherwise: ``measure_stages`` adds two waits (CUDA) so
-that the stage times are device times.
+ask; a prefill that ends in the step adds one for the first tokens of the requests whose
+prompts end there (and one for their logprobs); a request that asked for its tapped
+states (``capture_taps``, for drafter training data) keeps them on the device and adds
+one copy when it finishes. No copy to the host grows with the vocabulary
+(``StepStats.host_syncs`` / ``host_elements``). Host to device, each non-blocking from a
+pinned buffer on CUDA (``StepStats.host_uploads``): one for the batch's block tables,
+anchors and lengths (the drafter's context gather and the target's forward share it),
+one per wave, two for the trees, two for the T > 0 walk, one for the commit (slot
+mapping of the moves and of the drafter context), one for logprobs; the step's prefill
+one (tokens, positions, block tables, slot mapping), a sampled first token one more,
+logprobs one more. The step never waits for the device otherwise: ``measure_stages``
+adds two waits (CUDA) so that the stage times are device times.
 
 The engine is synchronous and not thread-safe: one thread owns it.
 """
@@ -43,7 +58,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treespark.engine.kv import KVCache, StoreShape, bytes_per_token, device_kv_budget, rows_within
+from treespark.engine.kv import (
+    PagedKV,
+    StoreShape,
+    block_hashes,
+    blocks_for,
+    bytes_per_token,
+    device_kv_budget,
+)
 from treespark.engine.request import Request, check_request, clip_emitted
 from treespark.engine.step_alloc import StepAllocator
 from treespark.engine.step_stats import step_stats
@@ -67,18 +89,25 @@ class EngineConfig:
     max_batch_size: int = 8         # running requests verified together
     max_context: int = 1024         # prompt + generated tokens per request
     max_tree_nodes: int = 64        # hard cap on draft nodes per tree, whatever the budget
-    prefill_chunk: int = 256        # prompt tokens per prefill forward
-    # KV memory: rows (a full context each, target + drafter) beyond what the budget holds
-    # are not allocated, and the engine runs fewer requests than max_batch_size at once
+    prefill_chunk: int = 256        # most prompt tokens of one request per step
+    # tokens per step: the running rows' trees (their node caps), then prefill chunks of
+    # several requests up to this (always at least one chunk)
+    max_num_batched_tokens: int = 512
+    # KV memory: a pool of blocks of block_size tokens (target + drafter), as many as the
+    # budget holds; requests are admitted, and grow, by free blocks
+    block_size: int = 16
+    kv_blocks: int = 0              # > 0: this many blocks, whatever the budget
     kv_budget_bytes: int = 0        # 0: no budget in bytes
     kv_memory_fraction: float = 0.0 # 0: none; else this fraction of device memory less what is in use
+    # (no kv_blocks: max_batch_size requests at max_context each, or fewer if the budget says so)
+    prefix_caching: bool = True     # reuse the cached blocks of a prompt's longest known prefix
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_context", "prefill_chunk"):
+        for name in ("max_batch_size", "max_context", "prefill_chunk", "block_size", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0")
-        if self.kv_budget_bytes < 0 or not 0.0 <= self.kv_memory_fraction <= 1.0:
-            raise ValueError("EngineConfig.kv_budget_bytes must be >= 0 and kv_memory_fraction in [0, 1]")
+        if self.kv_blocks < 0 or self.kv_budget_bytes < 0 or not 0.0 <= self.kv_memory_fraction <= 1.0:
+            raise ValueError("EngineConfig.kv_blocks and kv_budget_bytes must be >= 0 and kv_memory_fraction in [0, 1]")
         if self.max_tree_nodes < 0:
             raise ValueError("EngineConfig.max_tree_nodes must be >= 0")
 
@@ -102,16 +131,33 @@ class Engine:
         self.device = self.runner.device
         dc = self.drafter.config
         shapes = (self.runner.store_shape, StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim))
-        capacity = self.config.max_context + self.config.max_tree_nodes + 1
-        self.row_bytes = capacity * bytes_per_token(*shapes, self.runner.dtype)
-        limits = [self.config.kv_budget_bytes] if self.config.kv_budget_bytes else []
-        if self.config.kv_memory_fraction:
-            limits.append(device_kv_budget(self.device, self.config.kv_memory_fraction))
-        # the running requests at once: what the KV budget holds, at most max_batch_size
-        self.max_batch_size = (rows_within(min(limits), self.row_bytes, self.config.max_batch_size) if limits
-                               else self.config.max_batch_size)
-        self.kv = KVCache(*shapes, max_batch=self.max_batch_size, capacity=capacity,
-                          device=self.device, dtype=self.runner.dtype)
+        cfg = self.config
+        bs = cfg.block_size
+        self.block_bytes = bs * bytes_per_token(*shapes, self.runner.dtype)
+        # one request at its longest, with its largest tree
+        per_request = blocks_for(cfg.max_context + cfg.max_tree_nodes + 1, bs)
+        limits = [cfg.kv_budget_bytes] if cfg.kv_budget_bytes else []
+        if cfg.kv_memory_fraction:
+            limits.append(device_kv_budget(self.device, cfg.kv_memory_fraction))
+        # a budget's blocks, at most what max_batch_size requests at max_context take
+        # (more would only keep cached prefixes longer)
+        blocks = cfg.max_batch_size * per_request
+        if cfg.kv_blocks:
+            blocks = cfg.kv_blocks
+        elif limits:
+            blocks = min(blocks, min(limits) // self.block_bytes)
+        if blocks < per_request:
+            raise ValueError(f"the KV pool ({blocks} blocks of {bs} tokens, {blocks * self.block_bytes / 2**20:.1f} "
+                             f"MiB) holds fewer than the {per_request} blocks one request at max_context and its "
+                             f"largest tree needs: lower max_context or raise the budget")
+        self.max_batch_size = cfg.max_batch_size
+        # + the null block (padding reads and writes it)
+        self.kv = PagedKV(*shapes, num_blocks=blocks + 1, block_size=bs, device=self.device,
+                          dtype=self.runner.dtype, caching=cfg.prefix_caching)
+        self.preemptions = 0            # requests preempted (by recomputation) so far
+        self.prefix_cache_queries = 0   # prompt tokens looked up in the prefix cache (vLLM's names)
+        self.prefix_cache_hits = 0      # of those, tokens found cached (not computed)
+        self.prefill_computed = 0       # prompt positions computed by prefill forwards
         self.budget = budget or Budget.adaptive()
         self.calibration = calibration or pair.calibration
         self.transfers = HostTransfers(self.device)
@@ -127,8 +173,9 @@ class Engine:
         self.allocator: StepAllocator | None = None  # per-step allocation (``treespark.engine.step_alloc``)
         self.vocab_size = self.runner.vocab_size
         self._waiting: deque[Request] = deque()
-        self._staging: Request | None = None
+        self._prefilling: list[Request] = []   # admitted, holding blocks, prompt not yet computed
         self._running: list[Request] = []
+        self._admitted = 0
         self._ids: set[str] = set()
         self._aborted: list[RequestOutput] = []
 
@@ -146,17 +193,14 @@ class Engine:
                                      taps=[] if capture_taps else None))
 
     def abort(self, request_id: str) -> None:
-        """Drop a request at once (its KV row is freed); reported finished with "abort"."""
+        """Drop a request at once (its KV blocks are freed); reported finished with "abort"."""
         if request_id not in self._ids:
             return
         req = next((r for r in self._waiting if r.id == request_id), None)
         if req is not None:
             self._waiting.remove(req)
-        elif self._staging is not None and self._staging.id == request_id:
-            req, self._staging = self._staging, None
-            self.kv.free(self.kv.staging)
         else:
-            req = next(r for r in self._running if r.id == request_id)
+            req = next(r for r in self._prefilling + self._running if r.id == request_id)
             self._release(req)
         self._ids.discard(request_id)
         self._aborted.append(RequestOutput(request_id, [], True, "abort", req.stats()))
@@ -179,87 +223,227 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + (self._staging is not None)
+        return len(self._waiting) + len(self._prefilling)
 
     @property
     def kv_rows_in_use(self) -> int:
-        """KV rows holding a request."""
-        return self.kv.slots_in_use
+        """Requests holding KV blocks (running, or admitted and prefilling)."""
+        return len(self._running) + len(self._prefilling)
+
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of the pool's blocks held by requests (cached free blocks excluded)."""
+        return self.kv.pool.blocks_in_use / self.kv.pool.num_usable
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._staging or self._aborted)
+        return bool(self._waiting or self._running or self._prefilling or self._aborted)
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.transfers.new_step()
         outputs, self._aborted = self._aborted, []
-        prefill_tokens = self._prefill_step(outputs)
+        self._reserve_trees()
+        prefill_tokens = self._prefill_step(outputs, self._schedule_prefill())
+        if self._running:
+            self._reserve_trees()  # a request whose prefill ended joins this step's batch
         if self._running:
             outputs += self._decode_step(t0, prefill_tokens)
         return outputs
 
-    def _prefill_step(self, outputs: list[RequestOutput]) -> int:
-        if self._staging is None:
-            if not self._waiting or len(self._running) >= self.max_batch_size:
-                return 0
-            self._staging = self._waiting.popleft()
-            self._staging.slot = self.kv.staging
-            if self.on_schedule is not None:
-                self.on_schedule(self._staging.id)
-        req = self._staging
-        start = req.prefilled
-        end = min(len(req.prompt), start + self.config.prefill_chunk)
-        last = end == len(req.prompt)
-        dev = self.device
-        tokens = self.transfers.upload([req.prompt[start:end]], torch.long)
-        pos = torch.arange(start, end, device=dev)[None]
-        mask = (torch.arange(end, device=dev)[None, :] <= pos[0][:, None])[None, None]
-        rows = slice(req.slot, req.slot + 1)
-        out = self.runner.forward(tokens, pos, pos, self.kv.target, rows, mask,
-                                  logits_for="last" if last else "none")
-        self._write_context(req.slot, out.taps[0], pos[0])
-        if req.taps is not None:
-            req.taps.append(out.taps[0])
-        req.prefilled = end
-        self.kv.lengths[req.slot] = end
-        if last:
-            self._staging = None
-            assert out.logits is not None
-            first = self._sample_first(req, out.logits[:, -1])
-            lps = None
-            if req.params.logprobs is not None:
-                (lps,) = step_logprobs(out.logits[:, -1:], [Emitted(0, [0], [first], req.params.logprobs)],
-                                       self.transfers)
-            done = self._emit(req, [first], outputs, is_prefill=True, logprobs=lps)
-            if done:
-                self.kv.free(req.slot)
+    # -- blocks --------------------------------------------------------------------------
+    def _tree_slots(self, req: Request) -> int:
+        """Positions one step's tree of ``req`` may write (the root and its node cap)."""
+        return self._row_budget(req).node_cap + 1
+
+    def _reserve_trees(self) -> None:
+        """Give every running request the blocks its next tree may take, oldest first;
+        where the pool runs out, preempt the newest request holding blocks."""
+        pool, bs = self.kv.pool, self.kv.block_size
+        for req in sorted(self._running, key=lambda r: r.seq):
+            if req not in self._running:
+                continue  # preempted for an older one
+            need = blocks_for(req.computed + self._tree_slots(req), bs) - len(req.blocks)
+            while need > pool.num_free:
+                victim = max(self._running + self._prefilling, key=lambda r: r.seq)
+                self._preempt(victim)
+                if victim is req:
+                    break
             else:
-                row = len(self._running)
-                self.kv.copy_row(req.slot, row)
-                req.slot = row
-                self._running.append(req)
-        return end - start
+                if need > 0:
+                    req.blocks += pool.allocate(need)
 
-    def _sample_first(self, req: Request, logits: torch.Tensor) -> int:
-        """The first token after prefill (logits [1, V]), at the request's temperature
-        (never argmax at T > 0)."""
-        t = req.params.temperature
-        if t == 0:
-            token = logits.argmax(-1)
+    def _preempt(self, req: Request) -> None:
+        """Free a request's blocks and put it back at the front of the queue, to be
+        recomputed (its output and sampler kept: it resumes exactly)."""
+        self._release(req)
+        req.keys, req.computed = [], 0
+        self._waiting.appendleft(req)
+        self.preemptions += 1
+
+    def _schedule_prefill(self) -> list[tuple[Request, int]]:
+        """This step's prefill chunks (request, tokens): what the token budget leaves after
+        the running rows' trees (at least one chunk), to the admitted requests oldest
+        first, then to waiting requests admitted, first come first served, while a
+        request slot is free and the pool holds their prompts' uncached blocks and a tree."""
+        cfg = self.config
+        budget = max(cfg.max_num_batched_tokens - sum(self._tree_slots(r) for r in self._running),
+                     cfg.prefill_chunk)
+        chunks = []
+        for req in self._prefilling:
+            if budget <= 0:
+                return chunks
+            m = min(req.prefill_len - req.computed, cfg.prefill_chunk, budget)
+            chunks.append((req, m))
+            budget -= m
+        while budget > 0 and self._waiting and len(self._running) + len(self._prefilling) < self.max_batch_size:
+            req = self._waiting[0]
+            if not self._allocate_prompt(req):
+                break
+            self._waiting.popleft()
+            req.seq, self._admitted = self._admitted, self._admitted + 1
+            if self.on_schedule is not None and not req.scheduled:
+                self.on_schedule(req.id)
+            req.scheduled = True
+            self._prefilling.append(req)
+            m = min(req.prefill_len - req.computed, cfg.prefill_chunk, budget)
+            chunks.append((req, m))
+            budget -= m
+        return chunks
+
+    def _allocate_prompt(self, req: Request) -> bool:
+        """Blocks for the positions ``req`` prefills: the cached blocks of its longest
+        known prefix (at most all but the block of its last position, whose logits must
+        be computed), then fresh ones; False (nothing taken) if they and one tree do not fit."""
+        pool, bs = self.kv.pool, self.kv.block_size
+        n = req.prefill_len
+        tokens = (req.prompt + req.output)[:n]
+        # a request capturing its tapped states needs them computed at every position
+        keys = block_hashes(tokens, bs) if pool.caching and req.taps is None else []
+        hits = pool.lookup(keys[:(n - 1) // bs])
+        need = blocks_for(n + self._tree_slots(req), bs) - len(hits)
+        if need > pool.num_free - sum(1 for b in hits if pool.ref[b] == 0):
+            return False
+        pool.hold(hits)
+        req.blocks = hits + pool.allocate(blocks_for(n, bs) - len(hits))
+        req.keys = keys[:len(hits)]
+        req.computed = len(hits) * bs
+        self.prefix_cache_queries += n
+        self.prefix_cache_hits += req.computed
+        return True
+
+    def _cache_blocks(self, req: Request) -> None:
+        """Key the request's blocks that became full of committed positions."""
+        pool, bs = self.kv.pool, self.kv.block_size
+        full = req.computed // bs
+        if not pool.caching or len(req.keys) >= full:
+            return
+        done = len(req.keys)
+        new = block_hashes((req.prompt + req.output)[:full * bs], bs, req.keys[-1] if done else b"", done)
+        for i, key in enumerate(new, start=done):
+            pool.register(req.blocks[i], key)
+        req.keys += new
+
+    def _release(self, req: Request) -> None:
+        """Free a request's blocks (cached ones stay findable until evicted)."""
+        self.kv.pool.free(req.blocks)
+        req.blocks = []
+        if req in self._running:
+            self._running.remove(req)
         else:
-            # one upload: the temperature, the uniform and top-p
-            # (top-p rounded to float32, the precision it has always been applied at)
-            x = self.transfers.upload([t, *req.sampler.uniform(1), float(np.float32(req.params.top_p))],
-                                      torch.float64)
-            p = target_probs_rows(logits, x[:1], None if req.params.top_p >= 1 else x[2:])
-            token = sample_rows(p, x[1:2])
-        return int(self.transfers.fetch(token)[0])
+            self._prefilling.remove(req)
 
-    def _write_context(self, slot: int, taps: torch.Tensor, pos: torch.Tensor) -> None:
-        """Feed committed positions' tapped hidden states to the drafter's context cache."""
-        k, v = self.drafter.context_kv(taps[None].to(self.drafter.fc.weight.dtype), pos[None])
-        self.kv.drafter.write_all(slice(slot, slot + 1), pos[None], k, v)
+    # -- prefill -------------------------------------------------------------------------
+    def _prefill_step(self, outputs: list[RequestOutput], chunks: list[tuple[Request, int]]) -> int:
+        """One forward over every chunk (rows padded to the longest; a padding token writes
+        past its row's chunk, where nothing is committed, or into the null block)."""
+        if not chunks:
+            return 0
+        dev = self.device
+        reqs = [r for r, _ in chunks]
+        sizes = [m for _, m in chunks]
+        starts = [r.computed for r in reqs]
+        width, n = max(sizes), len(chunks)
+        t = max(starts) + width
+        tokens = np.zeros((n, width), dtype=np.int64)
+        for i, (req, m) in enumerate(chunks):
+            tokens[i, :m] = (req.prompt + req.output)[starts[i]:starts[i] + m]
+        pos = np.asarray(starts)[:, None] + np.arange(width)[None]                        # [R, S]
+        nb = blocks_for(t, self.kv.block_size)
+        table = self.kv.table([r.blocks for r in reqs], nb)                              # [R, nb]
+        positions = [list(range(s, s + m)) for s, m in zip(starts, sizes, strict=True)]
+        flat = [p for ps in positions for p in ps]
+        slots = [x for r, ps in zip(reqs, positions, strict=True) for x in self.kv.slots(r.blocks, ps)]
+        # the first token's logits, for each request whose prompt ends here (a recomputed
+        # request's root is already emitted)
+        ends = [s + m == r.prefill_len for r, s, m in zip(reqs, starts, sizes, strict=True)]
+        firsts = [i for i, r in enumerate(reqs) if ends[i] and not r.output]
+        # one upload: tokens, positions, block tables, last index, then the drafter context's
+        # positions and slots, then the rows that sample a first token
+        head = np.concatenate([tokens, pos, table, np.asarray(sizes)[:, None] - 1], 1).ravel()
+        ints = self.transfers.upload(np.concatenate([head, flat, slots, firsts]).astype(np.int64), torch.long)
+        rows = ints[:head.size].view(n, -1)
+        tokens_d, pos_d = rows[:, :width], rows[:, width:2 * width]
+        table_d, last_d = rows[:, 2 * width:2 * width + nb], rows[:, -1]
+        at = head.size
+        ctx_pos, ctx_slots = ints[at:at + len(flat)], ints[at + len(flat):at + 2 * len(flat)]
+        firsts_d = ints[at + 2 * len(flat):]
+        mask = (torch.arange(t, device=dev)[None, None, :] <= pos_d[:, :, None])[:, None]  # [R, 1, S, T]
+        out = self.runner.forward(tokens_d, pos_d, pos_d, self.kv.target, self.kv.rows(table_d, t),
+                                  mask, logits_for=last_d if firsts else "none")
+        self._write_context(ctx_pos, ctx_slots, torch.cat([out.taps[i, :m] for i, m in enumerate(sizes)]))
+        tokens_first: dict[int, int] = {}
+        lps: dict[int, list[TokenLogprob]] = {}
+        if firsts:
+            assert out.logits is not None
+            logits = out.logits if len(firsts) == n else out.logits[firsts_d]             # [F, 1, V]
+            tokens_first = dict(zip(firsts, self._sample_firsts([reqs[i] for i in firsts], logits[:, 0]),
+                                    strict=True))
+            asked = [Emitted(j, [0], [tokens_first[i]], reqs[i].params.logprobs) for j, i in enumerate(firsts)
+                     if reqs[i].params.logprobs is not None]
+            lps = {firsts[e.row]: lp for e, lp in zip(asked, step_logprobs(logits, asked, self.transfers),
+                                                      strict=True)}
+        for i, req in enumerate(reqs):
+            end = starts[i] + sizes[i]
+            if req.taps is not None:  # (a recomputed request has its earlier positions' already)
+                have = sum(x.shape[0] for x in req.taps)
+                if end > have:
+                    req.taps.append(out.taps[i, max(have - starts[i], 0):sizes[i]])
+            req.computed = end
+            self._cache_blocks(req)
+            if not ends[i]:
+                continue
+            self._prefilling.remove(req)
+            self._running.append(req)
+            if i in tokens_first and self._emit(req, [tokens_first[i]], outputs, is_prefill=True,
+                                                logprobs=lps.get(i)):
+                self._release(req)
+        self.prefill_computed += sum(sizes)
+        return sum(sizes)
+
+    def _sample_firsts(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        """The first token after prefill of each request (logits [R, V]), at its own
+        temperature (never argmax at T > 0; one uniform from its own generator), in one copy."""
+        tokens = logits.argmax(-1)
+        sampled = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
+        if sampled:
+            params = [reqs[i].params for i in sampled]
+            # one upload: per sampled row its index, temperature, uniform and top-p
+            # (top-p rounded to float32, the precision it has always been applied at)
+            x = self.transfers.upload([[i, p.temperature, reqs[i].sampler.uniform(1)[0], float(np.float32(p.top_p))]
+                                       for i, p in zip(sampled, params, strict=True)], torch.float64)
+            top_p = None if all(p.top_p >= 1 for p in params) else x[:, 3]
+            rows = x[:, 0].long()
+            p = target_probs_rows(logits[rows], x[:, 1], top_p)
+            tokens[rows] = sample_rows(p, x[:, 2])
+        return self.transfers.fetch(tokens).tolist()
+
+    def _write_context(self, pos: torch.Tensor, slots: torch.Tensor, taps: torch.Tensor) -> None:
+        """Feed committed positions' tapped hidden states (taps: [N, ...]) to the drafter's
+        context cache, in one drafter call and one write: ``pos`` and ``slots`` [N] (on the
+        device, uploaded with the step's other inputs) are their positions and slots."""
+        k, v = self.drafter.context_kv(taps[None].to(self.drafter.fc.weight.dtype), pos[None])  # [L, 1, kvh, N, hd]
+        self.kv.drafter.write_slots(slots, k[:, 0].transpose(1, 2), v[:, 0].transpose(1, 2))
 
     def _row_budget(self, req: Request) -> Budget:
         b = req.budget or self.budget
@@ -268,14 +452,21 @@ class Engine:
 
     def _decode_step(self, t0: float, prefill_tokens: int) -> list[RequestOutput]:
         batch = list(self._running)
-        assert all(r.slot == i for i, r in enumerate(batch)), "running rows must be compact"
-        lengths = [self.kv.lengths[r.slot] for r in batch]
+        lengths = [r.computed for r in batch]
         t_draft = time.perf_counter()
         budgets = [self._row_budget(r) for r in batch]
         if self.allocator is not None:
             budgets = self.allocator.drafting([r.id for r in batch], budgets, [r.budget is None for r in batch],
                                               self.budget.theta)
-        drafted = self._draft(batch, budgets, lengths)
+        # one upload: the batch's block tables (every block its tree may take is reserved
+        # already), the anchors and the lengths; the drafter's context gather and the
+        # target's forward both address the blocks through it
+        nb = max(len(r.blocks) for r in batch)
+        table = self.kv.table([r.blocks for r in batch], nb)
+        ints = self.transfers.upload(np.concatenate([table, np.asarray([[r.root for r in batch], lengths]).T], 1),
+                                     torch.long)                                      # [B, nb + 2]
+        table_d, anchors, lengths_d = ints[:, :nb], ints[:, nb], ints[:, nb + 1]
+        drafted = self._draft(batch, budgets, lengths, table_d, anchors, lengths_d)
         if self.measure_stages:
             self.sync()
         policy_s = 0.0 if self.allocator is None else self.allocator.policy_s
@@ -284,7 +475,7 @@ class Engine:
                                          [r.budget is None for r in batch], drafted, self.budget.theta)
             policy_s = self.allocator.policy_s
         t_verify = time.perf_counter()
-        logits, taps = self._verify_forward(batch, drafted.trees, lengths)
+        logits, taps = self._verify_forward(batch, drafted.trees, lengths, table_d)
         results = self._accept(batch, drafted, logits)
         asked = [Emitted(i, [0, *r.path], list(r.tokens), req.params.logprobs)
                  for i, (req, r) in enumerate(zip(batch, results, strict=True)) if req.params.logprobs is not None]
@@ -311,8 +502,10 @@ class Engine:
             self.transfers.syncs += 1
             torch.cuda.synchronize(self.device)
 
-    def _draft(self, batch: list[Request], budgets: list[Budget], lengths: list[int]) -> RoundDraft:
-        """One drafter backbone pass for the batch, then the trees in depth waves."""
+    def _draft(self, batch: list[Request], budgets: list[Budget], lengths: list[int], table: torch.Tensor,
+               anchors: torch.Tensor, lengths_d: torch.Tensor) -> RoundDraft:
+        """One drafter backbone pass for the batch (its context gathered from the blocks of
+        ``table``), then the trees in depth waves."""
         block = self.drafter.config.block_size
         rows = [RowDraft(root=r.root, budget=b, depth_limit=min(block, r.params.max_tokens - len(r.output) - 1),
                          temperature=self.calibration.draft_temperature(r.params.temperature),
@@ -320,17 +513,17 @@ class Engine:
                 for r, b in zip(batch, budgets, strict=True)]
         base = None
         if any(not b.is_off and row.depth_limit > 0 for b, row in zip(budgets, rows, strict=True)):
-            n, c = len(batch), max(lengths)
-            ints = self.transfers.upload([[r.root for r in batch], lengths], torch.long)  # anchors, lengths
-            base = self.drafter.block_logits(ints[0], self.kv.drafter.k[:, :n, :, :c],
-                                             self.kv.drafter.v[:, :n, :, :c], ints[1])
+            c = max(lengths)
+            ctx_k, ctx_v = self.kv.drafter.gather_all(self.kv.rows(table, c), c)
+            base = self.drafter.block_logits(anchors, ctx_k, ctx_v, lengths_d)
         return self.waves.draft(base, rows)
 
-    def _verify_forward(self, batch: list[Request], trees: list[DraftTree],
-                        lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify_forward(self, batch: list[Request], trees: list[DraftTree], lengths: list[int],
+                        table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over every tree: logits [B, K, V] and taps, on the device."""
         b = tree_batch(trees, lengths, self.device, self.transfers.upload)
-        out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, slice(0, len(batch)), b.mask)
+        rows = self.kv.rows(table, b.mask.shape[-1])
+        out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, rows, b.mask)
         assert out.logits is not None
         return out.logits, out.taps
 
@@ -390,22 +583,33 @@ class Engine:
                 logprobs: dict[int, list[TokenLogprob]]) -> list[RequestOutput]:
         """Emit the rounds' tokens, keep the accepted nodes' KV entries next to the
         committed context, feed their taps to the drafter, retire finished requests."""
-        # every row's root and accepted nodes move next to its committed context, and their
-        # taps go to the drafter, in one upload and a few batched device operations (rows
-        # that finish now too: their KV row is freed below, whatever it holds)
+        # every row's root and accepted nodes move next to its committed context (inside
+        # its own tail blocks, never a shared or keyed one: those hold positions below its
+        # length only), and their taps go to the drafter, in one upload and a few batched
+        # device operations: one taps gather, one move per store (the target's; the
+        # drafter's context is written anew from the taps), one drafter call and write.
+        # Rows that finish now too: their blocks are freed below, whatever they hold.
         keeps = [[0, *r.path] for r in results]
         rows = [i for i, keep in enumerate(keeps) for _ in keep]
-        nodes = [n for keep in keeps for n in keep]
-        slots = [req.slot for req, keep in zip(batch, keeps, strict=True) for _ in keep]
-        src = [lengths[i] + n for i, n in zip(rows, nodes, strict=True)]
-        dst = [lengths[i] + j for i, keep in enumerate(keeps) for j in range(len(keep))]
-        m = len(rows)
-        ints = self.transfers.upload([rows, nodes, slots, src, dst], torch.long)   # [5, M]
-        kept_taps = taps[ints[0], ints[1]]                                        # [M, taps]
-        self.kv.move_entries(ints[2], ints[3], ints[4])
-        k, v = self.drafter.context_kv(kept_taps[None], ints[4][None])             # [L, 1, kvh, M, hd]
-        self.kv.drafter.write_entries(ints[2], ints[4], k[:, 0], v[:, 0])
+        nodes = [x for keep in keeps for x in keep]
+        kept = [list(range(lengths[i], lengths[i] + len(keep))) for i, keep in enumerate(keeps)]
+        src, dst = [], []
+        for req, keep, pos in zip(batch, keeps, kept, strict=True):
+            if keep != list(range(len(keep))):   # the accepted path, down next to the context
+                src += self.kv.slots(req.blocks, [pos[0] + x for x in keep])
+                dst += self.kv.slots(req.blocks, pos)
+        ctx_pos = [p for pos in kept for p in pos]
+        ctx_slots = [x for req, pos in zip(batch, kept, strict=True) for x in self.kv.slots(req.blocks, pos)]
+        m, e = len(rows), len(src)
+        ints = self.transfers.upload(np.asarray([*rows, *nodes, *src, *dst, *ctx_pos, *ctx_slots], dtype=np.int64),
+                                     torch.long)
+        kept_taps = taps[ints[:m], ints[m:2 * m]]                                     # [M, taps]
+        if e:
+            self.kv.target.move(ints[2 * m:2 * m + e], ints[2 * m + e:2 * m + 2 * e])
+        at = 2 * m + 2 * e
+        self._write_context(ints[at:at + m], ints[at + m:at + 2 * m], kept_taps)
         outputs: list[RequestOutput] = []
+        commit_reqs = []
         at = 0
         for i, (req, tree, result) in enumerate(zip(batch, trees, results, strict=True)):
             req.rounds.append(RoundStats(tree.size, tree.depth, tree.width, result.accepted,
@@ -416,9 +620,12 @@ class Engine:
             at += n
             if self._emit(req, list(result.tokens), outputs, logprobs=logprobs.get(i)):
                 continue
-            self.kv.lengths[req.slot] = lengths[i] + n
+            commit_reqs.append(req)
+            req.computed = lengths[i] + n
             req.root = result.tokens[-1]
         assert at == m
+        for req in commit_reqs:
+            self._cache_blocks(req)
         for req in [r for r in batch if r.id not in self._ids]:
             self._release(req)
         return outputs
@@ -440,16 +647,3 @@ class Engine:
             taps = self.transfers.fetch(torch.cat(req.taps)[:positions].to(torch.float16))
         outputs.append(RequestOutput(req.id, tokens, finished, reason, req.stats() if finished else None, lps, taps))
         return finished
-
-    def _release(self, req: Request) -> None:
-        """Free a running request's row; the last running row moves into the gap."""
-        i = self._running.index(req)
-        last = len(self._running) - 1
-        if i != last:
-            self.kv.copy_row(last, i)
-            self._running[i] = self._running[last]
-            self._running[i].slot = i
-        else:
-            self.kv.free(i)
-        self._running.pop()
-        req.slot = -1

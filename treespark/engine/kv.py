@@ -1,17 +1,37 @@
-"""Preallocated KV storage for the target and the drafter, one row (slot) per request.
+"""KV storage: a pool of fixed-size blocks per model, block tables per request, and the
+prefix cache over those blocks (vLLM v1's KV cache manager, adapted to draft trees).
 
-Layout per store: [layers, slots, kv_heads, capacity, head_dim]. Running requests
-occupy rows 0..n-1 (the engine keeps them compact, so a batch is a view, never a
-gather), and one extra *staging* row holds the prompt being prefilled. Each step
-writes the round's tree at positions L..L+K-1 of a row; verification then moves the
-accepted nodes' entries down to L+1, L+2, ... (only those entries are copied);
-anything beyond a row's committed length is dead and masked out.
+Memory is blocks, not rows. The target and the drafter each have one store of
+``num_blocks * block_size`` token slots, ``[layers, slots, kv_heads, head_dim]``; block
+``b`` holds slots ``b * block_size .. (b + 1) * block_size - 1`` in both stores, so one
+block table per request addresses both models. Block 0 is the *null block*: padding
+(tree padding, block-table padding) reads and writes it, nothing keeps anything there.
+
+A request's positions ``0 .. computed - 1`` are committed. A step writes its tree at
+``computed .. computed + K - 1`` (in the request's tail blocks, allocated before the
+step), verification moves the accepted nodes' entries down next to the committed
+context, and the rejected slots are simply left behind beyond ``computed`` (dead, reused
+by the next step's tree).
+
+Prefix caching (``BlockPool``): a block whose every slot is committed is keyed by the
+hash of its tokens chained with its prefix's key, and found again by a later request
+with the same prefix. Blocks are reference counted; a block nobody holds goes to the
+back of the free queue with its key kept, and is evicted (its key dropped) only when
+the front of the queue is allocated: LRU. A block holding tree (uncommitted) tokens is
+never keyed, so drafts never enter the cache.
+
+The dense ``KVStore`` (one row per sequence, a view per batch) stays for the forwards
+that measure costs and train, which run a fixed batch over one sequence each.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -28,18 +48,6 @@ def bytes_per_token(target: StoreShape, drafter: StoreShape, dtype: torch.dtype)
     return 2 * elem * sum(s.layers * s.kv_heads * s.head_dim for s in (target, drafter))
 
 
-def rows_within(budget_bytes: int, row_bytes: int, max_batch: int) -> int:
-    """How many running rows a KV budget holds beside the prefill row (at most
-    ``max_batch``). Rows are dense, a full context each: a budget below two rows is an
-    error that says what one row needs."""
-    rows = budget_bytes // row_bytes - 1
-    if rows < 1:
-        raise ValueError(f"the KV budget ({budget_bytes / 2**20:.1f} MiB) holds fewer than 2 rows of "
-                         f"{row_bytes / 2**20:.1f} MiB (one running request and the prefill row, each a full "
-                         f"max_context): lower max_context or raise the budget")
-    return min(max_batch, rows)
-
-
 def device_kv_budget(device: torch.device, fraction: float) -> int:
     """``fraction`` of the device's memory, less what is already in use (the weights,
     other processes): vLLM's gpu_memory_utilization rule. On CPU: of the available RAM."""
@@ -51,13 +59,195 @@ def device_kv_budget(device: torch.device, fraction: float) -> int:
     return int(fraction * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def block_hashes(tokens: list[int], block_size: int, parent: bytes = b"", start: int = 0) -> list[bytes]:
+    """Chain hashes of the full blocks of ``tokens`` from block ``start`` on (``parent``:
+    the key of block ``start - 1``): key_i = H(key_{i-1} || tokens of block i)."""
+    out = []
+    for i in range(start, len(tokens) // block_size):
+        parent = hashlib.blake2b(parent + array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes(),
+                                 digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+class BlockPool:
+    """Host bookkeeping of the blocks: reference counts, the free queue (LRU first) and
+    the prefix cache (key -> block). Block 0 (the null block) is never handed out."""
+
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True) -> None:
+        assert num_blocks >= 2, "a pool needs the null block and at least one more"
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.caching = caching
+        self.ref = [0] * num_blocks
+        self.key: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.num_usable - self.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks from the front of the free queue (evicting their cached keys)."""
+        assert n <= self.num_free, f"{n} blocks asked, {self.num_free} free"
+        out = []
+        for _ in range(n):
+            b, _ = self.free_queue.popitem(last=False)
+            k = self.key[b]
+            if k is not None:
+                if self.cached.get(k) == b:
+                    del self.cached[k]
+                self.key[b] = None
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; the tail first, so that a request's last
+        blocks (the least shared) are evicted before its prefix."""
+        for b in reversed(blocks):
+            assert self.ref[b] > 0, f"block {b} freed twice"
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free_queue[b] = None
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of ``keys`` (not yet held)."""
+        out = []
+        if self.caching:
+            for k in keys:
+                b = self.cached.get(k)
+                if b is None:
+                    break
+                out.append(b)
+        return out
+
+    def hold(self, blocks: list[int]) -> None:
+        """Take a reference to cached blocks found by ``lookup``."""
+        for b in blocks:
+            if self.ref[b] == 0:
+                del self.free_queue[b]
+            self.ref[b] += 1
+
+    def register(self, block: int, key: bytes) -> None:
+        """Key a block whose every slot is committed. The first block with a key keeps
+        it: a second block of the same content stays unkeyed."""
+        if self.caching and self.key[block] is None and key not in self.cached:
+            self.key[block] = key
+            self.cached[key] = block
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """A batch's view of a paged store: ``slots[b, t]`` is the slot of row b's position t
+    (the null block's where the row has no block there)."""
+
+    slots: torch.Tensor  # [B, T] long, on the device
+
+
+class PagedStore:
+    """Keys and values of one model: ``[layers, num_blocks * block_size, kv_heads, head_dim]``."""
+
+    def __init__(self, shape: StoreShape, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+        dims = (shape.layers, num_slots, shape.kv_heads, shape.head_dim)
+        # zeros, not empty: a masked-out NaN would still poison attention (0 * NaN)
+        self.k = torch.zeros(dims, device=device, dtype=dtype)
+        self.v = torch.zeros(dims, device=device, dtype=dtype)
+
+    def write(self, layer: int, rows: PagedRows, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """pos: [B, S] positions (< rows' T); k, v: [B, kvh, S, hd]."""
+        slots = torch.gather(rows.slots, 1, pos).flatten()
+        self.k[layer, slots] = k.transpose(1, 2).flatten(0, 1).to(self.k.dtype)
+        self.v[layer, slots] = v.transpose(1, 2).flatten(0, 1).to(self.v.dtype)
+
+    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every layer at once: slots [N]; k, v: [L, N, kvh, hd]."""
+        self.k[:, slots] = k.to(self.k.dtype)
+        self.v[:, slots] = v.to(self.v.dtype)
+
+    def read(self, layer: int, rows: PagedRows, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..t-1 gathered into [B, kvh, t, hd] (a copy).
+
+        This is the reference path: the batch's blocks gathered per layer, then the
+        plain SDPA call. A fused paged kernel (FlexAttention with a block mask over the
+        block table, or a paged-attention kernel) would read the blocks in place and
+        replace this gather."""
+        s = rows.slots[:, :t]
+        return self.k[layer, s].transpose(1, 2), self.v[layer, s].transpose(1, 2)
+
+    def gather_all(self, rows: PagedRows, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer: [L, B, kvh, t, hd] (a copy)."""
+        s = rows.slots[:, :t]
+        return self.k[:, s].transpose(2, 3), self.v[:, s].transpose(2, 3)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the entries of slots ``src`` to slots ``dst`` (every layer), [N] each: the
+        whole batch's moves in one gather and one scatter; every source is read before any
+        destination is written (the gather is a copy)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+
+class PagedKV:
+    """The target's and the drafter's paged stores over one ``BlockPool``."""
+
+    def __init__(self, target: StoreShape, drafter: StoreShape, *, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, caching: bool = True) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.target_shape, self.drafter_shape = target, drafter
+        self.pool = BlockPool(num_blocks, block_size, caching)
+        self.target = PagedStore(target, num_blocks * block_size, device, dtype)
+        self.drafter = PagedStore(drafter, num_blocks * block_size, device, dtype)
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.pool.blocks_in_use
+
+    def table(self, tables: list[list[int]], nb: int) -> np.ndarray:
+        """Block tables as one host array [B, nb] (the null block past a table's end), to
+        go up to the device with the step's other inputs (``HostTransfers.upload``)."""
+        tab = np.zeros((len(tables), nb), dtype=np.int64)
+        for i, blocks in enumerate(tables):
+            m = min(len(blocks), nb)
+            tab[i, :m] = blocks[:m]
+        return tab
+
+    def rows(self, table: torch.Tensor, t: int) -> PagedRows:
+        """The slots of positions 0..t-1 of each row of ``table`` ([B, nb] block ids on the
+        device; positions past its last column map to the null block), on the device."""
+        bs = self.block_size
+        nb = table.shape[1]
+        cols = torch.arange(t, device=table.device)
+        blk = (cols // bs).clamp(max=nb - 1)
+        ids = torch.where((cols // bs < nb)[None], table[:, blk], 0)
+        return PagedRows(ids * bs + cols % bs)
+
+    def slots(self, blocks: list[int], positions: list[int]) -> list[int]:
+        bs = self.block_size
+        return [blocks[p // bs] * bs + p % bs for p in positions]
+
+
 class KVStore:
-    """Keys and values of one model."""
+    """Dense keys and values of one model, one row per sequence:
+    [layers, slots, kv_heads, capacity, head_dim] (the cost measurements and training)."""
 
     def __init__(self, shape: StoreShape, slots: int, capacity: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         dims = (shape.layers, slots, shape.kv_heads, capacity, shape.head_dim)
-        # zeros, not empty: a masked-out NaN would still poison attention (0 * NaN)
         self.k = torch.zeros(dims, device=device, dtype=dtype)
         self.v = torch.zeros(dims, device=device, dtype=dtype)
 
@@ -67,61 +257,6 @@ class KVStore:
         self.k[layer, rows][b, :, pos] = k.transpose(1, 2).to(self.k.dtype)
         self.v[layer, rows][b, :, pos] = v.transpose(1, 2).to(self.v.dtype)
 
-    def write_all(self, rows: slice, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [L, B, kvh, S, hd] for every layer at once."""
-        for layer in range(k.shape[0]):
-            self.write(layer, rows, pos, k[layer], v[layer])
-
-    def write_entries(self, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Entries of many rows at once: slots, pos [N]; k, v [L, kvh, N, hd] (every layer)."""
-        self.k[:, slots, :, pos] = k.permute(2, 0, 1, 3).to(self.k.dtype)
-        self.v[:, slots, :, pos] = v.permute(2, 0, 1, 3).to(self.v.dtype)
-
-    def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy entries at (slots, src) to (slots, dst) (all layers); [N] each. Every source
-        is read before any destination is written."""
-        self.k[:, slots, :, dst] = self.k[:, slots, :, src]
-        self.v[:, slots, :, dst] = self.v[:, slots, :, src]
-
-    def copy_row(self, src_slot: int, dst_slot: int, length: int) -> None:
-        self.k[:, dst_slot, :, :length] = self.k[:, src_slot, :, :length]
-        self.v[:, dst_slot, :, :length] = self.v[:, src_slot, :, :length]
-
-
-class KVCache:
-    """The target's and the drafter's stores, with slot bookkeeping.
-
-    ``lengths[s]`` is the committed length of slot s (0 = free). Slot ``staging``
-    (the last one) is reserved for prefill.
-    """
-
-    def __init__(self, target: StoreShape, drafter: StoreShape, *, max_batch: int,
-                 capacity: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.max_batch = max_batch
-        self.capacity = capacity
-        self.staging = max_batch
-        slots = max_batch + 1
-        self.target = KVStore(target, slots, capacity, device, dtype)
-        self.drafter = KVStore(drafter, slots, capacity, device, dtype)
-        self.lengths = [0] * slots
-
-    def move_entries(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Move entries within rows, both stores: (slots[i], src[i]) -> (slots[i], dst[i]),
-        [N] device tensors of every row's moves at once."""
-        self.target.move(slots, src, dst)
-        self.drafter.move(slots, src, dst)
-
-    def copy_row(self, src_slot: int, dst_slot: int) -> None:
-        n = self.lengths[src_slot]
-        self.target.copy_row(src_slot, dst_slot, n)
-        self.drafter.copy_row(src_slot, dst_slot, n)
-        self.lengths[dst_slot] = n
-        self.lengths[src_slot] = 0
-
-    def free(self, slot: int) -> None:
-        self.lengths[slot] = 0
-
-    @property
-    def slots_in_use(self) -> int:
-        return sum(1 for n in self.lengths if n > 0)
-
+    def read(self, layer: int, rows: slice, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, kvh, t, hd] views of the rows' first t positions."""
+        return self.k[layer, rows, :, :t], self.v[layer, rows, :, :t]

@@ -1,5 +1,5 @@
 """One request inside the engine: its record (``Request``: prompt, sampler, output, KV
-slot, rounds), the checks that admit it (``check_request``, ``validate_prompt``) and the
+blocks, rounds), the checks that admit it (``check_request``, ``validate_prompt``) and the
 rule that finishes it (``clip_emitted``: ``max_tokens`` first, then stop tokens)."""
 
 from __future__ import annotations
@@ -22,12 +22,21 @@ class Request:
     budget: Budget | None                 # None: follow the engine's budget
     output: list[int] = field(default_factory=list)
     root: int = -1                        # the last emitted token, not yet in the KV
-    slot: int = -1
-    prefilled: int = 0
+    blocks: list[int] = field(default_factory=list)   # its block table (``treespark.engine.kv``)
+    keys: list[bytes] = field(default_factory=list)   # prefix-cache keys of its full committed blocks
+    computed: int = 0                     # positions whose KV is committed
+    seq: int = -1                         # admission order (the newest is preempted first)
+    scheduled: bool = False               # has left the waiting queue once
     rounds: list[RoundStats] = field(default_factory=list)
     # the target's tapped states of the positions processed so far, in order (on the
     # device), kept only when the request asked (``Engine.add_request(capture_taps=True)``)
     taps: list[torch.Tensor] | None = None
+
+    @property
+    def prefill_len(self) -> int:
+        """The positions to prefill before decoding: the prompt, or after a preemption
+        the prompt and every emitted token but the last (the root of the next tree)."""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
 
     def stats(self) -> RequestStats:
         drafted = sum(r.tree_size for r in self.rounds)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from treespark.engine.kv import KVStore, StoreShape
+from treespark.engine.kv import KVStore, PagedRows, PagedStore, StoreShape
 from treespark.kernels.linear import (
     PACKED,
     PLAN_ROWS,
@@ -225,9 +225,7 @@ class TargetRunner:
         q = q * cos + _rotate_half(q) * sin
         kk = kk * cos + _rotate_half(kk) * sin
         store.write(idx, rows, write_pos, kk, vv)
-        t = mask.shape[-1]
-        keys = store.k[idx, rows, :, :t]
-        values = store.v[idx, rows, :, :t]
+        keys, values = store.read(idx, rows, mask.shape[-1])
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              scale=self.scaling, enable_gqa=True)
         return self._linear(out.transpose(1, 2).reshape(b * k, -1), attn.o_proj)
@@ -242,10 +240,11 @@ class TargetRunner:
         tokens: torch.Tensor,      # [B, K] input ids
         positions: torch.Tensor,   # [B, K] position ids (a tree node's: root position + depth)
         write_pos: torch.Tensor,   # [B, K] where each token's keys/values go in its KV row
-        store: KVStore,
-        rows: slice,               # the KV rows of this batch
+        store: KVStore | PagedStore,
+        rows: slice | PagedRows,   # the batch's rows of a dense store, or its block tables' slots
         mask: torch.Tensor,        # [B, 1, K, T] bool: True = may attend (T >= every position + 1)
-        logits_for: str = "all",   # "all" nodes, the "last" one of each row, or "none"
+        logits_for: str | torch.Tensor = "all",  # "all" nodes, the "last" one of each row, "none",
+                                                 # or [B] the index of each row's one token
     ) -> ForwardOutput:
         b, k = tokens.shape
         h = self.base.embed_tokens(tokens).to(self.dtype)                  # [B, K, h]
@@ -261,9 +260,12 @@ class TargetRunner:
             if idx in self.tap_layers:
                 taps[idx] = x
         tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
-        if logits_for == "none":
+        if isinstance(logits_for, torch.Tensor):
+            x = x.view(b, k, -1)[torch.arange(b, device=x.device), logits_for]
+            k = 1
+        elif logits_for == "none":
             return ForwardOutput(logits=None, taps=tapped)
-        if logits_for == "last":
+        elif logits_for == "last":
             x = x.view(b, k, -1)[:, -1]
             k = 1
         else:
