@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,22 +84,15 @@ class Replay:
         out = dict(ev)
         ids = ev.get("token_ids")
         if self.sent_ids is not None and ids is not None:
-            ids = list(ids)
-            old = ids[: max(len(self.sent_ids) - self.ids_seen, 0)]
-            if old != self.sent_ids[self.ids_seen: self.ids_seen + len(old)]:
-                raise ReplayMismatch(f"token ids {old} at output position {self.ids_seen}, "
-                                     f"sent {self.sent_ids[self.ids_seen: self.ids_seen + len(old)]}")
+            n = _already_sent(list(ids), self.sent_ids, self.ids_seen, "token ids", "output position")
             self.ids_seen += len(ids)
-            out["token_ids"] = ids[len(old):]
+            out["token_ids"] = list(ids)[n:]
             if ev.get("logprobs") is not None:   # one entry per token
-                out["logprobs"] = ev["logprobs"][len(old):]
+                out["logprobs"] = ev["logprobs"][n:]
         text = ev["text"]
-        old_text = text[: max(len(self.sent_text) - self.text_seen, 0)]
-        if old_text != self.sent_text[self.text_seen: self.text_seen + len(old_text)]:
-            raise ReplayMismatch(f"text {old_text!r} at character {self.text_seen}, "
-                                 f"sent {self.sent_text[self.text_seen: self.text_seen + len(old_text)]!r}")
+        n = _already_sent(text, self.sent_text, self.text_seen, "text", "character")
         self.text_seen += len(text)
-        out["text"] = text[len(old_text):]
+        out["text"] = text[n:]
         return out
 
 
@@ -230,3 +223,12 @@ class ResumableCall:
                 yield first
                 return
             replay = Replay(None if sent_ids is None else list(sent_ids), "".join(sent_text))
+
+
+def _already_sent(new: Sequence, sent: Sequence, seen: int, what: str, unit: str) -> int:
+    """How many leading items of ``new`` (ids or characters; ``seen`` of ``sent`` were
+    replayed before it) the client already has; raises ``ReplayMismatch`` if they differ."""
+    old = new[: max(len(sent) - seen, 0)]
+    if old != sent[seen: seen + len(old)]:
+        raise ReplayMismatch(f"{what} {old!r} at {unit} {seen}, sent {sent[seen: seen + len(old)]!r}")
+    return len(old)
