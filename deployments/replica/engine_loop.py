@@ -355,17 +355,21 @@ class EngineLoop:
                     except Exception:  # noqa: BLE001
                         log.exception("engine.abort(%s) failed", rid)
                     self._finish(rid, Aborted(rid))
-            case _SetBudget() | _SetCalibration():
-                try:  # a bad push keeps the engine's previous setting; the loop serves on
-                    if isinstance(cmd, _SetBudget):
-                        self.engine.set_budget(cmd.budget)
-                    else:
-                        self.engine.set_calibration(cmd.a, cmd.b)
-                except Exception as err:  # noqa: BLE001
-                    log.exception("the engine refused %r", cmd)
-                    self.last_error = repr(err)
+            case _SetBudget(budget):
+                self._push(cmd, lambda: self.engine.set_budget(budget))
+            case _SetCalibration(a, b):
+                self._push(cmd, lambda: self.engine.set_calibration(a, b))
             case _Wake():
                 pass
+
+    def _push(self, cmd: Command, apply: Callable[[], None]) -> None:
+        """A setting pushed to the engine; a bad one keeps the engine's previous setting and
+        the loop serves on."""
+        try:
+            apply()
+        except Exception as err:  # noqa: BLE001
+            log.exception("the engine refused %r", cmd)
+            self.last_error = repr(err)
 
     def _step(self) -> None:
         try:
