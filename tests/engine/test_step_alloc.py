@@ -15,6 +15,7 @@ from tests.spec.test_exact import (
     Branch,
     ReplaySampler,
     TableProposal,
+    draft_paths,
     target_dist,
     target_joint,
     tv,
@@ -64,13 +65,7 @@ def enumerate_cut(temperature, count_of):
             tree, scores = expand_scored(BUDGET, temperature, s)
             tree = subtree(tree, best_nodes(scores, count_of(tree, scores)))
             cut_sizes.add(tree.size)
-            paths = []
-            for i in range(tree.num_nodes):
-                node, path = i, []
-                while node > 0:
-                    path.append(tree.tokens[node])
-                    node = tree.parents[node]
-                paths.append(tuple(reversed(path)))
+            paths = draft_paths(tree)
             out = verify_sampled(tree, torch.stack([target_dist(p, temperature) for p in paths]), s)
         except Branch as b:
             stack += [script + [o] for o, _ in b.options]

@@ -47,6 +47,18 @@ class ReplaySampler:
         return self._next([(o, w) for o, w in ((True, p), (False, 1.0 - p)) if w > 0])
 
 
+def draft_paths(tree) -> list[tuple[int, ...]]:
+    """Each node's draft tokens from the root down (the root's path is empty)."""
+    paths = []
+    for i in range(tree.num_nodes):
+        node, path = i, []
+        while node > 0:
+            path.append(tree.tokens[node])
+            node = tree.parents[node]
+        paths.append(tuple(reversed(path)))
+    return paths
+
+
 def logits_for(prefix: tuple[int, ...], salt: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(hash((salt, prefix)) % (2**31))
     return torch.randn(V, generator=g, dtype=torch.float64) * 1.5
@@ -86,13 +98,7 @@ def enumerate_round(budget, temperature, verifier=verify_sampled, proposal=Table
         s = ReplaySampler(script)
         try:
             tree = expand(proposal(), root, budget, cal, temperature, s)
-            paths = []
-            for i in range(tree.num_nodes):
-                node, path = i, []
-                while node > 0:
-                    path.append(tree.tokens[node])
-                    node = tree.parents[node]
-                paths.append(tuple(reversed(path)))
+            paths = draft_paths(tree)
             p = torch.stack([target_dist(pt, temperature) for pt in paths])
             out = verifier(tree, p, s)
         except Branch as b:
