@@ -68,6 +68,18 @@ def test_sampled_request_is_identical_alone_and_in_a_batch(mimic16):
     assert alone["x"] == generate(mimic16, [1, 2, 3], max_new_tokens=20, temperature=0.9, seed=42).token_ids
 
 
+def test_greedy_rows_between_sampled_rows_equal_plain_decoding(mimic16):
+    """A batch mixing greedy and sampled rows, greedy ones at odd places: each greedy row
+    is read back from its own place in the step's one copy."""
+    ps = prompts(5, 16, seed=5)
+    arrivals = {0: [(f"r{i}", p, SamplingParams(temperature=0.0 if i % 2 else 1.0, max_tokens=12, seed=i))
+                    for i, p in enumerate(ps)]}
+    engine = Engine(mimic16, EngineConfig(max_batch_size=5, max_context=64), budget=Budget(0.0, 16, 4))
+    tokens, _ = run(engine, arrivals)
+    for i in (1, 3):
+        assert tokens[f"r{i}"] == generate(mimic16, ps[i], max_new_tokens=12, budget=Budget.off()).token_ids
+
+
 def test_full_engine_queues_and_limits_refuse_up_front(pair64):
     engine = Engine(pair64, EngineConfig(max_batch_size=2, max_context=40))
     with pytest.raises(ValueError, match="max_context"):

@@ -534,17 +534,17 @@ class Engine:
         greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0]
         sampled = [i for i, r in enumerate(batch) if r.params.temperature > 0]
         parts = []
-        if greedy:  # no copy of the logits: the argmax of every row, then the greedy rows'
-            best = logits.argmax(-1)
-            parts.append((best if len(greedy) == len(batch) else best[greedy]).flatten())
+        if greedy:  # no copy of the logits: the argmax of every row (B x K small ints; picking
+            # the greedy rows on the device would upload their indices, a blocking copy on CUDA)
+            parts.append(logits.argmax(-1).flatten())
         if sampled:
             parts.append(self._walk(batch, drafted, logits, sampled).flatten())
         host = self.transfers.fetch(torch.cat(parts)).tolist()
         results: list[VerifyResult | None] = [None] * len(batch)
         kmax = logits.shape[1]
-        for j, i in enumerate(greedy):
-            results[i] = verify_greedy(trees[i], host[j * kmax: j * kmax + trees[i].num_nodes])
-        at = len(greedy) * kmax
+        for i in greedy:
+            results[i] = verify_greedy(trees[i], host[i * kmax: i * kmax + trees[i].num_nodes])
+        at = len(batch) * kmax if greedy else 0
         width = (len(host) - at) // max(len(sampled), 1)
         for j, i in enumerate(sampled):
             row = host[at + j * width: at + (j + 1) * width]
