@@ -170,7 +170,7 @@ class LimitArgs(_Strict):
     max_n: int = Field(8, ge=1)  # choices per request (each one engine request)
     queue_timeout_s: float = Field(60.0, gt=0)  # no replica took the request by then: 503
     # re-issues of one engine request whose replica died or drained, before or mid-stream
-    # (deployments.http.resume). Each replays the generation so far on another replica, and a
+    # (deployments.http.resume). Each continues the generation on another replica, and a
     # request that kills its replicas must not take the fleet down one by one: 2 covers a lost
     # node plus its replacement's own failure.
     replica_retries: int = Field(2, ge=0)

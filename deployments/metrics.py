@@ -87,13 +87,13 @@ FAMILIES = (
            "Time from arrival at the replica until the engine scheduled the request.", buckets=QUEUE_BUCKETS),
 )
 # the ingress's (``IngressMetrics``): what the API did when an engine replica failed under a request
-STREAM_FAILURE_CODES = ("replica_failed", "resume_mismatch", "engine_error")
+STREAM_FAILURE_CODES = ("replica_failed", "engine_error")
 INGRESS_FAMILIES = (
     Family(P + "request_retries", "counter",
            "Engine requests re-issued to another replica after theirs died or drained (before or after their "
            "first token, streamed or not)."),
     Family(P + "stream_resumes", "counter",
-           "Streamed responses continued on another replica after tokens had been sent (the replay matched them)."),
+           "Streamed responses continued on another replica after tokens had been sent."),
     Family(P + "stream_failures", "counter",
            "Streamed responses that ended with an error event after they began, by error code.", ("code",)),
     Family(P + "stream_resume_seconds", "histogram",

@@ -146,8 +146,6 @@ async def _indexed(gens: list[Any]) -> AsyncIterator[tuple[int, Any]]:
 # what the client reads in a stream's error event, by its code (the detail goes to the log)
 STREAM_ERRORS = {
     "replica_failed": "the engine replica serving this request failed",
-    "resume_mismatch": "the engine replica serving this request failed, and the stream could not be resumed "
-                       "on another replica: its replay differed from the text already sent",
 }
 
 

@@ -12,6 +12,13 @@ the API turns into OpenAI responses:
   ``"logprobs"``, one ``text.logprob_entry`` per token, when the request asked)
 * ``{"type": "end", "finish_reason", "usage", "speculation"}``  (final)
 
+A request may carry ``resume_ids``: the tokens an earlier replica already generated for
+it (the API sends them when that replica failed mid-generation,
+``deployments.http.resume``). The core then continues the generation after them: the
+engine prefills prompt + resumed tokens and generates the rest of ``max_tokens``; the
+deltas carry only the new text (the detokenizer and the stop strings have seen the
+resumed tokens), and the usage counts the resumed tokens as generated.
+
 Each request is timed and counted in the replica's Prometheus registry
 (``deployments.metrics.ReplicaMetrics``), which the heartbeat reports.
 
@@ -142,7 +149,9 @@ class ReplicaCore:
             return _error(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param)
         return ids
 
-    def _params(self, req: dict[str, Any], n_prompt: int) -> Any:
+    def _params(self, req: dict[str, Any], n_prompt: int, resumed: int = 0) -> Any:
+        """The request's ``SamplingParams``, its ``max_tokens`` less the ``resumed`` tokens
+        already generated (an int <= 0 instead where nothing is left to generate)."""
         room = self.args.max_context - n_prompt
         param = "messages" if req.get("messages") is not None else "prompt"
         if room < 1:
@@ -164,11 +173,14 @@ class ReplicaCore:
         stop_ids = tuple(int(t) for t in req.get("stop_token_ids") or ())
         if not req.get("ignore_eos"):
             stop_ids += tuple(t for t in self.bundle.eos_token_ids if t not in stop_ids)
+        left = int(max_tokens) - resumed
+        if left < 1:
+            return left
         try:
             return self.bundle.make_params(
                 temperature=float(req.get("temperature", 0.0)),
                 top_p=float(req.get("top_p", 1.0)),
-                max_tokens=int(max_tokens),
+                max_tokens=left,
                 stop_token_ids=stop_ids,
                 seed=req.get("seed"),
                 logprobs=req.get("logprobs"),
@@ -186,17 +198,25 @@ class ReplicaCore:
         if isinstance(ids, dict):
             yield ids
             return
-        params = self._params(req, len(ids))
+        resumed = [int(t) for t in req.get("resume_ids") or ()]
+        params = self._params(req, len(ids), len(resumed))
         if isinstance(params, dict):
             yield params
             return
         rid = req.get("request_id") or uuid.uuid4().hex
-        q: asyncio.Queue = asyncio.Queue()
-        self.loop.add(rid, ids, params, asyncio_sink(q, asyncio.get_running_loop()))
-        done = False
-        generated, rounds = 0, 0
         detok = Detokenizer(self.tokenizer)
         stops = StopMatcher(req.get("stop") or ())
+        _, hit = stops.feed(detok.push(resumed))   # (sent already, but for the held-back tail)
+        if isinstance(params, int) or hit or (resumed and resumed[-1] in params.stop_token_ids):
+            # the earlier replica had generated everything and failed before its end event
+            yield {"type": "start", "request_id": rid, "prompt_tokens": len(ids)}
+            reason = "length" if isinstance(params, int) and not hit else "stop"
+            yield self._end(rid, reason, len(ids), 0, 0, None, clock, resumed=len(resumed))
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        self.loop.add(rid, ids + resumed, params, asyncio_sink(q, asyncio.get_running_loop()))
+        done = False
+        generated, rounds = 0, 0
         try:
             first = await q.get()
             while first is SCHEDULED:  # (not before ACCEPTED, but cheap to be sure)
@@ -220,7 +240,7 @@ class ReplicaCore:
                     return
                 if isinstance(item, Aborted):  # our own abort after a stop string
                     done = True
-                    yield self._end(rid, "stop", len(ids), generated, rounds, None, clock)
+                    yield self._end(rid, "stop", len(ids), generated, rounds, None, clock, len(resumed))
                     return
                 if stopped_by_string and not item.finished:  # in flight before our abort landed
                     continue
@@ -247,7 +267,7 @@ class ReplicaCore:
                 if item.finished:
                     done = True
                     reason = "stop" if stopped_by_string else (item.finish_reason or "stop")
-                    yield self._end(rid, reason, len(ids), generated, rounds, item.stats, clock)
+                    yield self._end(rid, reason, len(ids), generated, rounds, item.stats, clock, len(resumed))
                     return
         finally:
             if not done:  # the caller went away (client disconnect): free the KV now
@@ -256,7 +276,8 @@ class ReplicaCore:
                 clock.aborted(len(ids))
 
     def _end(self, rid: str, reason: str, n_prompt: int, generated: int, rounds: int, stats: Any,
-             clock: RequestClock) -> dict[str, Any]:
+             clock: RequestClock, resumed: int = 0) -> dict[str, Any]:
+        """The end event; its usage counts the ``resumed`` tokens of an earlier replica too."""
         self.counters.add(requests=1, prompt_tokens=n_prompt)
         clock.finished(reason, n_prompt)
         if stats is not None:
@@ -271,6 +292,7 @@ class ReplicaCore:
         else:  # stopped by a stop string: the engine's stats went with the abort
             spec = {"rounds": rounds, "drafted_tokens": None, "accepted_tokens": max(generated - rounds, 0),
                     "mean_tree_size": None, "accepted_per_round": max(generated - rounds, 0) / max(rounds, 1)}
+        generated += resumed
         usage = {"prompt_tokens": n_prompt, "completion_tokens": generated, "total_tokens": n_prompt + generated}
         return {"type": "end", "request_id": rid, "finish_reason": reason, "usage": usage, "speculation": spec}
 

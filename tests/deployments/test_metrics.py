@@ -249,7 +249,7 @@ def test_ingress_counters_of_several_api_replicas_add_up():
     a.retried()
     st.report_ingress("api-a", a.snapshot())
     a.resumed(2.0)
-    a.stream_failed("resume_mismatch")
+    a.stream_failed("engine_error")
     st.report_ingress("api-a", a.snapshot())   # replaces the first
     b.retried()
     st.report_ingress("api-b", b.snapshot())
@@ -257,5 +257,5 @@ def test_ingress_counters_of_several_api_replicas_add_up():
     assert value(m, "treespark:request_retries_total") == 2
     assert value(m, "treespark:stream_resumes_total") == 1
     assert value(m, "treespark:stream_resume_seconds_sum") == 2.0
-    assert value(m, "treespark:stream_failures_total", code="resume_mismatch") == 1
+    assert value(m, "treespark:stream_failures_total", code="engine_error") == 1
     assert value(m, "treespark:stream_failures_total", code="replica_failed") == 0
