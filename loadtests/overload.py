@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         "requests": len(records), "ok_200": ok, "refused_429_503": refused, "other_failures": len(other),
         "other_examples": other[:5], "server_finished": finished, "server_aborted": aborted,
         "probe_refusal": probe, "latency_by_status": summarize(records),
-        "kv_slots_in_use_at_end": {k: r.get("kv_slots_in_use") for k, r in after_status["replicas"].items()},
+        "kv_cache_usage_at_end": {k: r.get("kv_cache_usage") for k, r in after_status["replicas"].items()},
     }
     # every admitted request finished in an engine (the probe's admitted ones too), none aborted
     summary["accounted"] = not other and aborted == 0 and finished == ok + probe.get("ok", 0)
