@@ -275,7 +275,8 @@ def test_grafana_dashboard_queries_are_exported(local_api):
     for name in ("time_to_first_token_seconds_bucket", "spec_decode_num_accepted_tokens_per_pos_total",
                  "spec_decode_theta", "spec_decode_mode", "controller_broadcast_age_seconds", "kv_cache_usage_perc",
                  "request_retries_total", "stream_resumes_total", "stream_failures_total",
-                 "stream_resume_seconds_bucket", "replica_first_budget_seconds"):
+                 "stream_resume_seconds_bucket", "replica_first_budget_seconds", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total"):
         assert "treespark:" + name in used, name
 
 
