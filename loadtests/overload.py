@@ -10,7 +10,7 @@ time, streaming), then checks, from the per-request records and the server count
   an OpenAI error body, refusals within a second or two (``p99``/max below);
 * none hung and none was cut off: Locust stops with ``--stop-timeout`` letting every
   in-flight request finish; the engines finished exactly as many requests as the
-  clients saw succeed, aborted none, and end idle with every KV slot free.
+  clients saw succeed, aborted none, and end idle with every KV block free.
 
     python -m loadtests.overload --model random --users 64 --duration 60 --out docs/reliability
 

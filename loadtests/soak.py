@@ -1,16 +1,16 @@
 """Soak experiment: Locust at a moderate, constant load for ten minutes; the resident
-memory of every engine replica must stay flat after warm-up and every KV slot must be
+memory of every engine replica must stay flat after warm-up and every KV block must be
 free at the end.
 
 Starts ``serve run`` (``loadtests.overload.service_config``: fixed replicas and limits),
 runs the Locust users of ``loadtests/locustfile.py`` at ``--users`` for ``--duration``
 seconds and polls ``GET /v1/speculation`` every ``--period`` seconds for each replica's
-``rss_bytes`` (from its heartbeat), KV slots in use, running and waiting requests.
+``rss_bytes`` (from its heartbeat), KV cache usage, running and waiting requests.
 
 RSS growth per replica = median RSS over the last ``--window`` seconds of load divided
 by the median over the ``--window`` seconds right after ``--warmup``, minus one; the bar
-is < 5 %. At the end (load stopped, engines drained) every replica must report zero KV
-slots in use, and the engines must have finished every request the clients saw succeed.
+is < 5 %. At the end (load stopped, engines drained) every replica must report a KV cache
+usage of zero, and the engines must have finished every request the clients saw succeed.
 
     python -m loadtests.soak --model default --users 4 --duration 600 --out docs/reliability
 
