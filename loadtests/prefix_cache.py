@@ -127,7 +127,8 @@ def write_report(rows: list[dict], a: argparse.Namespace, command: str) -> None:
     lines = [
         "# Prefix cache on and off: multi-turn chats over a shared system prompt", "",
         "```bash", command, "```", "",
-        f"{a.users} users, {a.duration} s of load per side (conversations in flight finished), 4-turn greedy chats "
+        f"{a.users} users, {a.duration} s of load per side (conversations in flight then get up to "
+        f"{a.stop_timeout} s to finish), 4-turn greedy chats "
         f"(answers up to {a.max_tokens} tokens) over one ~500-token system prompt, `{a.config}` with "
         "`prefix_caching` on, then off. Token counts from `/metrics` (computed = `prefix_cache_queries` - "
         "`prefix_cache_hits`; received = `prompt_tokens`); TTFT from the clients' streams.", "",
