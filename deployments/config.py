@@ -207,6 +207,9 @@ class AppArgs(_Strict):
     # draft nodes per tree the engines hold at most, whatever the budget (EngineConfig.max_tree_nodes);
     # also the largest node_cap ``POST /v1/speculation/override`` accepts
     max_tree_nodes: int = Field(64, ge=0)
+    # reuse the KV blocks of a prompt's longest cached prefix (EngineConfig.prefix_caching);
+    # off: every prompt token is computed (what the prefix-cache load test compares against)
+    prefix_caching: bool = True
     default_max_tokens: int = Field(256, ge=1)  # chat requests without max_tokens
     device: str | None = None
     engine_factory: str = "deployments.replica.engine_factory:build_engine"  # "module:callable(AppArgs) -> EngineBundle", run on the engine thread

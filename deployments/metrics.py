@@ -8,9 +8,11 @@ controller, which keeps the latest one per replica and folds a dropped replica's
 running total (``merge``), so counters stay monotone while replicas come and go. The
 API's ``/metrics`` renders the controller's view (``render``):
 
-* counters and histograms summed over the cluster, labelled ``model_name``;
+* counters and histograms summed over the cluster, labelled ``model_name``, the engines'
+  prefix-cache queries and hits (prompt tokens) and preemptions among them: the heartbeat
+  reads the engine's cumulative counts and adds what they grew (``engine_counts``);
 * per-replica gauges (label ``replica``) from the replicas' last heartbeats: running and
-  waiting requests, KV usage, the budget each replica runs (price ``theta``, caps and
+  waiting requests, KV cache usage (the fraction of blocks held), the budget each replica runs (price ``theta``, caps and
   ``mode`` tree / chain / plain), the age of the controller's last budget broadcast to
   it, its time to its first budget, and its recent tree statistics;
 * the ingress's own counters (``IngressMetrics``): engine requests re-issued after their
@@ -69,6 +71,10 @@ FAMILIES = (
     Family(P + "prompt_tokens", "counter", "Prompt tokens processed."),
     Family(P + "generation_tokens", "counter", "Tokens generated."),
     Family(P + "engine_steps", "counter", "Engine steps (one target forward over the running batch)."),
+    Family(P + "prefix_cache_queries", "counter",
+           "Prompt tokens looked up in the prefix cache (a preempted request's recomputation counts again)."),
+    Family(P + "prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache (not computed)."),
+    Family(P + "num_preemptions", "counter", "Requests preempted (their KV freed, recomputed later)."),
     Family(P + "spec_decode_num_drafts", "counter", "Draft trees verified (one per request per step with a non-empty tree)."),
     Family(P + "spec_decode_num_draft_tokens", "counter", "Draft tree nodes verified."),
     Family(P + "spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted."),
@@ -106,7 +112,7 @@ _BY_NAME = {f.name: f for f in FAMILIES + INGRESS_FAMILIES}
 REPLICA_GAUGES = (
     (P + "num_requests_running", "Requests in the engine batch.", "active"),
     (P + "num_requests_waiting", "Requests waiting for a batch slot.", "queued"),
-    (P + "kv_slots_in_use", "Engine KV cache rows holding a request.", "kv_slots_in_use"),
+    (P + "kv_cache_usage_perc", "Fraction of the engine's KV cache blocks held by requests (0-1).", "kv_cache_usage"),
     (P + "replica_resident_memory_bytes", "Resident memory of the replica process.", "rss_bytes"),
     (P + "spec_decode_mean_tree_size", "Mean draft tree size per round (recent steps).", "mean_tree_size"),
     (P + "spec_decode_mean_tree_width", "Mean draft tree width (recent steps).", "mean_width"),
@@ -177,6 +183,7 @@ class ReplicaMetrics(_Registry):
 
     def __init__(self) -> None:
         super().__init__(FAMILIES)
+        self._engine_seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
 
     # -- observations ----------------------------------------------------------------------
     def steps(self, stats: Iterable[Any]) -> None:
@@ -200,6 +207,17 @@ class ReplicaMetrics(_Registry):
             self._inc("spec_decode_num_accepted_tokens", accepted)
         for p, count in enumerate(reached):
             self._inc("spec_decode_num_accepted_tokens_per_pos", count, position=str(p))
+
+    def engine_counts(self, prefix_cache_queries: int, prefix_cache_hits: int, preemptions: int) -> None:
+        """The engine's cumulative counters (``engine_loop.LoopLoad``), counted by what
+        they grew since the last call."""
+        now = {"prefix_cache_queries": prefix_cache_queries, "prefix_cache_hits": prefix_cache_hits,
+               "num_preemptions": preemptions}
+        for name, value in now.items():
+            grown = value - self._engine_seen[name]
+            if grown > 0:
+                self._inc(name, grown)
+        self._engine_seen = now
 
     def request(self) -> RequestClock:
         return RequestClock(self)
@@ -302,7 +320,7 @@ def _le_key(labels: tuple[tuple[str, str], ...]) -> float:
     return float("inf") if le in (None, "+Inf") else float(le)
 
 
-def families(view: Mapping[str, Any], model: str, max_batch_size: int) -> Iterator[Metric]:
+def families(view: Mapping[str, Any], model: str) -> Iterator[Metric]:
     """The metric families of the controller's ``metrics_view()``."""
     base = {"model_name": model}
     grouped: dict[str, list[Sample]] = {f.name: [] for f in FAMILIES + INGRESS_FAMILIES}
@@ -325,13 +343,6 @@ def families(view: Mapping[str, Any], model: str, max_batch_size: int) -> Iterat
     n = Metric(P + "num_replicas", "Replicas reporting to the controller.", "gauge")
     n.add_sample(P + "num_replicas", base, float(len(replicas)))
     yield n
-    # KV rows: the batch rows plus the prefill row (deployments' engines size their cache by max_batch_size)
-    kv = Metric(P + "kv_cache_usage_perc", "Fraction of the engine's KV cache rows holding a request (0-1).", "gauge")
-    for rid, r in replicas.items():
-        used = r.get("kv_slots_in_use")
-        kv.add_sample(kv.name, {**base, "replica": rid},
-                      float("nan") if used is None else min(1.0, used / (max_batch_size + 1)))
-    yield kv
     for name, help_, key in REPLICA_GAUGES:
         g = Metric(name, help_, "gauge")
         for rid, r in replicas.items():
@@ -358,15 +369,15 @@ def _applied(r: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 class _View(Collector):
-    def __init__(self, view: Mapping[str, Any], model: str, max_batch_size: int) -> None:
-        self.args = (view, model, max_batch_size)
+    def __init__(self, view: Mapping[str, Any], model: str) -> None:
+        self.args = (view, model)
 
     def collect(self) -> Iterator[Metric]:
         return families(*self.args)
 
 
-def render(view: Mapping[str, Any], model: str, max_batch_size: int) -> bytes:
+def render(view: Mapping[str, Any], model: str) -> bytes:
     """Prometheus text (format 0.0.4) of the controller's ``metrics_view()``."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_View(view, model, max_batch_size))
+    registry.register(_View(view, model))
     return generate_latest(registry)

@@ -61,7 +61,7 @@ class ReplicaReport:
     calibration: tuple[float, float] | None = None
     round_records: tuple[tuple[int, int], ...] = ()         # (node cap, accepted) per request-round
     base_calibration: tuple[float, float] | None = None     # the replica's stored (a, b)
-    kv_slots_in_use: int | None = None                      # engine KV rows holding a request
+    kv_cache_usage: float | None = None                     # fraction of the engine's KV blocks held
     rss_bytes: int | None = None                            # the replica process's resident memory
     metrics: tuple = ()     # the replica's Prometheus samples (deployments.metrics.ReplicaMetrics.snapshot)
     node_id: str | None = None                              # the Ray node the replica runs on

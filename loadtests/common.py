@@ -90,9 +90,9 @@ def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
 
 
 def is_idle(status: dict | None) -> bool:
-    """Every replica reports no running or queued request and no KV slot in use."""
+    """Every replica reports no running or queued request and no KV cache block held."""
     return bool(status and status["replicas"]) and all(
-        r["active"] == 0 and r["queued"] == 0 and not r.get("kv_slots_in_use") for r in status["replicas"].values())
+        r["active"] == 0 and r["queued"] == 0 and not r.get("kv_cache_usage") for r in status["replicas"].values())
 
 
 def wait_idle(url: str, timeout_s: float = 60.0) -> dict:

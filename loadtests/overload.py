@@ -10,7 +10,7 @@ time, streaming), then checks, from the per-request records and the server count
   an OpenAI error body, refusals within a second or two (``p99``/max below);
 * none hung and none was cut off: Locust stops with ``--stop-timeout`` letting every
   in-flight request finish; the engines finished exactly as many requests as the
-  clients saw succeed, aborted none, and end idle with every KV slot free.
+  clients saw succeed, aborted none, and end idle with every KV block free.
 
     python -m loadtests.overload --model random --users 64 --duration 60 --out docs/reliability
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         "requests": len(records), "ok_200": ok, "refused_429_503": refused, "other_failures": len(other),
         "other_examples": other[:5], "server_finished": finished, "server_aborted": aborted,
         "probe_refusal": probe, "latency_by_status": summarize(records),
-        "kv_slots_in_use_at_end": {k: r.get("kv_slots_in_use") for k, r in after_status["replicas"].items()},
+        "kv_cache_usage_at_end": {k: r.get("kv_cache_usage") for k, r in after_status["replicas"].items()},
     }
     # every admitted request finished in an engine (the probe's admitted ones too), none aborted
     summary["accounted"] = not other and aborted == 0 and finished == ok + probe.get("ok", 0)

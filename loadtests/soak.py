@@ -1,16 +1,16 @@
 """Soak experiment: Locust at a moderate, constant load for ten minutes; the resident
-memory of every engine replica must stay flat after warm-up and every KV slot must be
+memory of every engine replica must stay flat after warm-up and every KV block must be
 free at the end.
 
 Starts ``serve run`` (``loadtests.overload.service_config``: fixed replicas and limits),
 runs the Locust users of ``loadtests/locustfile.py`` at ``--users`` for ``--duration``
 seconds and polls ``GET /v1/speculation`` every ``--period`` seconds for each replica's
-``rss_bytes`` (from its heartbeat), KV slots in use, running and waiting requests.
+``rss_bytes`` (from its heartbeat), KV cache usage, running and waiting requests.
 
 RSS growth per replica = median RSS over the last ``--window`` seconds of load divided
 by the median over the ``--window`` seconds right after ``--warmup``, minus one; the bar
-is < 5 %. At the end (load stopped, engines drained) every replica must report zero KV
-slots in use, and the engines must have finished every request the clients saw succeed.
+is < 5 %. At the end (load stopped, engines drained) every replica must report a KV cache
+usage of zero, and the engines must have finished every request the clients saw succeed.
 
     python -m loadtests.soak --model default --users 4 --duration 600 --out docs/reliability
 
@@ -41,7 +41,7 @@ from loadtests.overload import prepare_run, run_parser, service_config
 def rss_rows(status: dict, t: float) -> list[dict]:
     """The ``StatusPoller`` rows of one ``/v1/speculation`` answer: one per replica."""
     return [{"t": round(t, 1), "replica": rid, "rss_mb": round((r.get("rss_bytes") or 0) / 2**20, 2),
-             "kv_slots_in_use": r.get("kv_slots_in_use"), "active": r["active"],
+             "kv_cache_usage": r.get("kv_cache_usage"), "active": r["active"],
              "queued": r["queued"], "tokens_per_s": round(r.get("tokens_per_s", 0.0), 1)}
             for rid, r in status.get("replicas", {}).items()]
 
@@ -110,10 +110,10 @@ def main(argv: list[str] | None = None) -> None:
         "server_aborted": end["counters"]["requests_aborted"] - before["requests_aborted"],
         "rss": growth,
         "max_growth_pct": max((g["growth_pct"] for g in growth.values() if "growth_pct" in g), default=None),
-        "kv_slots_in_use_at_end": {k: r.get("kv_slots_in_use") for k, r in end["replicas"].items()},
+        "kv_cache_usage_at_end": {k: r.get("kv_cache_usage") for k, r in end["replicas"].items()},
     }
     summary["pass"] = (summary["max_growth_pct"] is not None and summary["max_growth_pct"] < 5.0
-                       and all(v == 0 for v in summary["kv_slots_in_use_at_end"].values())
+                       and all(v == 0 for v in summary["kv_cache_usage_at_end"].values())
                        and summary["failed"] == 0 and summary["server_aborted"] == 0)
     with open(a.out / "soak.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(poller.rows[0]))

@@ -254,7 +254,7 @@ class ControllerState:
                     "budget_source": e.report.budget_source,
                     "active": e.report.active,
                     "queued": e.report.queued,
-                    "kv_slots_in_use": e.report.kv_slots_in_use,
+                    "kv_cache_usage": e.report.kv_cache_usage,
                     "rss_bytes": e.report.rss_bytes,
                     "tokens_per_s": e.report.tokens_per_s,
                     "last_seen_s": now - e.last_seen,

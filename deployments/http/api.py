@@ -392,4 +392,4 @@ class Api:
         view = await self._authorized_status(request, "metrics_view")
         if not isinstance(view, dict):
             return view
-        return Response(render(view, self.model, self.args.max_batch_size), media_type=CONTENT_TYPE)
+        return Response(render(view, self.model), media_type=CONTENT_TYPE)

@@ -303,7 +303,7 @@ class ReplicaCore:
             **self.heartbeat.status(),
             "running": load.running,
             "waiting": load.waiting,
-            "kv_slots_in_use": load.kv_slots_in_use,
+            "kv_cache_usage": load.kv_usage,
             "rss_bytes": rss_bytes(),
             "engine_alive": load.alive and self.startup_error is None,
             "startup_error": None if self.startup_error is None else without_paths(self.startup_error),

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,16 @@ log = logging.getLogger(__name__)
 class ServedEngine(Protocol):
     """What a replica needs of an engine: ``treespark.engine.core.Engine`` and the tests'
     fake engine both satisfy it. ``on_step`` is called with each step's ``StepStats``,
-    ``on_schedule`` with a request id leaving the waiting queue (None: no hook)."""
+    ``on_schedule`` with a request id leaving the waiting queue (None: no hook). The
+    engine's cumulative counters and KV usage use vLLM's meanings: prefix-cache queries
+    and hits in prompt tokens (a preempted request's recomputation counts again),
+    preemptions in requests."""
 
     on_step: Callable[[Any], None] | None
     on_schedule: Callable[[str], None] | None
+    prefix_cache_queries: int   # prompt tokens looked up in the prefix cache so far
+    prefix_cache_hits: int      # of those, tokens found cached (not computed)
+    preemptions: int            # requests preempted so far
 
     @property
     def num_running(self) -> int: ...
@@ -55,7 +61,7 @@ class ServedEngine(Protocol):
     def num_waiting(self) -> int: ...
 
     @property
-    def kv_rows_in_use(self) -> int | None: ...   # None: no KV cache to report
+    def kv_usage(self) -> float | None: ...   # fraction of KV blocks held by requests (None: no KV cache)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: Any) -> None: ...
 
@@ -146,7 +152,10 @@ class LoopLoad:
     running: int
     waiting: int
     alive: bool
-    kv_slots_in_use: int | None = None  # the engine's KV rows holding a request (None: no KV cache)
+    kv_usage: float | None = None   # fraction of the engine's KV blocks held by requests (None: no KV cache)
+    prefix_cache_queries: int = 0   # the engine's counters (``ServedEngine``), cumulative
+    prefix_cache_hits: int = 0
+    preemptions: int = 0
 
 
 class EngineLoop:
@@ -226,7 +235,7 @@ class EngineLoop:
         """Running and waiting requests as of the last loop iteration, plus requests
         whose ``add`` is still in the command queue (counted as waiting)."""
         last = self._load
-        return LoopLoad(last.running, last.waiting + self._cmds.qsize(), self.alive, last.kv_slots_in_use)
+        return replace(last, waiting=last.waiting + self._cmds.qsize(), alive=self.alive)
 
     def drain_step_stats(self) -> list[Any]:
         with self._stats_lock:
@@ -317,7 +326,8 @@ class EngineLoop:
         if e is None:
             self._load = LoopLoad(0, 0, True)
             return
-        self._load = LoopLoad(int(e.num_running), int(e.num_waiting), True, e.kv_rows_in_use)
+        self._load = LoopLoad(int(e.num_running), int(e.num_waiting), True, e.kv_usage, int(e.prefix_cache_queries),
+                              int(e.prefix_cache_hits), int(e.preemptions))
 
     def _finish(self, request_id: str, item: Any) -> None:
         sink = self._sinks.pop(request_id, None)

@@ -217,11 +217,12 @@ class Heartbeat:
         counters = self.counters.snapshot()
         self.metrics.steps(window)
         load = self.loop.load
+        self.metrics.engine_counts(load.prefix_cache_queries, load.prefix_cache_hits, load.preemptions)
         return {
             "replica_id": self.replica_id,
             "active": load.running,
             "queued": load.waiting,
-            "kv_slots_in_use": load.kv_slots_in_use,
+            "kv_cache_usage": load.kv_usage,
             "rss_bytes": rss_bytes(),
             "tokens_per_s": emitted / dt if dt > 0 else 0.0,
             "tree": tree.__dict__,

@@ -185,7 +185,44 @@ def test_the_engine_and_the_fake_satisfy_the_served_engine_protocol():
     from treespark.engine.core import Engine, EngineConfig
 
     engine = Engine(random_pair(64, 0), EngineConfig(max_batch_size=2, max_context=32))
-    assert isinstance(engine, ServedEngine) and engine.kv_rows_in_use == 0
+    assert isinstance(engine, ServedEngine) and engine.kv_usage == 0
     assert isinstance(FakeEngine(), ServedEngine)
     with pytest.raises(TypeError, match="not a ServedEngine"):
         EngineLoop(object())
+
+
+class _HeldEngine(FakeEngine):
+    """Each step waits for a release of ``go``, then counts a preemption and a cached
+    prompt token (it preempts nothing), so that the loop's copies can be checked."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.go = threading.Semaphore(0)
+
+    def step(self):
+        self.go.acquire(timeout=5)
+        out = super().step()
+        self.prefix_cache_hits += 1
+        self.preemptions += 1
+        return out
+
+
+def test_engine_loop_load_carries_kv_usage_and_the_engine_counters():
+    engine = _HeldEngine(max_batch_size=4)
+    loop = EngineLoop(engine).start()
+    try:
+        got = []
+        loop.add("a", [1, 2, 3], SamplingParams(max_tokens=100, stop_token_ids=()), got.append)
+        engine.go.release()                             # step 1: admitted, its first tokens
+        _wait(lambda: loop.load.running == 1)
+        load = loop.load                                # the snapshot after step 1
+        assert load.kv_usage == 0.25 and load.prefix_cache_queries == 3
+        assert load.prefix_cache_hits == 1 and load.preemptions == 1
+        engine.go.release(1000)                         # the rest, to the end
+        _wait(lambda: got and got[-1].finished and loop.load.running == 0)
+        load = loop.load
+        assert load.kv_usage == 0 and load.prefix_cache_queries == 3
+        assert load.prefix_cache_hits == load.preemptions == engine.preemptions > 1
+    finally:
+        engine.go.release(1000)
+        loop.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -77,9 +78,22 @@ def test_request_clock():
     assert s[("treespark:request_aborted_total", ())] == 1
 
 
+def test_engine_counts_add_what_the_engine_counters_grew():
+    """The heartbeat hands the engine's cumulative counters over each time; the replica's
+    counters grow by the difference, so they equal the engine's."""
+    m = ReplicaMetrics()
+    m.engine_counts(100, 32, 0)
+    m.engine_counts(100, 32, 0)    # an idle beat adds nothing
+    m.engine_counts(250, 96, 2)
+    s = snap(m)
+    assert s[("treespark:prefix_cache_queries_total", ())] == 250
+    assert s[("treespark:prefix_cache_hits_total", ())] == 96
+    assert s[("treespark:num_preemptions_total", ())] == 2
+
+
 def report(rid, metrics, budget=None, kv=None):
     return ReplicaReport(rid, 1, 2, 10.0, TreeStats(steps=1), budget or {"theta": 0.1, "node_cap": 4, "branch_cap": 1},
-                         "controller", {}, metrics=tuple(metrics), kv_slots_in_use=kv)
+                         "controller", {}, metrics=tuple(metrics), kv_cache_usage=kv)
 
 
 def test_cluster_totals_stay_monotone_when_a_replica_is_dropped():
@@ -96,7 +110,7 @@ def test_cluster_totals_stay_monotone_when_a_replica_is_dropped():
     s.report(report("b", b.snapshot()))
 
     def totals():
-        return parse(render(s.metrics_view(), MODEL, 8))
+        return parse(render(s.metrics_view(), MODEL))
 
     before = totals()
     assert value(before, "treespark:spec_decode_num_draft_tokens_total") == 10
@@ -131,13 +145,15 @@ def test_budget_mode():
 
 def test_render_per_replica_gauges():
     s = ControllerState(LadderPolicy())
-    s.report(report("r1", (), budget={"theta": 0.25, "node_cap": 4, "branch_cap": 1}, kv=3))
-    text = render(s.metrics_view(), MODEL, 8)
+    s.report(report("r1", (), budget={"theta": 0.25, "node_cap": 4, "branch_cap": 1}, kv=0.375))
+    s.report(report("r2", ()))   # an engine without a KV cache
+    text = render(s.metrics_view(), MODEL)
     m = parse(text)
     assert value(m, "treespark:spec_decode_theta", replica="r1") == 0.25
     assert value(m, "treespark:spec_decode_mode", replica="r1", mode="chain") == 1
     assert value(m, "treespark:spec_decode_mode", replica="r1", mode="tree") == 0
-    assert value(m, "treespark:kv_cache_usage_perc", replica="r1") == pytest.approx(3 / 9)
+    assert value(m, "treespark:kv_cache_usage_perc", replica="r1") == 0.375
+    assert math.isnan(value(m, "treespark:kv_cache_usage_perc", replica="r2"))
     assert 0 <= value(m, "treespark:controller_broadcast_age_seconds", replica="r1") < 1
     assert value(m, "treespark:num_requests_waiting", replica="r1") == 2
     assert value(m, "treespark:request_aborted_total") == 0   # unlabelled counters read 0 before any event
@@ -196,6 +212,41 @@ def test_queue_time_from_the_real_engine():
         a.close()
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefix_cache_and_kv_series_from_the_real_engine(caching):
+    """The same prompt twice on the real engine (16-token blocks): both are looked up; with
+    the prefix cache on, the second finds every full block but the one of its last token
+    cached, with it off nothing. ``prefix_caching`` in the app's args reaches the engine."""
+    from serving.inprocess import LocalApi
+
+    a = LocalApi(AppArgs(model="random", vocab_size=512, max_batch_size=2, max_context=256, policy=LADDER,
+                         prefix_caching=caching))
+    try:
+        assert a.core.bundle.engine.kv.pool.caching is caching
+        body = {"model": MODEL, "prompt": "The shared system prompt of a chat, " * 3, "max_tokens": 4}
+        sizes = []
+        for _ in range(2):
+            r = a.post("/v1/completions", body)
+            assert r.status == 200
+            sizes.append(r.json()["usage"]["prompt_tokens"])
+        n = sizes[0]
+        assert sizes == [n, n] and n > 32
+        loop = a.core.loop
+        deadline = time.monotonic() + 60   # a guard: the loop snapshots its load right after the last step
+        while loop.load.running or loop.load.waiting:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        a.beat()
+        m = parse(a.get("/metrics").body)
+        assert value(m, "treespark:prefix_cache_queries_total") == 2 * n
+        assert value(m, "treespark:prefix_cache_hits_total") == ((n - 1) // 16 * 16 if caching else 0)
+        assert value(m, "treespark:prompt_tokens_total") == 2 * n
+        assert value(m, "treespark:num_preemptions_total") == 0
+        assert value(m, "treespark:kv_cache_usage_perc", replica="local-0") == 0.0   # idle: no block held
+    finally:
+        a.close()
+
+
 # -- the Grafana dashboard ----------------------------------------------------------------------
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/treespark.json"
@@ -224,7 +275,8 @@ def test_grafana_dashboard_queries_are_exported(local_api):
     for name in ("time_to_first_token_seconds_bucket", "spec_decode_num_accepted_tokens_per_pos_total",
                  "spec_decode_theta", "spec_decode_mode", "controller_broadcast_age_seconds", "kv_cache_usage_perc",
                  "request_retries_total", "stream_resumes_total", "stream_failures_total",
-                 "stream_resume_seconds_bucket", "replica_first_budget_seconds"):
+                 "stream_resume_seconds_bucket", "replica_first_budget_seconds", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total"):
         assert "treespark:" + name in used, name
 
 
@@ -253,7 +305,7 @@ def test_ingress_counters_of_several_api_replicas_add_up():
     st.report_ingress("api-a", a.snapshot())   # replaces the first
     b.retried()
     st.report_ingress("api-b", b.snapshot())
-    m = parse(render(st.metrics_view(), MODEL, 4))
+    m = parse(render(st.metrics_view(), MODEL))
     assert value(m, "treespark:request_retries_total") == 2
     assert value(m, "treespark:stream_resumes_total") == 1
     assert value(m, "treespark:stream_resume_seconds_sum") == 2.0

@@ -87,8 +87,8 @@ def test_client_disconnect_frees_kv(url):
     lines = [r.iter_lines() for r in streams]  # kept: a dropped line iterator closes its connection
     for it in lines:
         assert next(x for x in it if x.startswith(b"data: "))
-    wait_for(lambda: (x := spec(url)) and sum(r["kv_slots_in_use"] or 0 for r in x["replicas"].values()) == 3 and x,
-             timeout=30, interval=0.05)
+    wait_for(lambda: (x := spec(url)) and sum(r["active"] for r in x["replicas"].values()) == 3
+             and sum(r["kv_cache_usage"] or 0 for r in x["replicas"].values()) > 0 and x, timeout=30, interval=0.05)
     for r in streams:
         r.close()
     s = wait_for(lambda: idle(url), timeout=60, interval=0.1)

@@ -235,10 +235,21 @@ def test_metrics_prometheus(url):
                  "treespark:spec_decode_num_accepted_tokens_total", "treespark:spec_decode_theta",
                  "treespark:spec_decode_mean_tree_size", "treespark:step_time_seconds",
                  "treespark:time_to_first_token_seconds", "treespark:spec_decode_num_accepted_tokens_per_pos_total",
-                 "treespark:spec_decode_mode", "treespark:controller_broadcast_age_seconds"):
+                 "treespark:spec_decode_mode", "treespark:controller_broadcast_age_seconds",
+                 "treespark:kv_cache_usage_perc", "treespark:prefix_cache_queries", "treespark:prefix_cache_hits",
+                 "treespark:num_preemptions"):
         assert f"# TYPE {name}" in text
     total = [x for x in text.splitlines() if x.startswith("treespark:request_success_total")]
     assert float(total[0].split()[-1]) >= 1
+
+    def series(name):
+        return [float(x.split()[-1]) for x in requests.get(f"{url}/metrics", timeout=5).text.splitlines()
+                if x.startswith(name + "{")]
+
+    # the engines looked up the prompt tokens they admitted (a heartbeat may lag the engine by a step)
+    wait_for(lambda: series("treespark:prefix_cache_queries_total")[0] > 0, 10)
+    assert series("treespark:prefix_cache_hits_total")[0] <= series("treespark:prefix_cache_queries_total")[0]
+    assert all(0.0 <= u <= 1.0 for u in series("treespark:kv_cache_usage_perc"))
 
 
 def test_served_openapi_document(url):

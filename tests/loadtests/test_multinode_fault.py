@@ -11,7 +11,7 @@ from loadtests.multinode import fault_summary, ingress_counters, ingress_report,
 
 
 def exposition(m: IngressMetrics) -> str:
-    return render({"samples": m.snapshot(), "replicas": {}}, "treespark-random", 4).decode()
+    return render({"samples": m.snapshot(), "replicas": {}}, "treespark-random").decode()
 
 
 def test_ingress_report_from_two_readings_of_metrics():

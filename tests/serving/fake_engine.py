@@ -1,7 +1,7 @@
 """A fake ``treespark.engine.core.Engine`` with the same contract (and the engine's own
 request and step types), for serving tests that isolate the deployments from the model:
 deterministic tokens (``prev + 1 mod V``), ``1 + min(node_cap, 2)`` tokens per round, an
-optional sleep per step."""
+optional sleep per step; no prefix cache (its queries count, its hits stay 0)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ class FakeEngine:
         self._aborted: list[str] = []
         self.aborted_ids: list[str] = []
         self.calibration = Calibration()
+        # the engine's counters: every admitted prompt is looked up, none is cached, none preempted
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.preemptions = 0
 
     @property
     def num_running(self) -> int:
@@ -50,8 +54,9 @@ class FakeEngine:
         return len(self._waiting)
 
     @property
-    def kv_rows_in_use(self):
-        return None  # no KV cache
+    def kv_usage(self) -> float:
+        """A fake's measure: the fraction of batch rows in use (it has no KV blocks)."""
+        return len(self._running) / self.max_batch_size
 
     def add_request(self, request_id, prompt_ids, params):
         if not prompt_ids:
@@ -84,6 +89,7 @@ class FakeEngine:
         while self._waiting and len(self._running) < self.max_batch_size:
             r = self._waiting.pop(0)
             self._running[r.rid] = r
+            self.prefix_cache_queries += len(r.prompt)
             if self.on_schedule is not None:
                 self.on_schedule(r.rid)
         if self.step_sleep_s:
