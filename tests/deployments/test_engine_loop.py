@@ -189,3 +189,29 @@ def test_the_engine_and_the_fake_satisfy_the_served_engine_protocol():
     assert isinstance(FakeEngine(), ServedEngine)
     with pytest.raises(TypeError, match="not a ServedEngine"):
         EngineLoop(object())
+
+
+class _AllocatingEngine(FakeEngine):
+    allocator = "the step allocator"
+
+    def set_allocator(self, allocator):
+        self.allocator = allocator
+
+
+def test_set_allocating_parks_the_engines_allocator_and_gives_it_back():
+    eng = _AllocatingEngine()
+    loop = EngineLoop(eng).start()
+    try:
+        loop.set_allocating(False)
+        assert loop.call(lambda: eng.allocator) is None
+        loop.set_allocating(False)            # twice: still parked, not lost
+        loop.set_allocating(True)
+        assert loop.call(lambda: eng.allocator) == "the step allocator"
+    finally:
+        loop.stop()
+    plain = EngineLoop(FakeEngine()).start()  # an engine without an allocation: left as it is
+    try:
+        plain.set_allocating(False)
+        assert plain.call(lambda: plain.last_error) is None and plain.alive
+    finally:
+        plain.stop()
