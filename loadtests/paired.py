@@ -250,12 +250,12 @@ def report(blocks: list[Block], seed: int = 0, draws: int = 10_000) -> str:
     """The markdown tables of ``blocks`` (bootstrap from ``np.random.default_rng(seed)``)."""
     rng = np.random.default_rng(seed)
     lines: list[str] = []
-    for ex, title, b_name in (("aa", "A/A: per-step against per-step", "per-step"),
-                              ("default-off", "The served default against off", "off")):
+    for ex, title, a_name, b_name in (("aa", "A/A: per-step against per-step", "A: per-step", "B: per-step"),
+                                      ("default-off", "The served default against off", "per-step", "off")):
         levels = sorted({b.users for b in blocks if b.experiment == ex})
         if not levels:
             continue
-        lines += [f"**{title}**", "", f"| users | pairs | per-step tok/s | {b_name} tok/s | ratio, median [95 % CI] | "
+        lines += [f"**{title}**", "", f"| users | pairs | {a_name} tok/s | {b_name} tok/s | ratio, median [95 % CI] | "
                   "reads |", "|---|---|---|---|---|---|"]
         for u in levels:
             r = ratios_of(blocks, ex, u)
