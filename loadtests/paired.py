@@ -92,10 +92,13 @@ BLOCK_FIELDS = [f.name for f in fields(Block)]
 # -- the service ----------------------------------------------------------------------------
 
 
-def set_policy(url: str, policy: str, timeout_s: float = 30.0) -> None:
+def set_policy(url: str, policy: str, timeout_s: float = 30.0, heartbeats_s: float = 0.6) -> None:
     """``policy`` pinned (a fixed budget, verified as is) or per-step (override released);
-    returns once every replica reports the budget the controller assigned it."""
+    returns once every replica runs it: reports the pinned budget, or (per-step, whose
+    budget may move with every heartbeat) has reported for ``heartbeats_s`` since the
+    release (two 0.25 s heartbeats: one reply carries the release, the next report shows it)."""
     budget = None if policy == PERSTEP else BASELINES[policy]
+    t_post = time.monotonic()
     r = requests.post(f"{url}/v1/speculation/override", json={"budget": budget, "fixed": budget is not None},
                       timeout=10)
     r.raise_for_status()
@@ -104,7 +107,11 @@ def set_policy(url: str, policy: str, timeout_s: float = 30.0) -> None:
         st = get_status(url)
         if not st or st.get("override") != budget or not st["replicas"]:
             return False
-        return all(rep["applied_budget"] == rep["budget"] for rep in st["replicas"].values())
+        if budget is not None:
+            return all(rep["applied_budget"] == budget for rep in st["replicas"].values())
+        since = time.monotonic() - t_post
+        return all(rep["applied_budget"] == rep["budget"] or since - rep["last_seen_s"] > heartbeats_s
+                   for rep in st["replicas"].values())
 
     poll_until(applied, timeout_s, f"{policy} not applied by every replica", period_s=0.1)
 
