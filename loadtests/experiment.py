@@ -49,6 +49,7 @@ from loadtests.common import (
     wait_idle,
 )
 from loadtests.shapes import parse_shape, total_duration, users_at
+from treespark.spec.budget import DEFAULT_BRANCH_CAP
 
 # fixed baselines for ``compare`` (override budgets); ``adaptive`` releases the override
 BASELINES: dict[str, dict | None] = {
@@ -65,11 +66,11 @@ BASELINES.update({
 # policies that need their own service: the config's ``policy``/``controller`` rewritten
 # (``compare`` starts one service per variant and run, with ``--config``)
 VARIANTS: dict[str, dict] = {
-    "perstep": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": 4}},
-    "perstep-local": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": 4},
+    "perstep": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": DEFAULT_BRANCH_CAP}},
+    "perstep-local": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": DEFAULT_BRANCH_CAP},
                       "controller": {"pricing": False}},
     # per-step on the startup table corrected online from measured steps (``policy.online_costs``)
-    "perstep-fit": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": 4, "online_costs": True}},
+    "perstep-fit": {"policy": {"kind": "perstep", "max_nodes": 32, "max_branch": DEFAULT_BRANCH_CAP, "online_costs": True}},
     "ladder": {"policy": {"kind": "ladder"}},
 }
 POLICIES = list(BASELINES) + [v for v in VARIANTS if v != "ladder"] + ["ladder"]

@@ -55,8 +55,8 @@ class Controller:
     def report_ingress(self, ingress_id: str, samples: list) -> None:
         self.state.report_ingress(ingress_id, samples)
 
-    def set_override(self, budget: dict[str, Any] | None) -> None:
-        self.state.set_override(None if budget is None else Budget.from_wire(budget))
+    def set_override(self, budget: dict[str, Any] | None, fixed: bool = False) -> None:
+        self.state.set_override(None if budget is None else Budget.from_wire(budget), fixed)
 
     def status(self) -> dict[str, Any]:
         import ray

@@ -109,6 +109,7 @@ class ControllerState:
     clock: Callable[[], float] = time.monotonic
     replicas: dict[str, _Entry] = field(default_factory=dict)
     override: Budget | None = None
+    override_fixed: bool = False    # the override verified as is: replicas pause their per-step allocation
     departed: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
     departed_samples: list = field(default_factory=list)   # dropped replicas' Prometheus samples, summed
     ingress_samples: dict = field(default_factory=dict)    # API replica id -> its latest samples (cumulative)
@@ -127,7 +128,8 @@ class ControllerState:
     _records_since_fit: int = 0
 
     def report(self, report: ReplicaReport) -> dict[str, Any]:
-        """Record one heartbeat; returns ``{"budget", "registered", "calibration"}`` for the replica."""
+        """Record one heartbeat; returns ``{"budget", "allocate", "registered", "calibration"}``
+        for the replica (``allocate``: whether it runs its per-step allocation on the budget)."""
         now = self.clock()
         self.prune(now)
         entry = self.replicas.get(report.replica_id)
@@ -150,6 +152,7 @@ class ControllerState:
         e = self.replicas[report.replica_id]
         return {
             "budget": e.budget.to_wire(),
+            "allocate": not self.override_fixed,
             "priced_at": e.priced_at,
             "registered": registered,
             "calibration": self.calibration if self.online_calibration else None,
@@ -176,8 +179,8 @@ class ControllerState:
         return aggregate_load((e.report for e in self.replicas.values()), self.rounds.stats(), self.draft_node_s,
                               queue_growth(self.queue_history))
 
-    def set_override(self, budget: Budget | None) -> None:
-        self.override = budget
+    def set_override(self, budget: Budget | None, fixed: bool = False) -> None:
+        self.override, self.override_fixed = budget, budget is not None and fixed
         self.reassign()
 
     def reassign(self) -> None:
@@ -272,6 +275,7 @@ class ControllerState:
             },
             "cluster": asdict(self.load()),
             "override": self.override.to_wire() if self.override else None,
+            "override_fixed": self.override_fixed,
             "calibration": {
                 "records": len(acc),
                 "acceptance_rate": sum(acc) / len(acc) if acc else None,

@@ -378,10 +378,10 @@ class Api:
             return refused
         budget = None if req.budget is None else req.budget.model_dump()
         try:
-            await self._controller_call("set_override", budget)
+            await self._controller_call("set_override", budget, req.fixed)
         except Exception as err:  # noqa: BLE001
             return self._controller_unavailable(err)
-        return {"override": budget}
+        return {"override": budget, "fixed": budget is not None and req.fixed}
 
     @app.get("/metrics", summary="Prometheus metrics of the whole cluster", response_class=PlainTextResponse,
              responses=answers(None, 401, 503, text="Prometheus text format 0.0.4"))

@@ -122,6 +122,8 @@ class ChatRequest(SamplingRequest):
 
 class OverrideRequest(_Req):
     budget: BudgetArgs | None = Field(description="The budget every replica runs, or null to release the override.")
+    fixed: bool = Field(False, description="Verify the budget as it is: a replica's per-step allocation "
+                                           "(which may only cut it) pauses while this override is pinned.")
 
 
 # -- responses (documentation of what deployments.http.responses builds) --------------------------
@@ -277,6 +279,7 @@ class Health(BaseModel):
 
 class OverrideResponse(BaseModel):
     override: BudgetArgs | None
+    fixed: bool = False
 
 
 class SpeculationStatus(BaseModel):
@@ -289,6 +292,7 @@ class SpeculationStatus(BaseModel):
     replicas: dict[str, dict[str, Any]]
     cluster: dict[str, Any]
     override: BudgetArgs | None
+    override_fixed: bool = False
     calibration: dict[str, Any]
     acceptance: dict[str, Any]
     draft_node_s: float | None

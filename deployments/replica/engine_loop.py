@@ -1,7 +1,7 @@
 """One synchronous ``Engine`` driven by one dedicated thread, bridged to asyncio.
 
 The engine is not thread-safe, so only the loop thread touches it. Callers post
-commands (add, abort, set_budget, set_calibration) on a thread-safe queue; the thread
+commands (add, abort, set_budget, set_allocating, set_calibration) on a thread-safe queue; the thread
 drains the queue, runs ``engine.step()`` while there is work, and otherwise blocks on
 the queue. Each request has a *sink*, a callable the loop thread invokes with:
 
@@ -128,6 +128,11 @@ class _SetBudget:
 
 
 @dataclass(frozen=True)
+class _SetAllocating:
+    on: bool
+
+
+@dataclass(frozen=True)
 class _SetCalibration:
     a: float
     b: float
@@ -144,7 +149,7 @@ class _Wake:
     """Nothing to do: wakes a loop blocked on the queue (``stop``)."""
 
 
-Command = _Add | _Abort | _SetBudget | _SetCalibration | _Call | _Wake
+Command = _Add | _Abort | _SetBudget | _SetAllocating | _SetCalibration | _Call | _Wake
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,7 @@ class EngineLoop:
         self._load = LoopLoad(0, 0, False)
         self.steps = 0
         self.last_error: str | None = None
+        self._parked: Any = None    # the engine's per-step allocator while a fixed budget runs
         if engine is not None:
             self._attach(engine)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -222,6 +228,11 @@ class EngineLoop:
 
     def set_budget(self, budget: Any) -> None:
         self._cmds.put(_SetBudget(budget))
+
+    def set_allocating(self, on: bool) -> None:
+        """Run the engine's per-step allocation (True), or verify its budget as is (False:
+        a fixed override); an engine without an allocation is left as it is."""
+        self._cmds.put(_SetAllocating(on))
 
     def set_calibration(self, a: float, b: float) -> None:
         self._cmds.put(_SetCalibration(a, b))
@@ -367,10 +378,23 @@ class EngineLoop:
                     self._finish(rid, Aborted(rid))
             case _SetBudget(budget):
                 self._push(cmd, lambda: self.engine.set_budget(budget))
+            case _SetAllocating(on):
+                self._push(cmd, lambda: self._allocating(on))
             case _SetCalibration(a, b):
                 self._push(cmd, lambda: self.engine.set_calibration(a, b))
             case _Wake():
                 pass
+
+    def _allocating(self, on: bool) -> None:
+        """Park the engine's allocator (``on`` False) or give it back (True)."""
+        if getattr(self.engine, "set_allocator", None) is None:
+            return
+        if not on and self.engine.allocator is not None:
+            self._parked = self.engine.allocator
+            self.engine.set_allocator(None)
+        elif on and self._parked is not None:
+            self.engine.set_allocator(self._parked)
+            self._parked = None
 
     def _push(self, cmd: Command, apply: Callable[[], None]) -> None:
         """A setting pushed to the engine; a bad one keeps the engine's previous setting and

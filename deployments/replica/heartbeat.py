@@ -153,6 +153,7 @@ class Heartbeat:
         self.budget: Budget = self.policy.budget_for(LoadSnapshot.idle(), self.replica_id)
         self.budget_source = "local"
         self.loop.set_budget(self.budget)
+        self.allocating = True              # False while the controller pins a fixed override
         self.calibration: tuple[float, float] | None = None
         # the stored map: its sibling offsets stay fixed, the controller refits (a, b) around them
         self.stored_calibration: Calibration = self.bundle.engine.calibration
@@ -255,6 +256,11 @@ class Heartbeat:
             self.budget = budget
             self.loop.set_budget(budget)
 
+    def apply_allocating(self, on: bool) -> None:
+        if on != self.allocating:
+            self.allocating = on
+            self.loop.set_allocating(on)
+
     def heartbeat_once(self, handle: Any, dt: float) -> dict[str, Any]:
         """One report; raises if the controller does not answer in time."""
         import ray
@@ -270,6 +276,7 @@ class Heartbeat:
         if budget != self.budget and reply.get("priced_at"):
             self.price_latency.append(max(time.time() - float(reply["priced_at"]), 0.0))
         self.apply_budget(budget, "controller")
+        self.apply_allocating(bool(reply.get("allocate", True)))
         if self.first_budget_s is None:
             self.first_budget_s = time.monotonic() - self._hb_started
         cal = reply.get("calibration")
@@ -305,5 +312,6 @@ class Heartbeat:
             last = now
 
     def _use_local_policy(self) -> None:
+        self.apply_allocating(True)
         load = self.loop.load
         self.apply_budget(self.policy.budget_for(LoadSnapshot(1, load.running, load.waiting), self.replica_id), "local")

@@ -67,3 +67,16 @@ def test_controller_learns_acceptance_up_to_the_engines_max_tree_nodes():
     assert c.state.rounds.max_nodes == 40
     c.configure(AppArgs(max_tree_nodes=96).wire())
     assert c.state.rounds.max_nodes == 96
+
+
+def test_a_fixed_override_pauses_the_replicas_allocation_until_released():
+    s = ControllerState(LadderPolicy())
+    assert s.report(rep("a"))["allocate"]
+    s.set_override(Budget.chain(2), fixed=True)
+    r = s.report(rep("a"))
+    assert r["budget"]["node_cap"] == 2 and not r["allocate"] and s.status()["override_fixed"]
+    s.set_override(Budget.chain(2))            # pinned, but the allocation may cut it
+    assert s.report(rep("a"))["allocate"]
+    s.set_override(Budget.chain(3), fixed=True)
+    s.set_override(None, fixed=True)           # a release is never fixed
+    assert s.report(rep("a"))["allocate"] and not s.status()["override_fixed"]

@@ -226,3 +226,29 @@ def test_engine_loop_load_carries_kv_usage_and_the_engine_counters():
     finally:
         engine.go.release(1000)
         loop.stop()
+
+
+class _AllocatingEngine(FakeEngine):
+    allocator = "the step allocator"
+
+    def set_allocator(self, allocator):
+        self.allocator = allocator
+
+
+def test_set_allocating_parks_the_engines_allocator_and_gives_it_back():
+    eng = _AllocatingEngine()
+    loop = EngineLoop(eng).start()
+    try:
+        loop.set_allocating(False)
+        assert loop.call(lambda: eng.allocator) is None
+        loop.set_allocating(False)            # twice: still parked, not lost
+        loop.set_allocating(True)
+        assert loop.call(lambda: eng.allocator) == "the step allocator"
+    finally:
+        loop.stop()
+    plain = EngineLoop(FakeEngine()).start()  # an engine without an allocation: left as it is
+    try:
+        plain.set_allocating(False)
+        assert plain.call(lambda: plain.last_error) is None and plain.alive
+    finally:
+        plain.stop()

@@ -145,3 +145,38 @@ def test_local_only_replicas_report_but_price_themselves(monkeypatch):
             assert (len(core.heartbeat.price_latency) == 1) is pricing
         finally:
             core.shutdown()
+
+
+def test_a_fixed_override_reaches_the_engine_loop_and_its_release_too(monkeypatch):
+    """The controller's ``allocate: false`` (a fixed override) parks the replica's
+    per-step allocation; ``allocate: true`` (or the controller gone) gives it back."""
+    import ray
+
+    from deployments.replica.core import ReplicaCore
+
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    args = AppArgs(model="random", engine_factory="serving.fake_engine:build_fake_engine", max_context=64,
+                   max_batch_size=2, policy={"kind": "perstep"})
+    core = ReplicaCore(args, "r0", connect=None)
+    sent = []
+    monkeypatch.setattr(core.heartbeat.loop, "set_allocating", sent.append)
+
+    class Handle:
+        def __init__(self, allocate):
+            self.reply = {"budget": {"theta": 0.0, "node_cap": 2, "branch_cap": 1}, "allocate": allocate,
+                          "priced_at": 1.0, "registered": False, "calibration": None}
+            self.report = self
+
+        def remote(self, report):
+            return self.reply
+
+    try:
+        core.heartbeat.heartbeat_once(Handle(False), 0.25)
+        core.heartbeat.heartbeat_once(Handle(False), 0.25)   # unchanged: not sent again
+        assert sent == [False] and not core.heartbeat.allocating
+        core.heartbeat.heartbeat_once(Handle(True), 0.25)
+        core.heartbeat.heartbeat_once(Handle(False), 0.25)
+        core.heartbeat._use_local_policy()                   # the controller unreachable
+        assert sent == [False, True, False, True] and core.heartbeat.allocating
+    finally:
+        core.shutdown()

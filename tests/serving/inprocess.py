@@ -95,10 +95,10 @@ class LocalController:
         async def metrics_view() -> dict[str, Any]:
             return self.state.metrics_view()
 
-        async def set_override(budget: Any) -> None:
+        async def set_override(budget: Any, fixed: bool = False) -> None:
             from treespark.spec.budget import Budget
 
-            self.state.set_override(None if budget is None else Budget.from_wire(budget))
+            self.state.set_override(None if budget is None else Budget.from_wire(budget), fixed)
 
         async def report_ingress(ingress_id: str, samples: list) -> None:
             self.state.report_ingress(ingress_id, samples)

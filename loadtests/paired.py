@@ -1,0 +1,379 @@
+"""Paired, interleaved A/B comparisons of budget policies on one running service.
+
+One service (``--config``, the served per-step default, or ``--url``), one Locust process
+per load level at constant users, and the policy switched underneath it through
+``POST /v1/speculation/override``: a fixed budget pinned with ``fixed: true`` (verified as
+is, the replica's per-step allocation paused), per-step by releasing the override. After
+each switch the runner waits until every replica has applied the budget, then ``--settle``
+seconds, then measures a block: goodput is the cluster's ``generation_tokens`` counter
+over the block's seconds. ``loadtests.pairstats`` has the statistics.
+
+Experiments (``--experiments``, in the order given):
+
+* ``aa``       per-step against per-step at ``--aa-users``: the interval must contain 1;
+* ``ramp``     at each of ``--levels``, a *screen*: one short pair (``--screen-s`` blocks)
+               of per-step against each fixed policy (``--fixed``), the pairs' order ABBA
+               across policies; the best fixed policy is the one per-step gains least on.
+               Then ``--pairs`` pairs of ``--block-s`` blocks, per-step against that
+               policy, A B B A ...;
+* ``default-off``  per-step (the served default) against ``off`` at ``--aa-users``.
+
+Writes ``blocks.csv`` (every block, as measured) after each block, and ``paired.md``
+(the tables, from ``blocks.csv``: ``python -m loadtests.paired report OUT`` rewrites it).
+
+    python -m loadtests.paired run --config configs/load-default.yaml --out docs/load/paired
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import requests
+
+from loadtests.common import (
+    LoadArgs,
+    get_status,
+    locust_command,
+    log,
+    poll_until,
+    serve_process,
+    start_group,
+    wait_healthy,
+    wait_idle,
+)
+from loadtests.experiment import BASELINES, speculation_row
+from loadtests.pairstats import (
+    A,
+    B,
+    Interval,
+    abba_sides,
+    bootstrap_geomean_of_medians,
+    bootstrap_median,
+    geomean,
+    paired_ratios,
+)
+
+PERSTEP = "perstep"     # the served default: no override
+FIXED = [p for p in BASELINES if p != "adaptive"]
+
+
+@dataclass
+class Block:
+    """One measured block (a row of ``blocks.csv``)."""
+
+    experiment: str         # aa | screen | paired | default-off
+    users: int
+    pair: int               # pairs counted from 0 within (experiment, users)
+    side: str               # A | B
+    policy: str             # perstep or a BASELINES name
+    t0: float               # unix time the block's measurement began
+    seconds: float
+    tokens: float
+    goodput_tok_s: float
+    tree_size: float
+    batch_size: float
+    queued: float
+
+
+BLOCK_FIELDS = [f.name for f in fields(Block)]
+
+
+# -- the service ----------------------------------------------------------------------------
+
+
+def set_policy(url: str, policy: str, timeout_s: float = 30.0, heartbeats_s: float = 0.6) -> None:
+    """``policy`` pinned (a fixed budget, verified as is) or per-step (override released);
+    returns once every replica runs it: reports the pinned budget, or (per-step, whose
+    budget may move with every heartbeat) has reported for ``heartbeats_s`` since the
+    release (two 0.25 s heartbeats: one reply carries the release, the next report shows it)."""
+    budget = None if policy == PERSTEP else BASELINES[policy]
+    t_post = time.monotonic()
+    r = requests.post(f"{url}/v1/speculation/override", json={"budget": budget, "fixed": budget is not None},
+                      timeout=10)
+    r.raise_for_status()
+
+    def applied() -> bool:
+        st = get_status(url)
+        if not st or st.get("override") != budget or not st["replicas"]:
+            return False
+        if budget is not None:
+            return all(rep["applied_budget"] == budget for rep in st["replicas"].values())
+        since = time.monotonic() - t_post
+        return all(rep["applied_budget"] == rep["budget"] or since - rep["last_seen_s"] > heartbeats_s
+                   for rep in st["replicas"].values())
+
+    poll_until(applied, timeout_s, f"{policy} not applied by every replica", period_s=0.1)
+
+
+def measure(url: str, seconds: float) -> tuple[float, float, dict]:
+    """(seconds, generated tokens, the status row at the end) over the next ``seconds``."""
+    st0 = get_status(url)
+    t0 = time.time()
+    time.sleep(seconds)
+    st1 = get_status(url)
+    t1 = time.time()
+    if st0 is None or st1 is None:
+        raise RuntimeError(f"{url}/v1/speculation did not answer")
+    toks = st1["counters"]["generation_tokens"] - st0["counters"]["generation_tokens"]
+    return t1 - t0, toks, speculation_row(st1)
+
+
+@contextlib.contextmanager
+def locust_running(url: str, users: int, out: Path, name: str, load: LoadArgs, warm_s: float) -> Iterator[None]:
+    """Locust at ``users`` constant users in its own process group, ``warm_s`` after its
+    start; stopped with SIGINT when the block sequence ends."""
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    prefix = raw / name
+    Path(f"{prefix}-records.jsonl").unlink(missing_ok=True)
+    with open(raw / f"{name}-locust.log", "w") as logf:
+        proc = start_group(locust_command(url, f"const:{users}:86400", prefix, load), logf)
+        try:
+            time.sleep(warm_s)
+            if proc.poll() is not None:
+                raise RuntimeError(f"locust exited with {proc.returncode}; see {raw / f'{name}-locust.log'}")
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+class Runner:
+    """Blocks measured on one service, each appended to ``blocks.csv`` at once."""
+
+    def __init__(self, url: str, args) -> None:
+        self.url, self.args = url, args
+        self.blocks: list[Block] = read_blocks(args.out / "blocks.csv") if args.resume else []
+
+    def block(self, experiment: str, users: int, pair: int, side: str, policy: str, seconds: float) -> Block:
+        set_policy(self.url, policy)
+        time.sleep(self.args.settle)
+        t0 = time.time()
+        secs, toks, row = measure(self.url, seconds)
+        b = Block(experiment, users, pair, side, policy, t0, secs, toks, toks / secs, row["tree_size"],
+                  row["batch_size"], row["queued"])
+        self.blocks.append(b)
+        write_blocks(self.args.out / "blocks.csv", self.blocks)
+        log(f"{experiment} u={users} pair {pair} {side} {policy:>7}: {b.goodput_tok_s:6.1f} tok/s, "
+            f"tree {b.tree_size:.2f}, batch {b.batch_size:.1f}")
+        return b
+
+    def pairs(self, experiment: str, users: int, a: str, b: str, n: int, seconds: float) -> None:
+        for i, side in enumerate(abba_sides(n)):
+            self.block(experiment, users, i // 2, side, a if side == A else b, seconds)
+
+    def screen(self, users: int) -> str:
+        """One pair per fixed policy, ABBA across policies; the fixed policy per-step gains
+        least on (the best fixed one, measured next to per-step)."""
+        ratios = {}
+        for i, policy in enumerate(self.args.fixed):
+            sides = (A, B) if i % 2 == 0 else (B, A)
+            got = {s: self.block("screen", users, i, s, PERSTEP if s == A else policy, self.args.screen_s)
+                   for s in sides}
+            ratios[policy] = got[A].goodput_tok_s / max(got[B].goodput_tok_s, 1e-9)
+        best = min(ratios, key=ratios.get)
+        log(f"u={users}: best fixed {best} (per-step / fixed: "
+            + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()) + ")")
+        return best
+
+    def level(self, users: int, experiments: list[str]) -> None:
+        warm = self.args.level_warm * (1 if self.blocks else 2)   # a fresh service's first requests are slow
+        with locust_running(self.url, users, self.args.out, f"u{users}", self.args.load, warm):
+            if "aa" in experiments:
+                self.pairs("aa", users, PERSTEP, PERSTEP, self.args.pairs, self.args.block_s)
+            if "ramp" in experiments:
+                best = self.screen(users)
+                self.pairs("paired", users, PERSTEP, best, self.args.pairs, self.args.block_s)
+            if "default-off" in experiments:
+                self.pairs("default-off", users, PERSTEP, "off", self.args.pairs, self.args.block_s)
+        set_policy(self.url, PERSTEP)
+        wait_idle(self.url, 120)
+
+
+def plan(args) -> list[tuple[int, list[str]]]:
+    """(users, experiments at that level) in run order: the ``--aa-users`` level first
+    (A/A, its ramp level, default vs off), then the other levels in ``--levels`` order."""
+    ex = args.experiments
+    first = [e for e in ("aa", "ramp", "default-off")
+             if e in ex and (e != "ramp" or args.aa_users in args.levels)]
+    out = [(args.aa_users, first)] if first else []
+    if "ramp" in ex:
+        out += [(u, ["ramp"]) for u in args.levels if u != args.aa_users]
+    return out
+
+
+# -- blocks.csv and the report ------------------------------------------------------------------
+
+
+def write_blocks(path: Path, blocks: list[Block]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=BLOCK_FIELDS)
+        w.writeheader()
+        for b in blocks:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in asdict(b).items()})
+
+
+def read_blocks(path: Path) -> list[Block]:
+    if not path.exists():
+        return []
+    conv = {"int": int, "str": str, "float": float}
+    with path.open() as f:
+        return [Block(**{fl.name: conv[str(fl.type)](row[fl.name]) for fl in fields(Block)})
+                for row in csv.DictReader(f)]
+
+
+def ratios_of(blocks: list[Block], experiment: str, users: int) -> np.ndarray:
+    bs = [b for b in blocks if b.experiment == experiment and b.users == users]
+    bs = bs[:len(bs) // 2 * 2]
+    return paired_ratios([b.side for b in bs], [b.goodput_tok_s for b in bs])   # [pairs]
+
+
+def _ci(iv: Interval) -> str:
+    return f"{iv.point:.3f} [{iv.lo:.3f}, {iv.hi:.3f}]"
+
+
+def _median_of(blocks: list[Block], experiment: str, users: int, side: str) -> float:
+    return float(np.median([b.goodput_tok_s for b in blocks
+                            if b.experiment == experiment and b.users == users and b.side == side]))
+
+
+def report(blocks: list[Block], seed: int = 0, draws: int = 10_000) -> str:
+    """The markdown tables of ``blocks`` (bootstrap from ``np.random.default_rng(seed)``)."""
+    rng = np.random.default_rng(seed)
+    lines: list[str] = []
+    for ex, title, a_name, b_name in (("aa", "A/A: per-step against per-step", "A: per-step", "B: per-step"),
+                                      ("default-off", "The served default against off", "per-step", "off")):
+        levels = sorted({b.users for b in blocks if b.experiment == ex})
+        if not levels:
+            continue
+        lines += [f"**{title}**", "", f"| users | pairs | {a_name} tok/s | {b_name} tok/s | ratio, median [95 % CI] | "
+                  "reads |", "|---|---|---|---|---|---|"]
+        for u in levels:
+            r = ratios_of(blocks, ex, u)
+            if not len(r):
+                continue
+            iv = bootstrap_median(r, rng, draws)
+            lines.append(f"| {u} | {len(r)} | {_median_of(blocks, ex, u, A):.1f} | {_median_of(blocks, ex, u, B):.1f} "
+                         f"| {_ci(iv)} | {iv.verdict('A', 'B') if ex == 'aa' else iv.verdict('per-step', 'off')} |")
+        lines.append("")
+    levels = sorted({b.users for b in blocks if b.experiment == "paired" and b.side == B})
+    per_level = {u: ratios_of(blocks, "paired", u) for u in levels}
+    per_level = {u: r for u, r in per_level.items() if len(r)}
+    if per_level:
+        lines += ["**Per-step against the best fixed policy** (picked by the screen at each level)", "",
+                  "| users | best fixed | pairs | per-step tok/s | fixed tok/s | tree (per-step) | "
+                  "per-step / best fixed, median [95 % CI] | reads |", "|---|---|---|---|---|---|---|---|"]
+        for u, r in per_level.items():
+            iv = bootstrap_median(r, rng, draws)
+            fixed = next(b.policy for b in blocks if b.experiment == "paired" and b.users == u and b.side == B)
+            tree = np.mean([b.tree_size for b in blocks if b.experiment == "paired" and b.users == u and b.side == A])
+            lines.append(f"| {u} | {fixed} | {len(r)} | {_median_of(blocks, 'paired', u, A):.1f} | "
+                         f"{_median_of(blocks, 'paired', u, B):.1f} | {tree:.2f} | {_ci(iv)} | "
+                         f"{iv.verdict('per-step', fixed)} |")
+        gm = bootstrap_geomean_of_medians(list(per_level.values()), rng, draws)
+        lines += [f"| all | | | | | | geometric mean {_ci(gm)} | {gm.verdict('per-step', 'best fixed')} |", ""]
+    screen = [b for b in blocks if b.experiment == "screen"]
+    if screen:
+        s_levels = sorted({b.users for b in screen})
+        pols = list(dict.fromkeys(b.policy for b in screen if b.side == B))
+        cell: dict[tuple[int, str], float] = {}
+        for u in s_levels:
+            for i in sorted({b.pair for b in screen if b.users == u}):
+                got = {b.side: b for b in screen if b.users == u and b.pair == i}
+                if set(got) == {A, B}:
+                    cell[(u, got[B].policy)] = got[A].goodput_tok_s / got[B].goodput_tok_s
+        lines += ["**Screen: per-step / each fixed policy** (one short pair per cell)", "",
+                  "| users | " + " | ".join(pols) + " |", "|---" * (len(pols) + 1) + "|"]
+        for u in s_levels:
+            lines.append(f"| {u} | " + " | ".join(f"{cell[(u, p)]:.2f}" if (u, p) in cell else "" for p in pols) + " |")
+        lines.append("| geometric mean | " + " | ".join(
+            f"{geomean([cell[(u, p)] for u in s_levels if (u, p) in cell]):.2f}"
+            if any((u, p) in cell for u in s_levels) else "" for p in pols) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, command: str, seed: int) -> str:
+    blocks = read_blocks(out / "blocks.csv")
+    text = f"# Paired policy comparison\n\n    {command}\n\n{report(blocks, seed)}"
+    (out / "paired.md").write_text(text)
+    return text
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtests.paired", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="measure (writes blocks.csv and paired.md)")
+    src = run.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", type=Path, help="a Serve config to start with `serve run`")
+    src.add_argument("--url", help="a running service, e.g. http://127.0.0.1:8000")
+    run.add_argument("--port", type=int, help="rewrite the config's HTTP port")
+    run.add_argument("--out", type=Path, default=Path("runs/paired"))
+    run.add_argument("--experiments", nargs="+", default=["aa", "ramp", "default-off"],
+                     choices=["aa", "ramp", "default-off"])
+    run.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="ramp: users")
+    run.add_argument("--aa-users", type=int, default=8, help="users of the A/A and default-off runs")
+    run.add_argument("--fixed", nargs="+", default=FIXED, choices=FIXED, help="ramp: the fixed policies screened")
+    run.add_argument("--pairs", type=int, default=5)
+    run.add_argument("--block-s", type=float, default=15.0, help="seconds of a measured block")
+    run.add_argument("--screen-s", type=float, default=10.0, help="seconds of a screen block")
+    run.add_argument("--settle", type=float, default=3.0, help="seconds after a switch before measuring")
+    run.add_argument("--level-warm", type=float, default=15.0, help="seconds of load before a level's first block")
+    run.add_argument("--resume", action="store_true", help="keep the blocks already in OUT/blocks.csv")
+    run.add_argument("--max-tokens", type=int, default=64)
+    run.add_argument("--seed", type=int, default=0, help="the bootstrap's numpy seed")
+    run.add_argument("--ready-timeout", type=float, default=300.0)
+    rep = sub.add_parser("report", help="rewrite OUT/paired.md from OUT/blocks.csv")
+    rep.add_argument("out", type=Path)
+    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--command", default="", help="the command line the blocks came from (the report's first line)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "report":
+        print(write_report(args.out, args.command or f"python -m loadtests.paired report {args.out}", args.seed))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.load = LoadArgs(args.max_tokens, 0.0, True, chat=True)
+    command = "python -m loadtests.paired " + " ".join(sys.argv[1:] if argv is None else argv)
+    with contextlib.ExitStack() as stack:
+        if args.url:
+            url = args.url.rstrip("/")
+            wait_healthy(url, args.ready_timeout)
+        else:
+            url = stack.enter_context(serve_process(args.config, args.out, args.port, args.ready_timeout))
+        runner = Runner(url, args)
+        try:
+            for users, experiments in plan(args):
+                runner.level(users, experiments)
+                write_report(args.out, command, args.seed)
+        finally:
+            with contextlib.suppress(requests.RequestException):
+                requests.post(f"{url}/v1/speculation/override", json={"budget": None}, timeout=10)
+    print(write_report(args.out, command, args.seed))
+
+
+if __name__ == "__main__":
+    main()
