@@ -72,3 +72,33 @@ def test_dense_context_reads_a_padded_copy():
     torch.testing.assert_close(keys[:, :, :5], k[1])
     keys.zero_()                                                         # the caller's own copy
     assert k[1].abs().sum() > 0
+
+
+def _only(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel([backend])
+
+
+def test_grouped_attention_runs_on_the_cpu_flash_kernel():
+    """On CPU the grouped call is served by the flash kernel alone (with it as the only
+    backend allowed, a call it cannot take would raise)."""
+    from torch.nn.attention import SDPBackend
+
+    q, keys, values, mask = _inputs(2, 8, 2, 6, 48, 16, torch.float32)
+    with _only(SDPBackend.FLASH_ATTENTION):
+        got = grouped_attention(q, keys, values, attention_bias(mask, 4, torch.float32, 48))
+    torch.testing.assert_close(got, reference_attention(q, keys, values, mask))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_attention_runs_on_the_cuda_memory_efficient_kernel(dtype):
+    from torch.nn.attention import SDPBackend
+
+    q, keys, values, mask = (x.cuda() for x in _inputs(2, 8, 2, 6, 48, 16, dtype))
+    with _only(SDPBackend.EFFICIENT_ATTENTION):
+        got = grouped_attention(q, keys, values, attention_bias(mask, 4, dtype, 48))
+    ref = reference_attention(q, keys, values, mask)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got, ref, **tol)

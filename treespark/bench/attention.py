@@ -131,11 +131,14 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[s
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
+COMMAND = "OMP_NUM_THREADS=1 .venv/bin/python -m treespark.cli bench attention --out docs/results/serving/attention.md"
+
+
 @torch.no_grad()
-def attention_benchmark(pair: ModelPair, *, batch: int = 8, long_context: int = 4096, nodes: int = 16,
-                        repeats: int = 7) -> str:
-    """The table of ``treespark bench attention``: verify and drafter steps at ``batch``
-    rows of ``long_context`` tokens, and at the engine's usual short contexts."""
+def attention_table(pair: ModelPair, *, batch: int = 8, long_context: int = 4096, nodes: int = 16,
+                    repeats: int = 9) -> str:
+    """Verify forward, its attention alone and the drafter's block at ``batch`` rows of
+    ``long_context`` tokens and at short contexts, each path side by side."""
     from treespark.engine.kv import StoreShape
 
     dc = pair.drafter.config
@@ -143,7 +146,7 @@ def attention_benchmark(pair: ModelPair, *, batch: int = 8, long_context: int = 
     runners = {p: TargetRunner(pair.target, dc.target_layer_ids, attention=p) for p in AttentionPath}
     rng = np.random.default_rng(1)
     contexts = {f"{batch} x {long_context}": [long_context] * batch,
-                f"{batch} x short (64-512)": sorted(rng.integers(64, 513, batch).tolist())}
+                f"{batch} x 64-512": sorted(rng.integers(64, 513, batch).tolist())}
     rows = []
     for label, lengths in contexts.items():
         scene = paged_scene(runners[AttentionPath.GROUPED], dshape, lengths, nodes)
@@ -160,3 +163,26 @@ def attention_benchmark(pair: ModelPair, *, batch: int = 8, long_context: int = 
     header = ["contexts (B x tokens)", "step", "reference ms", "grouped ms", "time ratio",
               "reference peak MiB", "grouped peak MiB", "peak ratio"]
     return markdown_table(header, rows)
+
+
+def attention_benchmark(**kwargs) -> str:
+    """The results page of ``treespark bench attention`` on the tiny Qwen3 pair."""
+    from treespark.kernels.machine import hardware_name
+    from treespark.models.pair import random_pair
+
+    pair = random_pair(151_936, 0, block_size=5, markov_rank=16, family="qwen3")
+    table = attention_table(pair, **kwargs)
+    return "\n".join([
+        "# Attention over the paged KV: reference vs grouped path (#41)", "",
+        "Command (both paths measured in one run, interleaved repeat by repeat; median of 9):", "",
+        f"    {COMMAND}", "",
+        f"Machine: {hardware_name()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s). "
+        f"Pair: `{QWEN3_PAIR}` (3 layers, 4 query / 2 KV heads of 16, hidden 64). Trees of 16 nodes "
+        "(random shapes, rows padded), blocks of 16 shuffled through the pool.", "",
+        table, "",
+        "*verify forward*: `TargetRunner.forward` over the batch's trees (projections, attention, the "
+        "151,936-row LM head at every node); *its attention*: the same forward's attention alone, every "
+        "layer (gather and kernel); *drafter block*: `block_logits` (reference: every layer's context "
+        "gathered, the block concatenated in each layer). Peak: the most bytes the step holds at once "
+        "above what it started with, from the profiler's allocation events (`profile_memory=True`).",
+    ])
