@@ -20,10 +20,11 @@ values (the target's verify and prefill forwards, the drafter's block):
 
 What neither path avoids is the copy of the batch's paged keys and values into a
 dense ``[B, kvh, T, hd]`` per layer: a kernel that reads the blocks in place
-(FlexAttention with a block mask, a paged-attention kernel) would. On this project's
-CPU, compiled FlexAttention over a paged store ran about 3x slower than the gather and
-the flash kernel together at batch 8 x 4k (its CPU template is tuned for long query
-blocks, and compiling costs ~20 s per shape), so both paths gather. The grouped path
+(FlexAttention with a block mask, a paged-attention kernel) would. In a one-off trial
+on this project's CPU (batch 8 x 4k tokens, 16 queries a row, 2 threads), compiled
+FlexAttention over one store of every row's slots, with a block mask by row (the
+sparsity a block table gives), took ~106 ms a layer against ~31 ms for the slot gather
+and the flash kernel, after ~20 s of compiling; so both paths gather. The grouped path
 gathers whole blocks (``gather_blocks``: one contiguous row of ``block_size * kvh *
 hd`` numbers per block), not slot by slot.
 
