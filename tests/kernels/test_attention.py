@@ -11,7 +11,6 @@ from treespark.kernels.attention import (
     attention_bias,
     gather_blocks,
     grouped_attention,
-    padded_length,
     reference_attention,
 )
 
@@ -44,7 +43,7 @@ def test_padded_key_columns_are_never_seen():
     """The bias' key axis is padded to a block multiple: whatever the padding holds (here
     huge values), the output is the unpadded one."""
     q, keys, values, mask = _inputs(2, 4, 2, 5, 21, 8, torch.float32, seed=1)
-    t = padded_length(21, 16)
+    t = 32                                                               # 21 keys padded to 2 blocks of 16
     junk = torch.full((2, 2, t - 21, 8), 1e4)
     got = grouped_attention(q, torch.cat([keys, junk], 2), torch.cat([values, junk], 2),
                             attention_bias(mask, 2, torch.float32, t))

@@ -51,10 +51,6 @@ class AttentionPath(enum.Enum):
     GROUPED = "grouped"
 
 
-def padded_length(t: int, multiple: int) -> int:
-    return -(-t // multiple) * multiple
-
-
 def reference_attention(q: torch.Tensor,      # [B, H, K, hd]
                         k: torch.Tensor,      # [B, kvh, T, hd]
                         v: torch.Tensor,      # [B, kvh, T, hd]
@@ -64,7 +60,7 @@ def reference_attention(q: torch.Tensor,      # [B, H, K, hd]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def attention_bias(mask: torch.Tensor,   # [B, 1, K, T] bool (or [B, 1, 1, T]: every query alike)
+def attention_bias(mask: torch.Tensor,   # [B, 1, K, T] bool, True = may attend
                    groups: int, dtype: torch.dtype, keys: int) -> torch.Tensor:
     """The additive bias of ``grouped_attention``: [B, 1, G*K, keys] in ``dtype``, 0 where
     the mask allows, -inf elsewhere and in the columns past T (``keys >= T``)."""
