@@ -174,6 +174,11 @@ def cmd_bench(args) -> None:
                                 markov_rank=args.markov_rank, family=args.family,
                                 temperatures=tuple(args.temperatures)), args.out)
         return
+    if args.what == "attention":  # builds the tiny Qwen3 pair (the GPU pair's shapes in miniature)
+        from treespark.bench.attention import attention_benchmark
+
+        _write(attention_benchmark(), args.out)
+        return
     if args.what == "serving":  # random pairs, each measured in a subprocess (and the --base checkout's)
         from treespark.bench.serving import serving_benchmark
 
@@ -382,8 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--device")
     j.set_defaults(func=cmd_judge)
 
-    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear | rounds | serving")
-    b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear", "rounds", "serving"])
+    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear | rounds | serving "
+                                     "| attention")
+    b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear", "rounds", "serving",
+                                    "attention"])
     b.add_argument("--pair", default="default", choices=["default", "random"])
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     b.add_argument("--max-tokens", type=int, default=64)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from treespark.kernels.attention import DenseKV
 from treespark.models.checkpoint import DrafterCheckpointError, load_drafter, save_drafter
 from treespark.models.drafter import DSparkConfig
 
@@ -95,7 +96,7 @@ def test_block_logits_shape(tmp_path):
     d = load_drafter(tmp_path / "ckpt")
     b, c = 2, 5
     k = torch.zeros(2, b, 2, c, 8)
-    u = d.block_logits(torch.tensor([3, 4]), k, k.clone(), torch.tensor([5, 2]))
+    u = d.block_logits(torch.tensor([3, 4]), DenseKV(k, k.clone()), torch.tensor([5, 2]))
     assert u.shape == (b, 7, 101) and torch.isfinite(u).all()
 
 
@@ -111,12 +112,12 @@ def test_checkpoint_is_assigned_never_materialised_twice(tmp_path):
     # and it runs: the rotary frequencies were built for real, in float32
     assert drafter.rotary._inv_freq[torch.device("cpu")].dtype == torch.float32
     ctx_k = torch.zeros(2, 1, 2, 3, 8, dtype=torch.bfloat16)
-    out = drafter.block_logits(torch.tensor([5]), ctx_k, ctx_k.clone(), torch.tensor([3]))
+    out = drafter.block_logits(torch.tensor([5]), DenseKV(ctx_k, ctx_k.clone()), torch.tensor([3]))
     assert out.shape == (1, 7, 101) and torch.isfinite(out).all()
 
 
 def _cos(config: dict, positions: list[int]) -> torch.Tensor:
-    from treespark.models.drafter import Rotary
+    from treespark.models.rotary import Rotary
 
     cos, _ = Rotary(DSparkConfig.from_dict(config))(torch.tensor([positions]), torch.float32)
     return cos[0]
@@ -158,8 +159,8 @@ def test_grown_drafter_drafts_what_it_grew_from_and_trains(shared):
     k1, v1 = d.context_kv(taps[None], torch.arange(12)[None])
     k3, v3 = g.context_kv(taps[None], torch.arange(12)[None])
     assert k3.shape[0] == 3
-    torch.testing.assert_close(g.block_logits(tokens[:1], k3, v3, torch.tensor([12])),
-                               d.block_logits(tokens[:1], k1, v1, torch.tensor([12])))
+    torch.testing.assert_close(g.block_logits(tokens[:1], DenseKV(k3, v3), torch.tensor([12])),
+                               d.block_logits(tokens[:1], DenseKV(k1, v1), torch.tensor([12])))
     g.train_logits(taps, tokens, anchors).logsumexp(-1).sum().backward()
     grads = {n: p.grad for n, p in g.named_parameters() if n.startswith("layers.2.")}
     assert grads["layers.2.self_attn.o_proj.weight"].abs().sum() > 0

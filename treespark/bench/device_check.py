@@ -55,6 +55,7 @@ from treespark.engine.kv import KVStore
 from treespark.engine.step_alloc import StepAllocator
 from treespark.engine.step_costs import startup_step_costs
 from treespark.engine.target import TargetRunner
+from treespark.kernels.attention import DenseKV
 from treespark.kernels.linear import F_LINEAR, ProductPlan
 from treespark.models.checkpoint import INDEX_NAME, load_drafter
 from treespark.models.drafter import DSparkConfig, DSparkDrafter
@@ -236,7 +237,7 @@ def check_logits(pair: ModelPair, device: torch.device, checks: Checks, inject: 
     # the drafter on the runner's taps: finite block logits
     d = pair.drafter
     k, v = d.context_kv(out.taps.to(d.fc.weight.dtype), pos)
-    u = d.block_logits(x[:, -1], k, v, torch.tensor([n], device=device))
+    u = d.block_logits(x[:, -1], DenseKV(k, v), torch.tensor([n], device=device))
     u = u if inject is None else inject("drafter_logits", u)
     checks.add("drafter block logits finite", bool(torch.isfinite(u).all()), str(bool(torch.isfinite(u).all())),
                "True")
@@ -335,7 +336,8 @@ def check_loader(pair: ModelPair, device: torch.device, cfg: CheckConfig, checks
     outs = []
     for d in (source, loaded):
         k, v = d.context_kv(taps, pos)
-        outs.append(d.block_logits(torch.tensor([5], device=device), k, v, torch.tensor([24], device=device)))
+        outs.append(d.block_logits(torch.tensor([5], device=device), DenseKV(k, v),
+                                   torch.tensor([24], device=device)))
     # the same values in the same dtype: only the kernels' paths may differ (memory alignment)
     diff = float((outs[0] - outs[1]).abs().max())
     tol = (1e-4 if dtype == torch.float32 else 2e-2) * max(float(outs[0].abs().max()), 1.0)

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from treespark.engine.attend import PagedContext
 from treespark.engine.kv import (
     PagedKV,
     StoreShape,
@@ -70,6 +71,7 @@ from treespark.engine.request import Request, check_request, clip_emitted
 from treespark.engine.step_alloc import StepAllocator
 from treespark.engine.step_stats import step_stats
 from treespark.engine.target import TargetRunner
+from treespark.kernels.attention import AttentionPath
 from treespark.kernels.linear import ProductPlan
 from treespark.kernels.transfer import HostTransfers
 from treespark.models.pair import ModelPair
@@ -101,6 +103,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.0 # 0: none; else this fraction of device memory less what is in use
     # (no kv_blocks: max_batch_size requests at max_context each, or fewer if the budget says so)
     prefix_caching: bool = True     # reuse the cached blocks of a prompt's longest known prefix
+    attention: AttentionPath = AttentionPath.GROUPED  # the target's attention path (kernels/attention.py)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_context", "prefill_chunk", "block_size", "max_num_batched_tokens"):
@@ -127,7 +130,8 @@ class Engine:
         self.pair = pair
         self.config = config or EngineConfig()
         self.drafter = pair.drafter
-        self.runner = TargetRunner(pair.target, self.drafter.config.target_layer_ids, products)
+        self.runner = TargetRunner(pair.target, self.drafter.config.target_layer_ids, products,
+                                   self.config.attention)
         self.device = self.runner.device
         dc = self.drafter.config
         shapes = (self.runner.store_shape, StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim))
@@ -513,9 +517,8 @@ class Engine:
                 for r, b in zip(batch, budgets, strict=True)]
         base = None
         if any(not b.is_off and row.depth_limit > 0 for b, row in zip(budgets, rows, strict=True)):
-            c = max(lengths)
-            ctx_k, ctx_v = self.kv.drafter.gather_all(self.kv.rows(table, c), c)
-            base = self.drafter.block_logits(anchors, ctx_k, ctx_v, lengths_d)
+            context = PagedContext(self.kv.drafter, table, self.kv.block_size, max(lengths))
+            base = self.drafter.block_logits(anchors, context, lengths_d)
         return self.waves.draft(base, rows)
 
     def _verify_forward(self, batch: list[Request], trees: list[DraftTree], lengths: list[int],

@@ -153,9 +153,11 @@ class BlockPool:
 @dataclass(frozen=True)
 class PagedRows:
     """A batch's view of a paged store: ``slots[b, t]`` is the slot of row b's position t
-    (the null block's where the row has no block there)."""
+    (the null block's where the row has no block there), from the block table ``table``."""
 
     slots: torch.Tensor  # [B, T] long, on the device
+    table: torch.Tensor  # [B, nb] block ids, on the device
+    block_size: int
 
 
 class PagedStore:
@@ -179,19 +181,10 @@ class PagedStore:
         self.v[:, slots] = v.to(self.v.dtype)
 
     def read(self, layer: int, rows: PagedRows, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions 0..t-1 gathered into [B, kvh, t, hd] (a copy).
-
-        This is the reference path: the batch's blocks gathered per layer, then the
-        plain SDPA call. A fused paged kernel (FlexAttention with a block mask over the
-        block table, or a paged-attention kernel) would read the blocks in place and
-        replace this gather."""
+        """Keys and values of positions 0..t-1 gathered slot by slot into [B, kvh, t, hd]
+        (a copy): the reference attention path's read (``treespark.engine.attend``)."""
         s = rows.slots[:, :t]
         return self.k[layer, s].transpose(1, 2), self.v[layer, s].transpose(1, 2)
-
-    def gather_all(self, rows: PagedRows, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer: [L, B, kvh, t, hd] (a copy)."""
-        s = rows.slots[:, :t]
-        return self.k[:, s].transpose(2, 3), self.v[:, s].transpose(2, 3)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the entries of slots ``src`` to slots ``dst`` (every layer), [N] each: the
@@ -234,7 +227,7 @@ class PagedKV:
         cols = torch.arange(t, device=table.device)
         blk = (cols // bs).clamp(max=nb - 1)
         ids = torch.where((cols // bs < nb)[None], table[:, blk], 0)
-        return PagedRows(ids * bs + cols % bs)
+        return PagedRows(ids * bs + cols % bs, table, bs)
 
     def slots(self, blocks: list[int], positions: list[int]) -> list[int]:
         bs = self.block_size

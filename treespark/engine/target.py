@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from treespark.engine.attend import store_attention
 from treespark.engine.kv import KVStore, PagedRows, PagedStore, StoreShape
+from treespark.kernels.attention import AttentionPath
 from treespark.kernels.linear import (
     PACKED,
     PLAN_ROWS,
@@ -166,9 +167,10 @@ class TargetRunner:
     """Runs a transformers causal LM (Llama family) against a ``KVStore``."""
 
     def __init__(self, model: PreTrainedModel, tap_layers: tuple[int, ...],
-                 products: ProductPlan | None = None) -> None:
+                 products: ProductPlan | None = None, attention: AttentionPath = AttentionPath.GROUPED) -> None:
         """``products``: the CPU product layout per row count (default: ``product_plan``,
-        timed on this machine); ignored off CPU."""
+        timed on this machine); ignored off CPU. ``attention``: the attention path
+        (``treespark.kernels.attention``; the reference is the plain gather + SDPA)."""
         self.model = model
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
@@ -183,6 +185,8 @@ class TargetRunner:
         attn = base.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = cfg.num_attention_heads
+        self.attention = attention
         self.scaling = attn.scaling
         self.vocab_size = cfg.vocab_size
         self.hidden_size = cfg.hidden_size
@@ -214,7 +218,7 @@ class TargetRunner:
         """x: [N, in] -> [N, out] (row-major), in the plan's layout for N rows."""
         return planned_linear(x, layer.weight, layer.bias, self.products, self._packed.get(layer))
 
-    def _attention(self, layer, x, cos, sin, store, idx, rows, write_pos, mask, b, k):
+    def _attention(self, layer, x, cos, sin, store, idx, rows, write_pos, attend, b, k):
         attn = layer.self_attn
         q = self._linear(x, attn.q_proj).view(b, k, -1, self.head_dim)
         kk = self._linear(x, attn.k_proj).view(b, k, -1, self.head_dim)
@@ -225,9 +229,7 @@ class TargetRunner:
         q = q * cos + _rotate_half(q) * sin
         kk = kk * cos + _rotate_half(kk) * sin
         store.write(idx, rows, write_pos, kk, vv)
-        keys, values = store.read(idx, rows, mask.shape[-1])
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             scale=self.scaling, enable_gqa=True)
+        out = attend(idx, q)                                                 # [B, H, K, hd]
         return self._linear(out.transpose(1, 2).reshape(b * k, -1), attn.o_proj)
 
     def _mlp(self, mlp, x):
@@ -251,10 +253,12 @@ class TargetRunner:
         cos, sin = self.base.rotary_emb(h, positions)
         cos, sin = cos[:, None].to(self.dtype), sin[:, None].to(self.dtype)
         x = h.reshape(b * k, -1)
+        attend = store_attention(self.attention, store, rows, mask, groups=self.num_heads // self.num_kv_heads,
+                                 dtype=self.dtype, scale=self.scaling)
         taps: dict[int, torch.Tensor] = {}
         for idx, layer in enumerate(self.base.layers):
             a = self._attention(layer, layer.input_layernorm(x), cos, sin, store, idx, rows,
-                                write_pos, mask, b, k)
+                                write_pos, attend, b, k)
             x = x + a
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
             if idx in self.tap_layers:

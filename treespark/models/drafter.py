@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from treespark.kernels.attention import ContextKV, attention_bias, grouped_attention
 from treespark.kernels.linear import Linear, linear
+from treespark.models.rotary import Rotary, apply_rope
 
 
 @dataclass(frozen=True)
@@ -127,51 +127,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return torch.cat([-x[..., d:], x[..., :d]], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, S, D]; cos, sin: [B, S, D] (rotate-half convention)."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
-
-
-class Rotary:
-    """The drafter's rotary embedding, from its config: theta, and the scaling (linear,
-    yarn, llama3, longrope, ...) exactly as transformers computes it for a target with
-    the same ``rope_parameters``. The inverse frequencies stay float32 on every device
-    (a plain attribute, not a buffer: casting the drafter to bfloat16 leaves them).
-    Dynamic NTK scaling, which changes with the sequence length, is refused."""
-
-    def __init__(self, c: DSparkConfig) -> None:
-        params = dict(c.rope_scaling or {})
-        rope_type = params.pop("rope_type", params.pop("type", "default"))
-        with torch.device("cpu"):  # also when the drafter itself is built on the meta device
-            if rope_type == "default":
-                d = c.head_dim
-                inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-                self.scale = 1.0
-            elif rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
-                raise ValueError(f"drafter rope_type {rope_type!r} is not supported "
-                                 f"(supported: default, {', '.join(k for k in ROPE_INIT_FUNCTIONS if k != 'dynamic')})")
-            else:
-                cfg = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-                                  head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
-                                  rope_parameters={"rope_type": rope_type, "rope_theta": c.rope_theta, **params})
-                inv_freq, self.scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
-        self._inv_freq = {torch.device("cpu"): inv_freq.float()}
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, S] -> cos, sin [B, S, head_dim] in ``dtype``."""
-        inv = self._inv_freq.get(positions.device)
-        if inv is None:
-            inv = self._inv_freq[positions.device] = self._inv_freq[torch.device("cpu")].to(positions.device)
-        freqs = positions.to(torch.float32)[..., None] * inv
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
-
-
 class DSparkAttention(nn.Module):
     def __init__(self, c: DSparkConfig) -> None:
         super().__init__()
@@ -210,6 +165,27 @@ class DSparkAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
+    def forward_cached(
+        self,
+        x: torch.Tensor,           # [B, S] the block rows
+        cos: torch.Tensor,         # [B, S, hd]
+        sin: torch.Tensor,
+        k: torch.Tensor,           # [B, kvh, C, hd] a copy of the context keys, room for the block
+        v: torch.Tensor,           # [B, kvh, C, hd]
+        positions: torch.Tensor,   # [B, S] the rows' positions (< C)
+        bias: torch.Tensor,        # [B, 1, G*S, C] additive (attention_bias)
+    ) -> torch.Tensor:
+        """``forward`` over a context copy the block's keys and values are written into
+        (at ``positions``), instead of concatenated onto it."""
+        b, s, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, s, -1, self.c.head_dim)).transpose(1, 2), cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin)                                   # [B, kvh, S, hd]
+        at = positions[:, None, :, None].expand_as(k_blk)
+        k.scatter_(2, at, k_blk.to(k.dtype))
+        v.scatter_(2, at, v_blk.to(v.dtype))
+        out = grouped_attention(q, k.to(q.dtype), v.to(q.dtype), bias)      # [B, H, S, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
 
 class DSparkMLP(nn.Module):
     def __init__(self, c: DSparkConfig) -> None:
@@ -232,6 +208,10 @@ class DSparkLayer(nn.Module):
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, cos, sin, k, v, positions, bias):
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k, v, positions, bias)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -259,7 +239,8 @@ class ConfidenceHead(nn.Module):
 
 class DSparkDrafter(nn.Module):
     """The drafter. Serving calls ``context_kv`` (once per committed position) and
-    ``block_logits`` (once per round for the whole batch); training calls
+    ``block_logits`` (once per round for the whole batch, reading the cached context
+    through a ``treespark.kernels.attention.ContextKV``); training calls
     ``train_logits``."""
 
     def __init__(self, config: DSparkConfig) -> None:
@@ -362,11 +343,38 @@ class DSparkDrafter(nn.Module):
     def block_logits(
         self,
         anchors: torch.Tensor,     # [B] the root token of each row
-        ctx_k: torch.Tensor,       # [L, B, kvh, C, hd] cached context keys
-        ctx_v: torch.Tensor,       # [L, B, kvh, C, hd]
-        ctx_len: torch.Tensor,     # [B] committed positions of each row (<= C)
+        context: ContextKV,        # the rows' cached context keys and values, read a layer at a time
+        ctx_len: torch.Tensor,     # [B] committed positions of each row
     ) -> torch.Tensor:
-        """Base logits U: [B, block_size, Vd]; row k is for depth k + 1."""
+        """Base logits U: [B, block_size, Vd]; row k is for depth k + 1. Each layer reads
+        its context keys and values as one copy with room for the block, writes the
+        block's own there (positions ``ctx_len ..``) and attends over it: no
+        concatenation, and no copy of every layer at once."""
+        b, blk = anchors.shape[0], self.config.block_size
+        dev = anchors.device
+        positions = ctx_len[:, None] + torch.arange(blk, device=dev)          # [B, blk]
+        x = self.embed(self._block_ids(anchors)).to(self.fc.weight.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        bias = None
+        for i, layer in enumerate(self.layers):
+            k, v = context.read(i, blk)                                       # [B, kvh, C, hd]
+            if bias is None:  # every row sees its context and the whole block: one bias for all layers
+                seen = torch.arange(k.shape[2], device=dev)[None] < (ctx_len + blk)[:, None]   # [B, C]
+                bias = attention_bias(seen[:, None, None].expand(b, 1, blk, -1), groups, x.dtype, k.shape[2])
+            x = layer.forward_cached(x, cos, sin, k, v, positions, bias)
+        return self.head(self.norm(x)).float()
+
+    @torch.no_grad()
+    def block_logits_dense(
+        self,
+        anchors: torch.Tensor,     # [B]
+        ctx_k: torch.Tensor,       # [L, B, kvh, C, hd] every layer's context keys
+        ctx_v: torch.Tensor,       # [L, B, kvh, C, hd]
+        ctx_len: torch.Tensor,     # [B] (<= C)
+    ) -> torch.Tensor:
+        """``block_logits`` on the training path (the block's keys and values concatenated
+        onto the dense context in every layer): the reference it is tested against."""
         b, blk = anchors.shape[0], self.config.block_size
         c = ctx_k.shape[3]
         dev = anchors.device

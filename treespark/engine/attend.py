@@ -1,0 +1,87 @@
+"""Attention over the engine's KV stores: one forward's attention prepared once, then
+run per layer (the target), and the drafter's cached context read from the blocks.
+
+The maths and the kernels each path reaches are ``treespark.kernels.attention``. Here
+is only what knows the stores: which keys a forward reads (the dense store's rows, or
+the paged store's blocks through the batch's block table) and the mask turned once
+per forward into what the chosen path takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from treespark.engine.kv import KVStore, PagedRows, PagedStore, blocks_for
+from treespark.kernels.attention import (
+    AttentionPath,
+    attention_bias,
+    gather_blocks,
+    grouped_attention,
+    reference_attention,
+)
+
+
+def table_columns(table: torch.Tensor, nb: int) -> torch.Tensor:
+    """[B, nb]: ``table`` cut or padded with the null block (0) to ``nb`` columns."""
+    have = table.shape[1]
+    return table[:, :nb] if have >= nb else F.pad(table, (0, nb - have))
+
+
+@dataclass(frozen=True)
+class StoreAttention:
+    """One forward's attention over a store: ``__call__(layer, q)`` per layer, after the
+    layer's new keys and values are written."""
+
+    path: AttentionPath
+    store: KVStore | PagedStore
+    rows: slice | PagedRows
+    mask: torch.Tensor          # [B, 1, K, T] bool (the reference path's)
+    bias: torch.Tensor | None   # [B, 1, G*K, T'] additive, T' >= T (the grouped path's)
+    scale: float
+
+    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: [B, H, K, hd] -> [B, H, K, hd]."""
+        t = self.mask.shape[-1]
+        if self.path is AttentionPath.REFERENCE:
+            keys, values = self.store.read(layer, self.rows, t)
+            return reference_attention(q, keys, values, self.mask, self.scale)
+        assert self.bias is not None
+        if isinstance(self.rows, PagedRows):
+            table = table_columns(self.rows.table, self.bias.shape[-1] // self.rows.block_size)
+            keys = gather_blocks(self.store.k[layer], table, self.rows.block_size)
+            values = gather_blocks(self.store.v[layer], table, self.rows.block_size)
+        else:
+            keys, values = self.store.read(layer, self.rows, t)
+        return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), self.bias, self.scale)
+
+
+def store_attention(path: AttentionPath, store: KVStore | PagedStore, rows: slice | PagedRows,
+                    mask: torch.Tensor, *, groups: int, dtype: torch.dtype, scale: float) -> StoreAttention:
+    """Prepare a forward's attention: on the grouped path the bias is built here, once for
+    every layer, its keys a whole number of blocks (paged) or the mask's (dense)."""
+    bias = None
+    if path is AttentionPath.GROUPED:
+        t = mask.shape[-1]
+        keys = blocks_for(t, rows.block_size) * rows.block_size if isinstance(rows, PagedRows) else t
+        bias = attention_bias(mask, groups, dtype, keys)
+    return StoreAttention(path, store, rows, mask, bias, scale)
+
+
+@dataclass(frozen=True)
+class PagedContext:
+    """The drafter's cached context over its paged store (a ``ContextKV``): each layer read
+    as whole blocks of the batch's block table, up to the longest row's context plus
+    what the caller asks room for."""
+
+    store: PagedStore
+    table: torch.Tensor   # [B, nb] block ids
+    block_size: int
+    tokens: int           # the longest row's context
+
+    def read(self, layer: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+        table = table_columns(self.table, blocks_for(self.tokens + extra, self.block_size))
+        return (gather_blocks(self.store.k[layer], table, self.block_size),
+                gather_blocks(self.store.v[layer], table, self.block_size))
