@@ -212,6 +212,10 @@ def cmd_bench(args) -> None:
         from treespark.bench.linear import linear_benchmark
 
         table = linear_benchmark(pair)
+    elif args.what == "ops":
+        from treespark.bench.ops import ops_benchmark
+
+        table = ops_benchmark(pair, tuple(args.batch_sizes), args.max_tokens, args.repeats)
     elif args.what == "theta":
         from treespark.bench.wallclock import theta_sweep
 
@@ -387,9 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--device")
     j.set_defaults(func=cmd_judge)
 
-    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear | rounds | serving "
-                                     "| attention")
-    b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear", "rounds", "serving",
+    b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear | ops | rounds | "
+                                     "serving | attention")
+    b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear", "ops", "rounds", "serving",
                                     "attention"])
     b.add_argument("--pair", default="default", choices=["default", "random"])
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
@@ -398,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chains", type=int, nargs="+",
                    help="acceptance, wallclock: chain lengths to tune over; engine: the fixed chains (default 2 4)")
     b.add_argument("--batches", type=int, default=1, help="engine: batches of prompts per cell")
-    b.add_argument("--repeats", type=int, default=1, help="engine: passes over the decoders (the median is reported)")
+    b.add_argument("--repeats", type=int, default=1, help="engine, ops: passes over the decoders (the median is reported)")
     b.add_argument("--no-per-step", action="store_true",
                    help="engine: leave out the per-step allocation (no startup step-cost table)")
     b.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="acceptance, wallclock: the temperatures")

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from treespark import random_pair
 from treespark.engine.kv import KVStore
-from treespark.engine.target import TargetRunner, product_plan
+from treespark.engine.products import product_plan
+from treespark.engine.target import TargetRunner
 from treespark.kernels.linear import (
     F_LINEAR,
     LAYOUTS,
@@ -100,7 +101,7 @@ def test_target_runner_matches_the_model_at_every_row_count_in_every_layout(layo
     transformers forward of the same sequence."""
     pair = random_pair(64, 3)
     runner = TargetRunner(pair.target, (0,), products=ProductPlan.fixed(layout))
-    assert bool(runner._packed) == (layout == PACKED), "packed copies only where the plan uses them"
+    assert runner.weights.packed == (layout == PACKED), "packed copies only where the plan uses them"
     assert runner.products.layout(1) == runner.products.layout(500) == layout
     assert runner.products_described == ProductPlan.fixed(layout).describe()
     seq = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -239,13 +240,13 @@ def test_runners_share_the_packed_weights_and_repack_after_a_change():
     packed_plan = ProductPlan.fixed(PACKED)  # so that the products read the packed copies
     first, second = (TargetRunner(pair.target, (0,), products=packed_plan),
                      TargetRunner(pair.target, (0,), products=packed_plan))
-    assert first._packed and first._packed is second._packed
+    assert first.weights.packed and first.weights is second.weights
 
     mlp = pair.target.model.layers[0].mlp
     with torch.no_grad():
         mlp.down_proj.weight.mul_(3.0)
     changed = TargetRunner(pair.target, (0,), products=packed_plan)
-    assert changed._packed is not first._packed
+    assert changed.weights is not first.weights
     with torch.no_grad():
         ref = pair.target(seq).logits[0]
     torch.testing.assert_close(_runner_logits(changed, seq), ref, rtol=1e-4, atol=1e-4)

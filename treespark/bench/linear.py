@@ -1,8 +1,8 @@
 """Which matrix-product layout is fastest for decoding's few-row forwards?
 
-One pass multiplies every linear weight of the target (30 layers x 7, plus the LM
-head) by ``rows`` rows, as a forward does, in four layouts, side by side in one
-run (median of ``reps`` passes):
+One pass multiplies every product weight of the target's forward (30 layers x 4 with
+q|k|v and gate|up stacked, plus the LM head) by ``rows`` rows, as a forward does, in
+each layout, side by side in one run (median of ``reps`` passes):
 
 - ``F.linear``: ``x @ W^T``;
 - ``W @ X``, X column-major: what chaining ``(W @ x^T).T`` into the next product hands it;
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from treespark.bench.common import markdown_table
-from treespark.engine.target import packed_weights, product_layers
+from treespark.engine.products import model_products, packable
 from treespark.kernels.linear import F_LINEAR, PACKED, SMALL, choose_plan, linear, packed_linear
 from treespark.models.pair import ModelPair
 
@@ -57,12 +57,12 @@ def _pass_ms(ws: list[torch.Tensor], n: int, fn, reps: int) -> float:
 @torch.no_grad()
 def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128), reps: int = 5,
                      log=print) -> str:
-    layers = product_layers(pair.target)
-    ws = [m.weight for m in layers]
+    can = packable(pair.target)
+    products = model_products(pair.target, packed=can).products()  # the copies TargetRunner multiplies by
+    ws = [p.weight for p in products]
     layouts = dict(LAYOUTS)
-    packs = packed_weights(pair.target)  # the copy TargetRunner multiplies by
-    if packs is not None:
-        by_weight = {id(m.weight): packs.weights[m] for m in layers}
+    if can:
+        by_weight = {id(p.weight): p.packed for p in products}
         layouts[PACKED] = lambda x, w: packed_linear(x, by_weight[id(w)])
     out, candidates = [], {}
     for n in rows:

@@ -126,7 +126,7 @@ class Engine:
         products: ProductPlan | None = None,
     ) -> None:
         """``products``: the target's CPU product layout per row count (default: timed on
-        this machine, once per model; ``treespark.engine.target.product_plan``)."""
+        this machine, once per model; ``treespark.engine.products.product_plan``)."""
         self.pair = pair
         self.config = config or EngineConfig()
         self.drafter = pair.drafter

@@ -30,7 +30,7 @@ beat ``F.linear`` 1.5x at 1-4 rows, on a two-core AVX-512 + AMX Xeon ``F.linear`
 it 2.6x. So the target's forward does not fix the choice: ``measure_plan`` times one
 pass over the weights in each layout at a few row counts, and ``choose_plan`` keeps
 the fastest per row count as a ``ProductPlan`` (measured once per model and process,
-``treespark.engine.target.product_plan``, which keeps it on disk per machine). Every layout
+``treespark.engine.products.product_plan``, which keeps it on disk per machine). Every layout
 gives ``F.linear``'s values to float rounding; a plan fixes which rounding a forward of
 n rows gets.
 """
