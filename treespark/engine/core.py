@@ -131,7 +131,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.drafter = pair.drafter
         self.runner = TargetRunner(pair.target, self.drafter.config.target_layer_ids, products,
-                                   self.config.attention)
+                                   attention=self.config.attention)
         self.device = self.runner.device
         dc = self.drafter.config
         shapes = (self.runner.store_shape, StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim))
