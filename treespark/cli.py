@@ -197,7 +197,8 @@ def cmd_cost_model(args) -> None:
 def cmd_device_check(args) -> None:
     from dataclasses import replace
 
-    from treespark.bench.device_check import CheckConfig, device_check
+    from treespark.bench.device_check import device_check
+    from treespark.bench.device_pair import CheckConfig
 
     cpu = args.device == "cpu"
     cfg = CheckConfig.cpu() if cpu else CheckConfig()

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from treespark.bench.device_check import TINY, CheckConfig, build_pair, device_check
+from treespark.bench.device_check import device_check
+from treespark.bench.device_pair import TINY, CheckConfig, build_pair
 
 SECTIONS = ("## Preflight", "## Correctness", "## Throughput", "## Long context", "## The floor")
 
