@@ -97,7 +97,7 @@ def keyed_blocks_are_committed(engine: Engine) -> None:
     """Every keyed block a live request holds lies wholly inside its committed positions,
     and its key is the chain hash of the tokens there."""
     bs, pool = engine.kv.block_size, engine.kv.pool
-    for req in engine._running + engine._prefilling:
+    for req in engine.sched.running + engine.sched.prefilling:
         keys = block_hashes((req.prompt + req.output)[:req.computed], bs)
         for i, blk in enumerate(req.blocks):
             if pool.key[blk] is not None:

@@ -51,23 +51,23 @@ The engine is synchronous and not thread-safe: one thread owns it.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from treespark.engine.accept import accept, sample_firsts
 from treespark.engine.attend import PagedContext
 from treespark.engine.kv import (
     PagedKV,
     StoreShape,
-    block_hashes,
     blocks_for,
     bytes_per_token,
-    device_kv_budget,
+    pool_blocks,
 )
 from treespark.engine.request import Request, check_request, clip_emitted
+from treespark.engine.scheduler import Scheduler
 from treespark.engine.step_alloc import StepAllocator
 from treespark.engine.step_stats import step_stats
 from treespark.engine.target import TargetRunner
@@ -80,10 +80,9 @@ from treespark.spec.calibration import Calibration
 from treespark.spec.drafting import RoundDraft, RowDraft, WaveDrafter
 from treespark.spec.logprobs import Emitted, TokenLogprob, step_logprobs
 from treespark.spec.params import RequestOutput, RoundStats, SamplingParams, StepStats
-from treespark.spec.sampling import TorchSampler, sample_rows, target_probs_rows
+from treespark.spec.sampling import TorchSampler
 from treespark.spec.tree import DraftTree, tree_batch
-from treespark.spec.verify import VerifyResult, verify_greedy, walked
-from treespark.spec.walk import SampledTrees, branching, walk_sampled
+from treespark.spec.verify import VerifyResult
 
 
 @dataclass(frozen=True)
@@ -140,27 +139,13 @@ class Engine:
         self.block_bytes = bs * bytes_per_token(*shapes, self.runner.dtype)
         # one request at its longest, with its largest tree
         per_request = blocks_for(cfg.max_context + cfg.max_tree_nodes + 1, bs)
-        limits = [cfg.kv_budget_bytes] if cfg.kv_budget_bytes else []
-        if cfg.kv_memory_fraction:
-            limits.append(device_kv_budget(self.device, cfg.kv_memory_fraction))
-        # a budget's blocks, at most what max_batch_size requests at max_context take
-        # (more would only keep cached prefixes longer)
-        blocks = cfg.max_batch_size * per_request
-        if cfg.kv_blocks:
-            blocks = cfg.kv_blocks
-        elif limits:
-            blocks = min(blocks, min(limits) // self.block_bytes)
-        if blocks < per_request:
-            raise ValueError(f"the KV pool ({blocks} blocks of {bs} tokens, {blocks * self.block_bytes / 2**20:.1f} "
-                             f"MiB) holds fewer than the {per_request} blocks one request at max_context and its "
-                             f"largest tree needs: lower max_context or raise the budget")
+        blocks = pool_blocks(per_request, self.block_bytes, max_batch_size=cfg.max_batch_size,
+                             kv_blocks=cfg.kv_blocks, budget_bytes=cfg.kv_budget_bytes,
+                             memory_fraction=cfg.kv_memory_fraction, device=self.device)
         self.max_batch_size = cfg.max_batch_size
         # + the null block (padding reads and writes it)
         self.kv = PagedKV(*shapes, num_blocks=blocks + 1, block_size=bs, device=self.device,
                           dtype=self.runner.dtype, caching=cfg.prefix_caching)
-        self.preemptions = 0            # requests preempted (by recomputation) so far
-        self.prefix_cache_queries = 0   # prompt tokens looked up in the prefix cache (vLLM's names)
-        self.prefix_cache_hits = 0      # of those, tokens found cached (not computed)
         self.prefill_computed = 0       # prompt positions computed by prefill forwards
         self.budget = budget or Budget.adaptive()
         self.calibration = calibration or pair.calibration
@@ -173,13 +158,10 @@ class Engine:
         self.waves = WaveDrafter(markov.markov_w1.weight.detach(), markov.markov_w2.weight.detach(),
                                  self._d2t, self.transfers)
         self.on_step: Callable[[StepStats], None] | None = None
-        self.on_schedule: Callable[[str], None] | None = None  # a request id leaving the waiting queue
         self.allocator: StepAllocator | None = None  # per-step allocation (``treespark.engine.step_alloc``)
         self.vocab_size = self.runner.vocab_size
-        self._waiting: deque[Request] = deque()
-        self._prefilling: list[Request] = []   # admitted, holding blocks, prompt not yet computed
-        self._running: list[Request] = []
-        self._admitted = 0
+        self.sched = Scheduler(self.kv, lambda req: self._row_budget(req).node_cap + 1, max_batch_size=cfg.max_batch_size,
+                               max_num_batched_tokens=cfg.max_num_batched_tokens, prefill_chunk=cfg.prefill_chunk)
         self._ids: set[str] = set()
         self._aborted: list[RequestOutput] = []
 
@@ -193,19 +175,14 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = check_request(prompt_ids, params, self.config.max_context, self.vocab_size)
         self._ids.add(request_id)
-        self._waiting.append(Request(request_id, prompt, params, TorchSampler(params.seed), budget,
-                                     taps=[] if capture_taps else None))
+        self.sched.waiting.append(Request(request_id, prompt, params, TorchSampler(params.seed), budget,
+                                          taps=[] if capture_taps else None))
 
     def abort(self, request_id: str) -> None:
         """Drop a request at once (its KV blocks are freed); reported finished with "abort"."""
         if request_id not in self._ids:
             return
-        req = next((r for r in self._waiting if r.id == request_id), None)
-        if req is not None:
-            self._waiting.remove(req)
-        else:
-            req = next(r for r in self._prefilling + self._running if r.id == request_id)
-            self._release(req)
+        req = self.sched.remove(request_id)
         self._ids.discard(request_id)
         self._aborted.append(RequestOutput(request_id, [], True, "abort", req.stats()))
 
@@ -223,139 +200,60 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.sched.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + len(self._prefilling)
+        return len(self.sched.waiting) + len(self.sched.prefilling)
 
     @property
     def kv_rows_in_use(self) -> int:
         """Requests holding KV blocks (running, or admitted and prefilling)."""
-        return len(self._running) + len(self._prefilling)
+        return len(self.sched.running) + len(self.sched.prefilling)
 
     @property
     def kv_usage(self) -> float:
         """The fraction of the pool's blocks held by requests (cached free blocks excluded)."""
         return self.kv.pool.blocks_in_use / self.kv.pool.num_usable
 
+    # the scheduler's counters, under vLLM's names: requests preempted (by recomputation),
+    # prompt tokens looked up in the prefix cache, and of those the tokens found cached
+    @property
+    def preemptions(self) -> int:
+        return self.sched.preemptions
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.sched.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.sched.prefix_cache_hits
+
+    @property
+    def on_schedule(self) -> Callable[[str], None] | None:
+        """Called with a request id leaving the waiting queue (None: no hook)."""
+        return self.sched.on_schedule
+
+    @on_schedule.setter
+    def on_schedule(self, hook: Callable[[str], None] | None) -> None:
+        self.sched.on_schedule = hook
+
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._prefilling or self._aborted)
+        return self.sched.has_requests or bool(self._aborted)
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.transfers.new_step()
         outputs, self._aborted = self._aborted, []
-        self._reserve_trees()
-        prefill_tokens = self._prefill_step(outputs, self._schedule_prefill())
-        if self._running:
-            self._reserve_trees()  # a request whose prefill ended joins this step's batch
-        if self._running:
+        self.sched.reserve_trees()
+        prefill_tokens = self._prefill_step(outputs, self.sched.schedule_prefill())
+        if self.sched.running:
+            self.sched.reserve_trees()  # a request whose prefill ended joins this step's batch
+        if self.sched.running:
             outputs += self._decode_step(t0, prefill_tokens)
         return outputs
-
-    # -- blocks --------------------------------------------------------------------------
-    def _tree_slots(self, req: Request) -> int:
-        """Positions one step's tree of ``req`` may write (the root and its node cap)."""
-        return self._row_budget(req).node_cap + 1
-
-    def _reserve_trees(self) -> None:
-        """Give every running request the blocks its next tree may take, oldest first;
-        where the pool runs out, preempt the newest request holding blocks."""
-        pool, bs = self.kv.pool, self.kv.block_size
-        for req in sorted(self._running, key=lambda r: r.seq):
-            if req not in self._running:
-                continue  # preempted for an older one
-            need = blocks_for(req.computed + self._tree_slots(req), bs) - len(req.blocks)
-            while need > pool.num_free:
-                victim = max(self._running + self._prefilling, key=lambda r: r.seq)
-                self._preempt(victim)
-                if victim is req:
-                    break
-            else:
-                if need > 0:
-                    req.blocks += pool.allocate(need)
-
-    def _preempt(self, req: Request) -> None:
-        """Free a request's blocks and put it back at the front of the queue, to be
-        recomputed (its output and sampler kept: it resumes exactly)."""
-        self._release(req)
-        req.keys, req.computed = [], 0
-        self._waiting.appendleft(req)
-        self.preemptions += 1
-
-    def _schedule_prefill(self) -> list[tuple[Request, int]]:
-        """This step's prefill chunks (request, tokens): what the token budget leaves after
-        the running rows' trees (at least one chunk), to the admitted requests oldest
-        first, then to waiting requests admitted, first come first served, while a
-        request slot is free and the pool holds their prompts' uncached blocks and a tree."""
-        cfg = self.config
-        budget = max(cfg.max_num_batched_tokens - sum(self._tree_slots(r) for r in self._running),
-                     cfg.prefill_chunk)
-        chunks = []
-        for req in self._prefilling:
-            if budget <= 0:
-                return chunks
-            m = min(req.prefill_len - req.computed, cfg.prefill_chunk, budget)
-            chunks.append((req, m))
-            budget -= m
-        while budget > 0 and self._waiting and len(self._running) + len(self._prefilling) < self.max_batch_size:
-            req = self._waiting[0]
-            if not self._allocate_prompt(req):
-                break
-            self._waiting.popleft()
-            req.seq, self._admitted = self._admitted, self._admitted + 1
-            if self.on_schedule is not None and not req.scheduled:
-                self.on_schedule(req.id)
-            req.scheduled = True
-            self._prefilling.append(req)
-            m = min(req.prefill_len - req.computed, cfg.prefill_chunk, budget)
-            chunks.append((req, m))
-            budget -= m
-        return chunks
-
-    def _allocate_prompt(self, req: Request) -> bool:
-        """Blocks for the positions ``req`` prefills: the cached blocks of its longest
-        known prefix (at most all but the block of its last position, whose logits must
-        be computed), then fresh ones; False (nothing taken) if they and one tree do not fit."""
-        pool, bs = self.kv.pool, self.kv.block_size
-        n = req.prefill_len
-        tokens = (req.prompt + req.output)[:n]
-        # a request capturing its tapped states needs them computed at every position
-        keys = block_hashes(tokens, bs) if pool.caching and req.taps is None else []
-        hits = pool.lookup(keys[:(n - 1) // bs])
-        need = blocks_for(n + self._tree_slots(req), bs) - len(hits)
-        if need > pool.num_free - sum(1 for b in hits if pool.ref[b] == 0):
-            return False
-        pool.hold(hits)
-        req.blocks = hits + pool.allocate(blocks_for(n, bs) - len(hits))
-        req.keys = keys[:len(hits)]
-        req.computed = len(hits) * bs
-        self.prefix_cache_queries += n
-        self.prefix_cache_hits += req.computed
-        return True
-
-    def _cache_blocks(self, req: Request) -> None:
-        """Key the request's blocks that became full of committed positions."""
-        pool, bs = self.kv.pool, self.kv.block_size
-        full = req.computed // bs
-        if not pool.caching or len(req.keys) >= full:
-            return
-        done = len(req.keys)
-        new = block_hashes((req.prompt + req.output)[:full * bs], bs, req.keys[-1] if done else b"", done)
-        for i, key in enumerate(new, start=done):
-            pool.register(req.blocks[i], key)
-        req.keys += new
-
-    def _release(self, req: Request) -> None:
-        """Free a request's blocks (cached ones stay findable until evicted)."""
-        self.kv.pool.free(req.blocks)
-        req.blocks = []
-        if req in self._running:
-            self._running.remove(req)
-        else:
-            self._prefilling.remove(req)
 
     # -- prefill -------------------------------------------------------------------------
     def _prefill_step(self, outputs: list[RequestOutput], chunks: list[tuple[Request, int]]) -> int:
@@ -401,7 +299,7 @@ class Engine:
         if firsts:
             assert out.logits is not None
             logits = out.logits if len(firsts) == n else out.logits[firsts_d]             # [F, 1, V]
-            tokens_first = dict(zip(firsts, self._sample_firsts([reqs[i] for i in firsts], logits[:, 0]),
+            tokens_first = dict(zip(firsts, sample_firsts([reqs[i] for i in firsts], logits[:, 0], self.transfers),
                                     strict=True))
             asked = [Emitted(j, [0], [tokens_first[i]], reqs[i].params.logprobs) for j, i in enumerate(firsts)
                      if reqs[i].params.logprobs is not None]
@@ -414,33 +312,16 @@ class Engine:
                 if end > have:
                     req.taps.append(out.taps[i, max(have - starts[i], 0):sizes[i]])
             req.computed = end
-            self._cache_blocks(req)
+            self.sched.cache_blocks(req)
             if not ends[i]:
                 continue
-            self._prefilling.remove(req)
-            self._running.append(req)
+            self.sched.prefilling.remove(req)
+            self.sched.running.append(req)
             if i in tokens_first and self._emit(req, [tokens_first[i]], outputs, is_prefill=True,
                                                 logprobs=lps.get(i)):
-                self._release(req)
+                self.sched.release(req)
         self.prefill_computed += sum(sizes)
         return sum(sizes)
-
-    def _sample_firsts(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        """The first token after prefill of each request (logits [R, V]), at its own
-        temperature (never argmax at T > 0; one uniform from its own generator), in one copy."""
-        tokens = logits.argmax(-1)
-        sampled = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
-        if sampled:
-            params = [reqs[i].params for i in sampled]
-            # one upload: per sampled row its index, temperature, uniform and top-p
-            # (top-p rounded to float32, the precision it has always been applied at)
-            x = self.transfers.upload([[i, p.temperature, reqs[i].sampler.uniform(1)[0], float(np.float32(p.top_p))]
-                                       for i, p in zip(sampled, params, strict=True)], torch.float64)
-            top_p = None if all(p.top_p >= 1 for p in params) else x[:, 3]
-            rows = x[:, 0].long()
-            p = target_probs_rows(logits[rows], x[:, 1], top_p)
-            tokens[rows] = sample_rows(p, x[:, 2])
-        return self.transfers.fetch(tokens).tolist()
 
     def _write_context(self, pos: torch.Tensor, slots: torch.Tensor, taps: torch.Tensor) -> None:
         """Feed committed positions' tapped hidden states (taps: [N, ...]) to the drafter's
@@ -455,7 +336,7 @@ class Engine:
         return b if cap == b.node_cap else Budget(b.theta, cap, b.branch_cap)
 
     def _decode_step(self, t0: float, prefill_tokens: int) -> list[RequestOutput]:
-        batch = list(self._running)
+        batch = list(self.sched.running)
         lengths = [r.computed for r in batch]
         t_draft = time.perf_counter()
         budgets = [self._row_budget(r) for r in batch]
@@ -480,7 +361,7 @@ class Engine:
             policy_s = self.allocator.policy_s
         t_verify = time.perf_counter()
         logits, taps = self._verify_forward(batch, drafted.trees, lengths, table_d)
-        results = self._accept(batch, drafted, logits)
+        results = accept(batch, drafted, logits, self.transfers, self._d2t)
         asked = [Emitted(i, [0, *r.path], list(r.tokens), req.params.logprobs)
                  for i, (req, r) in enumerate(zip(batch, results, strict=True)) if req.params.logprobs is not None]
         lps = dict(zip((e.row for e in asked), step_logprobs(logits, asked, self.transfers), strict=True))
@@ -530,57 +411,6 @@ class Engine:
         assert out.logits is not None
         return out.logits, out.taps
 
-    def _accept(self, batch: list[Request], drafted: RoundDraft, logits: torch.Tensor) -> list[VerifyResult]:
-        """Verify every tree on the device; one copy brings back the small results:
-        the target's argmax at every node of greedy rows, the walk of sampled rows."""
-        trees = drafted.trees
-        greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0]
-        sampled = [i for i, r in enumerate(batch) if r.params.temperature > 0]
-        parts = []
-        if greedy:  # no copy of the logits: the argmax of every row (B x K small ints; picking
-            # the greedy rows on the device would upload their indices, a blocking copy on CUDA)
-            parts.append(logits.argmax(-1).flatten())
-        if sampled:
-            parts.append(self._walk(batch, drafted, logits, sampled).flatten())
-        host = self.transfers.fetch(torch.cat(parts)).tolist()
-        results: list[VerifyResult | None] = [None] * len(batch)
-        kmax = logits.shape[1]
-        for i in greedy:
-            results[i] = verify_greedy(trees[i], host[i * kmax: i * kmax + trees[i].num_nodes])
-        at = len(batch) * kmax if greedy else 0
-        width = (len(host) - at) // max(len(sampled), 1)
-        for j, i in enumerate(sampled):
-            row = host[at + j * width: at + (j + 1) * width]
-            results[i] = walked(trees[i], [x for x in row[:-1] if x >= 0], row[-1])
-        return results  # type: ignore[return-value]
-
-    def _walk(self, batch: list[Request], drafted: RoundDraft, logits: torch.Tensor,
-              sampled: list[int]) -> torch.Tensor:
-        """The T > 0 rows' recursive rejection walk (``treespark.spec.walk``): the trees,
-        the uniforms and the rows' parameters go up in two uploads."""
-        trees = [drafted.trees[i] for i in sampled]
-        r, width, depth = len(sampled), logits.shape[1], max(t.depth for t in trees)
-        host = SampledTrees.host_arrays(trees, [drafted.draft_ids[i] for i in sampled],
-                                        [drafted.q_row_of[i] for i in sampled], width)
-        c = (host.shape[1] - 3 * width) // width
-        # each request draws uniforms for its own tree's shape only (batch-independent)
-        u = np.full((r, (depth + 1) * c + 1), 0.5)
-        for j, (i, t) in enumerate(zip(sampled, trees, strict=True)):
-            ci = branching(t)
-            own = np.asarray(batch[i].sampler.uniform((t.depth + 1) * ci + 1))
-            u[j, :-1].reshape(depth + 1, c)[: t.depth + 1, :ci] = own[:-1].reshape(t.depth + 1, ci)
-            u[j, -1] = own[-1]
-        params = [batch[i].params for i in sampled]
-        # (top-p rounded to float32, the precision it has always been applied at)
-        rowwise = np.array([[p.temperature, float(np.float32(p.top_p))] for p in params])
-        floats = self.transfers.upload(np.concatenate([u, rowwise], 1), torch.float64)   # [R, ...]
-        ints = self.transfers.upload(np.concatenate([np.asarray(sampled)[:, None], host], 1), torch.long)
-        dev_trees = SampledTrees.unpack(ints[:, 1:], width, depth)
-        top_p = floats[:, -1] if any(p.top_p < 1 for p in params) else None
-        n_u = (depth + 1) * c
-        return walk_sampled(logits, ints[:, 0], floats[:, -2], top_p, dev_trees, drafted.q_rows,
-                            drafted.q_totals, self._d2t, floats[:, :n_u].view(r, depth + 1, c), floats[:, n_u])
-
     def _commit(self, batch: list[Request], trees: list[DraftTree], results: list[VerifyResult],
                 taps: torch.Tensor, lengths: list[int],
                 logprobs: dict[int, list[TokenLogprob]]) -> list[RequestOutput]:
@@ -628,9 +458,9 @@ class Engine:
             req.root = result.tokens[-1]
         assert at == m
         for req in commit_reqs:
-            self._cache_blocks(req)
+            self.sched.cache_blocks(req)
         for req in [r for r in batch if r.id not in self._ids]:
-            self._release(req)
+            self.sched.release(req)
         return outputs
 
     def _emit(self, req: Request, tokens: list[int], outputs: list[RequestOutput],

@@ -59,6 +59,28 @@ def device_kv_budget(device: torch.device, fraction: float) -> int:
     return int(fraction * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def pool_blocks(per_request: int, block_bytes: int, *, max_batch_size: int, kv_blocks: int, budget_bytes: int,
+                memory_fraction: float, device: torch.device) -> int:
+    """Blocks in the pool (the null block aside): ``kv_blocks`` when > 0; else what
+    ``max_batch_size`` requests at their longest take (``per_request`` blocks each; more
+    would only keep cached prefixes longer), cut to the byte budget and to
+    ``memory_fraction`` of the device (``device_kv_budget``) where given. Raises
+    ValueError where one request at its longest would not fit."""
+    limits = [budget_bytes] if budget_bytes else []
+    if memory_fraction:
+        limits.append(device_kv_budget(device, memory_fraction))
+    blocks = max_batch_size * per_request
+    if kv_blocks:
+        blocks = kv_blocks
+    elif limits:
+        blocks = min(blocks, min(limits) // block_bytes)
+    if blocks < per_request:
+        raise ValueError(f"the KV pool ({blocks} blocks, {blocks * block_bytes / 2**20:.1f} MiB) holds fewer than "
+                         f"the {per_request} blocks one request at max_context and its largest tree needs: lower "
+                         f"max_context or raise the budget")
+    return blocks
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 

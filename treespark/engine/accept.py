@@ -1,0 +1,92 @@
+"""The target's logits to tokens: verification's device work and its one copy back
+(which draft nodes each row keeps), and a prefill's first tokens.
+
+After the target forward over every tree (``treespark.engine.core``, step 3), greedy
+rows take the target's argmax at every node; sampled rows run the recursive rejection
+walk on the device (``treespark.spec.walk``), their uniforms drawn per request for its
+own tree's shape (batch-independent). One copy brings both to the host, where
+``treespark.spec.verify`` turns them into each row's accepted path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from treespark.engine.request import Request
+from treespark.kernels.transfer import HostTransfers
+from treespark.spec.drafting import RoundDraft
+from treespark.spec.sampling import sample_rows, target_probs_rows
+from treespark.spec.verify import VerifyResult, verify_greedy, walked
+from treespark.spec.walk import SampledTrees, branching, walk_sampled
+
+
+def accept(batch: list[Request], drafted: RoundDraft, logits: torch.Tensor, transfers: HostTransfers,
+           d2t: torch.Tensor | None) -> list[VerifyResult]:
+    """Verify every tree on the device; one copy brings back the small results:
+    the target's argmax at every node of greedy rows, the walk of sampled rows."""
+    trees = drafted.trees
+    greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0]
+    sampled = [i for i, r in enumerate(batch) if r.params.temperature > 0]
+    parts = []
+    if greedy:  # no copy of the logits: the argmax of every row (B x K small ints; picking
+        # the greedy rows on the device would upload their indices, a blocking copy on CUDA)
+        parts.append(logits.argmax(-1).flatten())
+    if sampled:
+        parts.append(_walk(batch, drafted, logits, sampled, transfers, d2t).flatten())
+    host = transfers.fetch(torch.cat(parts)).tolist()
+    results: list[VerifyResult | None] = [None] * len(batch)
+    kmax = logits.shape[1]
+    for i in greedy:
+        results[i] = verify_greedy(trees[i], host[i * kmax: i * kmax + trees[i].num_nodes])
+    at = len(batch) * kmax if greedy else 0
+    width = (len(host) - at) // max(len(sampled), 1)
+    for j, i in enumerate(sampled):
+        row = host[at + j * width: at + (j + 1) * width]
+        results[i] = walked(trees[i], [x for x in row[:-1] if x >= 0], row[-1])
+    return results  # type: ignore[return-value]
+
+def _walk(batch: list[Request], drafted: RoundDraft, logits: torch.Tensor, sampled: list[int],
+          transfers: HostTransfers, d2t: torch.Tensor | None) -> torch.Tensor:
+    """The T > 0 rows' recursive rejection walk (``treespark.spec.walk``): the trees,
+    the uniforms and the rows' parameters go up in two uploads."""
+    trees = [drafted.trees[i] for i in sampled]
+    r, width, depth = len(sampled), logits.shape[1], max(t.depth for t in trees)
+    host = SampledTrees.host_arrays(trees, [drafted.draft_ids[i] for i in sampled],
+                                    [drafted.q_row_of[i] for i in sampled], width)
+    c = (host.shape[1] - 3 * width) // width
+    # each request draws uniforms for its own tree's shape only (batch-independent)
+    u = np.full((r, (depth + 1) * c + 1), 0.5)
+    for j, (i, t) in enumerate(zip(sampled, trees, strict=True)):
+        ci = branching(t)
+        own = np.asarray(batch[i].sampler.uniform((t.depth + 1) * ci + 1))
+        u[j, :-1].reshape(depth + 1, c)[: t.depth + 1, :ci] = own[:-1].reshape(t.depth + 1, ci)
+        u[j, -1] = own[-1]
+    params = [batch[i].params for i in sampled]
+    # (top-p rounded to float32, the precision it has always been applied at)
+    rowwise = np.array([[p.temperature, float(np.float32(p.top_p))] for p in params])
+    floats = transfers.upload(np.concatenate([u, rowwise], 1), torch.float64)   # [R, ...]
+    ints = transfers.upload(np.concatenate([np.asarray(sampled)[:, None], host], 1), torch.long)
+    dev_trees = SampledTrees.unpack(ints[:, 1:], width, depth)
+    top_p = floats[:, -1] if any(p.top_p < 1 for p in params) else None
+    n_u = (depth + 1) * c
+    return walk_sampled(logits, ints[:, 0], floats[:, -2], top_p, dev_trees, drafted.q_rows,
+                        drafted.q_totals, d2t, floats[:, :n_u].view(r, depth + 1, c), floats[:, n_u])
+
+
+def sample_firsts(reqs: list[Request], logits: torch.Tensor, transfers: HostTransfers) -> list[int]:
+    """The first token after prefill of each request (logits [R, V]), at its own
+    temperature (never argmax at T > 0; one uniform from its own generator), in one copy."""
+    tokens = logits.argmax(-1)
+    sampled = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
+    if sampled:
+        params = [reqs[i].params for i in sampled]
+        # one upload: per sampled row its index, temperature, uniform and top-p
+        # (top-p rounded to float32, the precision it has always been applied at)
+        x = transfers.upload([[i, p.temperature, reqs[i].sampler.uniform(1)[0], float(np.float32(p.top_p))]
+                                   for i, p in zip(sampled, params, strict=True)], torch.float64)
+        top_p = None if all(p.top_p >= 1 for p in params) else x[:, 3]
+        rows = x[:, 0].long()
+        p = target_probs_rows(logits[rows], x[:, 1], top_p)
+        tokens[rows] = sample_rows(p, x[:, 2])
+    return transfers.fetch(tokens).tolist()
