@@ -19,10 +19,10 @@ import itertools
 import json
 import time
 
-from locust import HttpUser, LoadTestShape, events, task
+from locust import HttpUser, events, task
 
+from loadtests.locust_shape import SpecShape  # noqa: F401  (Locust runs the shapes it finds here)
 from loadtests.multiturn import SYSTEM_PROMPT, TURNS, turn_messages, user_turns
-from loadtests.shapes import parse_shape, users_at
 
 PATH = "/v1/chat/completions"
 
@@ -53,18 +53,6 @@ def _stop(environment, **_) -> None:
     if _records is not None:
         _records.close()
         _records = None
-
-
-class SpecShape(LoadTestShape):
-    """The ``--shape`` spec, stepped at once."""
-
-    _stages = None
-
-    def tick(self):
-        if self._stages is None:
-            self._stages = parse_shape(self.runner.environment.parsed_options.shape)
-        users = users_at(self._stages, self.get_run_time())
-        return None if users is None else (users, 100)
 
 
 class ChatUser(HttpUser):

@@ -166,6 +166,17 @@ def start_group(cmd: list[str], logf) -> subprocess.Popen:
                             start_new_session=True, preexec_fn=_sigint_default)
 
 
+def service_url(stack: contextlib.ExitStack, url: str | None, config: Path, out: Path, port: int | None,
+                ready_timeout_s: float) -> str:
+    """The base URL to load: ``url`` (a running service) once healthy, else a ``serve_process``
+    of ``config`` held open by ``stack``."""
+    if url:
+        url = url.rstrip("/")
+        wait_healthy(url, ready_timeout_s)
+        return url
+    return stack.enter_context(serve_process(config, out, port, ready_timeout_s))
+
+
 @contextlib.contextmanager
 def serve_process(config: Path, out: Path, port: int | None = None,
                   ready_timeout_s: float = 300.0, stop_timeout_s: float = 60.0) -> Iterator[str]:

@@ -45,6 +45,7 @@ from loadtests.common import (
     read_records,
     run_locust,
     serve_process,
+    service_url,
     wait_healthy,
     wait_idle,
 )
@@ -406,11 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("perstep / perstep-local / perstep-fit / ladder need --config (they start their own services)")
     if args.experiment in ("ramp", "both"):
         with contextlib.ExitStack() as stack:
-            if args.url:
-                url = args.url.rstrip("/")
-                wait_healthy(url, args.ready_timeout)
-            else:
-                url = stack.enter_context(serve_process(args.config, args.out, args.port, args.ready_timeout))
+            url = service_url(stack, args.url, args.config, args.out, args.port, args.ready_timeout)
             set_override(url, None)
             experiment_ramp(url, args)
     if args.experiment in ("compare", "both"):

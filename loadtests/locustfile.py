@@ -19,9 +19,9 @@ import itertools
 import json
 import time
 
-from locust import HttpUser, LoadTestShape, events, task
+from locust import HttpUser, events, task
 
-from loadtests.shapes import parse_shape, users_at
+from loadtests.locust_shape import SpecShape  # noqa: F401  (Locust runs the shapes it finds here)
 from treespark.models.prompts import load_prompts
 
 
@@ -63,18 +63,6 @@ def _stop(environment, **_) -> None:
 def _record(**kw) -> None:
     if _records is not None:
         _records.write(json.dumps(kw) + "\n")
-
-
-class SpecShape(LoadTestShape):
-    """The ``--shape`` spec, stepped at once (spawn rate high: users join within a tick)."""
-
-    _stages = None
-
-    def tick(self):
-        if self._stages is None:
-            self._stages = parse_shape(self.runner.environment.parsed_options.shape)
-        users = users_at(self._stages, self.get_run_time())
-        return None if users is None else (users, 100)
 
 
 class CompletionUser(HttpUser):

@@ -47,9 +47,8 @@ from loadtests.common import (
     locust_command,
     log,
     poll_until,
-    serve_process,
+    service_url,
     start_group,
-    wait_healthy,
     wait_idle,
 )
 from loadtests.experiment import BASELINES, speculation_row
@@ -359,11 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     args.load = LoadArgs(args.max_tokens, 0.0, True, chat=True)
     command = "python -m loadtests.paired " + " ".join(sys.argv[1:] if argv is None else argv)
     with contextlib.ExitStack() as stack:
-        if args.url:
-            url = args.url.rstrip("/")
-            wait_healthy(url, args.ready_timeout)
-        else:
-            url = stack.enter_context(serve_process(args.config, args.out, args.port, args.ready_timeout))
+        url = service_url(stack, args.url, args.config, args.out, args.port, args.ready_timeout)
         runner = Runner(url, args)
         try:
             for users, experiments in plan(args):
