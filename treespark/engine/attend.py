@@ -40,6 +40,7 @@ class StoreAttention:
     rows: slice | PagedRows
     mask: torch.Tensor          # [B, 1, K, T] bool (the reference path's)
     bias: torch.Tensor | None   # [B, 1, G*K, T'] additive, T' >= T (the grouped path's)
+    table: torch.Tensor | None  # [B, T' / block size] the blocks it reads (the grouped path's, paged)
     scale: float
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -49,10 +50,9 @@ class StoreAttention:
             keys, values = self.store.read(layer, self.rows, t)
             return reference_attention(q, keys, values, self.mask, self.scale)
         assert self.bias is not None
-        if isinstance(self.rows, PagedRows):
-            table = table_columns(self.rows.table, self.bias.shape[-1] // self.rows.block_size)
-            keys = gather_blocks(self.store.k[layer], table, self.rows.block_size)
-            values = gather_blocks(self.store.v[layer], table, self.rows.block_size)
+        if self.table is not None:
+            keys = gather_blocks(self.store.k[layer], self.table, self.rows.block_size)
+            values = gather_blocks(self.store.v[layer], self.table, self.rows.block_size)
         else:
             keys, values = self.store.read(layer, self.rows, t)
         return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), self.bias, self.scale)
@@ -60,14 +60,19 @@ class StoreAttention:
 
 def store_attention(path: AttentionPath, store: KVStore | PagedStore, rows: slice | PagedRows,
                     mask: torch.Tensor, *, groups: int, dtype: torch.dtype, scale: float) -> StoreAttention:
-    """Prepare a forward's attention: on the grouped path the bias is built here, once for
-    every layer, its keys a whole number of blocks (paged) or the mask's (dense)."""
-    bias = None
+    """Prepare a forward's attention: on the grouped path the bias (and, paged, the block
+    table's columns it reads) is built here, once for every layer, its keys a whole number
+    of blocks (paged) or the mask's (dense)."""
+    bias = table = None
     if path is AttentionPath.GROUPED:
         t = mask.shape[-1]
-        keys = blocks_for(t, rows.block_size) * rows.block_size if isinstance(rows, PagedRows) else t
-        bias = attention_bias(mask, groups, dtype, keys)
-    return StoreAttention(path, store, rows, mask, bias, scale)
+        if isinstance(rows, PagedRows):
+            nb = blocks_for(t, rows.block_size)
+            table = table_columns(rows.table, nb)
+            bias = attention_bias(mask, groups, dtype, nb * rows.block_size)
+        else:
+            bias = attention_bias(mask, groups, dtype, t)
+    return StoreAttention(path, store, rows, mask, bias, table, scale)
 
 
 @dataclass(frozen=True)
