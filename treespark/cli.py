@@ -207,8 +207,8 @@ def cmd_device_check(args) -> None:
     result = device_check(cfg, args.out, device=args.device, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"written to {args.out}/device-check.md and {args.out}/device-check.json", file=sys.stderr)
     if not result["ok"]:
-        failed = ", ".join(c["check"] for c in result["checks"] if not c["ok"])
-        raise SystemExit(f"device-check: correctness FAILED: {failed}")
+        failed = [c["check"] for c in result["checks"] if not c["ok"]] + [f"{s} raised" for s in result["errors"]]
+        raise SystemExit(f"device-check: FAILED: {', '.join(failed)}")
 
 
 def cmd_gen_data(args) -> None:

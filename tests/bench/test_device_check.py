@@ -11,7 +11,7 @@ import torch
 from treespark.bench.device_check import device_check
 from treespark.bench.device_pair import TINY, CheckConfig, build_pair
 
-SECTIONS = ("## Preflight", "## Correctness", "## Throughput", "## Long context", "## The floor")
+SECTIONS = ("## Preflight", "## Launches per step", "## Correctness", "## Throughput", "## Long context", "## The floor")
 
 
 def test_meta_built_pair_is_materialised_and_tied():
@@ -41,6 +41,11 @@ def test_cpu_mode_passes_and_reports_every_section(cpu_run):
     assert len(rows) == len(cfg.temperatures) * len(cfg.batch_sizes) * 4  # plain, chain, tree, served
     assert all(r["tokens_per_s"] > 0 and r["verify"] > 0 for r in rows)
     assert result["long_context"] and result["floor"]["floor_s"] > 0
+    # one step profiled per policy: a tree step runs one target forward, as plain decoding does,
+    # and more operators around it (the drafter, the walk)
+    plain, tree = result["launches"]["plain"], result["launches"]["tree of 32"]
+    assert plain["forwards"] == tree["forwards"] == 1 and 0 < plain["per_forward"] <= plain["per_step"]
+    assert tree["per_step"] > plain["per_step"] and tree["unit"] == "operators called"
     # the greedy trees equal plain decoding in float32, token for token
     assert all(g["matched"] == g["of"] for g in result["greedy"].values())
 
@@ -79,8 +84,34 @@ def test_the_cli_exits_non_zero_when_a_check_fails(tmp_path, monkeypatch):
     import treespark.bench.device_check as dc
     from treespark.cli import main
 
-    monkeypatch.setattr(dc, "device_check", lambda *a, **k: {"ok": False, "checks": [
+    monkeypatch.setattr(dc, "device_check", lambda *a, **k: {"ok": False, "errors": {}, "checks": [
         {"check": "runner vs transformers: argmax agreement", "ok": False}]})
     with pytest.raises(SystemExit) as e:
         main(["device-check", "--device", "cpu", "--out", str(tmp_path)])
     assert "argmax agreement" in str(e.value.code)
+
+
+def test_a_section_that_raises_fails_the_check_and_the_rest_still_run(tmp_path, monkeypatch):
+    import treespark.bench.device_check as dc
+
+    def broken(*a, **k):
+        raise RuntimeError("the loader broke")
+
+    monkeypatch.setattr(dc, "check_loader", broken)
+    cfg = replace(CheckConfig.cpu(), batch_sizes=(1,), temperatures=(0.0,), timed_steps=1, warm_steps=0,
+                  greedy_prompts=1, greedy_tokens=4, long_context=((1, 32),), policy_profile_s=0.5)
+    result = device_check(cfg, tmp_path, device="cpu", log=lambda m: None)
+    assert not result["ok"] and "the loader broke" in result["errors"]["loader"]
+    assert result["throughput"] and result["long_context"] and result["floor"]  # after the failure
+    text = (tmp_path / "device-check.md").read_text()
+    assert "FAILED" in text and "## Error in loader" in text and "## Throughput" in text
+    assert json.loads((tmp_path / "device-check.json").read_text())["errors"].keys() == {"loader"}
+
+
+def test_bfloat16_as_on_a_gpu_passes_on_cpu(tmp_path):
+    # the GPU's dtype through every section, at the smallest sizes
+    cfg = replace(CheckConfig.cpu(), batch_sizes=(2,), timed_steps=2, warm_steps=1, greedy_prompts=2,
+                  greedy_tokens=8, long_context=((1, 64),), policy_profile_s=0.5)
+    result = device_check(cfg, tmp_path, device="cpu", log=lambda m: None, dtype=torch.bfloat16)
+    assert result["preflight"]["dtype"] == "torch.bfloat16"
+    assert result["ok"], (result["errors"], [c for c in result["checks"] if not c["ok"]])

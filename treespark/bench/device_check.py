@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -51,6 +52,7 @@ from treespark.bench.device_correctness import (
     check_logits,
     preflight,
 )
+from treespark.bench.device_launches import step_launches
 from treespark.bench.device_pair import POLICIES, SERVED, CheckConfig, build_pair
 from treespark.bench.device_timing import bandwidth, served_allocator, timed_decode
 from treespark.models.pair import pick_device
@@ -63,60 +65,85 @@ def _ms(x: float | None) -> str:
 
 
 def device_check(config: CheckConfig, out_dir: str | Path, *, device: str | None = None,
-                 log: Callable[[str], None] = print, inject: Inject | None = None) -> dict[str, Any]:
+                 log: Callable[[str], None] = print, inject: Inject | None = None,
+                 dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Run the check; writes ``device-check.md`` and ``device-check.json`` to ``out_dir``
-    and returns the JSON dict (``ok``: every correctness check passed). ``inject``: a
-    test hook that may alter named tensors (``runner_logits``, ``drafter_logits``)."""
+    (after every section, so a run cut short leaves what it measured) and returns the
+    JSON dict. ``ok``: every correctness check passed and no section raised; a section
+    that raises is recorded under ``errors`` and the rest still run. ``inject``: a test
+    hook that may alter named tensors (``runner_logits``, ``drafter_logits``). ``dtype``:
+    the weights' (default bfloat16 on CUDA, float32 elsewhere)."""
     t_start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dev = pick_device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     pair = build_pair(config.shape, dev, dtype, config.seed)
     log(f"{config.shape.name} pair built on {dev} ({dtype}) in {time.perf_counter() - t_start:.1f} s")
-    result: dict[str, Any] = {"config": asdict(config), "preflight": preflight(pair, dev)}
+    checks = Checks()
+    result: dict[str, Any] = {"config": asdict(config), "preflight": preflight(pair, dev), "checks": checks.rows,
+                              "errors": {}}
     log(f"preflight: {result['preflight']}")
 
-    checks = Checks()
-    check_logits(pair, dev, checks, inject, config.seed)
-    result["greedy"] = check_greedy(pair, dev, config, checks)
-    result["loader"] = check_loader(pair, dev, config, checks)
-    result["checks"] = checks.rows
-    result["ok"] = checks.ok
+    def section(name: str, fn: Callable[[], Any]) -> Any:
+        t = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception:  # recorded, reported and failed; the other sections still run
+            result["errors"][name] = traceback.format_exc()[-4000:]
+            log(f"ERROR in {name}:\n{result['errors'][name]}")
+        result["ok"] = checks.ok and not result["errors"]
+        result["seconds"] = round(time.perf_counter() - t_start, 1)
+        (out / "device-check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (out / "device-check.md").write_text(render(result))
+        log(f"{name}: {time.perf_counter() - t:.1f} s")
+        return result.get(name)
+
+    section("launches", lambda: step_launches(pair, dev, config.seed))
+    log(f"launches: {result.get('launches')}")
+    section("logits", lambda: check_logits(pair, dev, checks, inject, config.seed))
+    section("greedy", lambda: check_greedy(pair, dev, config, checks))
+    section("loader", lambda: check_loader(pair, dev, config, checks))
     for r in checks.rows:
         log(f"{'ok  ' if r['ok'] else 'FAIL'} {r['check']}: {r['value']} ({r['bound']})")
 
-    t1 = time.perf_counter()
-    allocator = served_allocator(pair, config, dev)
-    log(f"served policy's step costs measured in {time.perf_counter() - t1:.1f} s")
-    policies: dict[str, Budget] = {**POLICIES, SERVED: Budget.adaptive()}
-    throughput = []
-    for t in config.temperatures:
-        for bs in config.batch_sizes:
-            for name, budget in policies.items():
-                r = timed_decode(pair, budget, bs, t, config, dev, allocator if name == SERVED else None)
-                throughput.append({"T": t, "batch": bs, "policy": name, **r})
-                log(f"T={t:g} batch={bs} {name}: {r['tokens_per_s']:.1f} tok/s, step {_ms(r['step'])} ms")
-    result["throughput"] = throughput
+    def throughput() -> list[dict[str, Any]]:
+        t1 = time.perf_counter()
+        allocator = served_allocator(pair, config, dev)
+        log(f"served policy's step costs measured in {time.perf_counter() - t1:.1f} s")
+        policies: dict[str, Budget] = {**POLICIES, SERVED: Budget.adaptive()}
+        rows = result["throughput"] = []  # filled as it goes: a failure keeps the rows before it
+        for t in config.temperatures:
+            for bs in config.batch_sizes:
+                for name, budget in policies.items():
+                    r = timed_decode(pair, budget, bs, t, config, dev, allocator if name == SERVED else None)
+                    rows.append({"T": t, "batch": bs, "policy": name, **r})
+                    log(f"T={t:g} batch={bs} {name}: {r['tokens_per_s']:.1f} tok/s, step {_ms(r['step'])} ms")
+        return rows
 
-    long_rows = []
-    for bs, ctx in config.long_context:
-        r = timed_decode(pair, POLICIES["tree of 32"], bs, 0.0, replace(config, timed_steps=min(config.timed_steps, 4)),
-                         dev, prompt_len=ctx)
-        long_rows.append({"batch": bs, "context": ctx, "verify_s": r["verify"], "step_s": r["step"],
-                          "peak_gib": r["peak_gib"]})
-        log(f"long context batch={bs} ctx={ctx}: verify {_ms(r['verify'])} ms")
-    result["long_context"] = long_rows
+    section("throughput", throughput)
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in pair.target.parameters())
-    bw = bandwidth(dev, config.bandwidth_bytes)
-    plain1 = next((r["step"] for r in throughput if r["policy"] == "plain" and r["batch"] == min(config.batch_sizes)
-                   and r["T"] == 0), None)
-    result["floor"] = {"weight_bytes": weight_bytes, "bandwidth_gb_s": bw / 1e9, "floor_s": weight_bytes / bw,
-                       "plain_step_s": plain1}
-    result["seconds"] = round(time.perf_counter() - t_start, 1)
-    (out / "device-check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (out / "device-check.md").write_text(render(result))
+    def long_context() -> list[dict[str, Any]]:
+        rows = result["long_context"] = []
+        for bs, ctx in config.long_context:
+            r = timed_decode(pair, POLICIES["tree of 32"], bs, 0.0,
+                             replace(config, timed_steps=min(config.timed_steps, 4)), dev, prompt_len=ctx)
+            rows.append({"batch": bs, "context": ctx, "verify_s": r["verify"], "step_s": r["step"],
+                         "peak_gib": r["peak_gib"]})
+            log(f"long context batch={bs} ctx={ctx}: verify {_ms(r['verify'])} ms")
+        return rows
+
+    section("long_context", long_context)
+
+    def floor() -> dict[str, Any]:
+        weight_bytes = sum(p.numel() * p.element_size() for p in pair.target.parameters())
+        bw = bandwidth(dev, config.bandwidth_bytes)
+        plain1 = next((r["step"] for r in result.get("throughput") or []
+                       if r["policy"] == "plain" and r["batch"] == min(config.batch_sizes) and r["T"] == 0), None)
+        return {"weight_bytes": weight_bytes, "bandwidth_gb_s": bw / 1e9, "floor_s": weight_bytes / bw,
+                "plain_step_s": plain1}
+
+    section("floor", floor)
     return result
 
 
@@ -125,38 +152,53 @@ def _cell(text: str) -> str:
 
 
 def render(r: dict[str, Any]) -> str:
+    """The markdown report of what ``r`` holds so far (a section not yet run is absent)."""
     cfg, pre = r["config"], r["preflight"]
     lines = [f"# Device check: {cfg['shape']['name']} shapes, random weights, on {pre['device_name']} "
              f"({pre['dtype']})", "",
-             f"`treespark device-check`: {'PASSED' if r['ok'] else 'FAILED'} in {r['seconds']:.0f} s.", "",
-             "## Preflight", ""]
+             f"`treespark device-check`: {'PASSED' if r.get('ok') else 'FAILED'} in {r.get('seconds', 0):.0f} s.",
+             "", "## Preflight", ""]
     lines += [f"- {k}: {v}" for k, v in pre.items()]
+    if r.get("launches"):
+        lines += ["", "## Launches per step", "",
+                  "One engine step at batch 1, T = 0, under `torch.profiler`: on CUDA the kernels the host "
+                  "launched (in the step and inside the target forward) and the attention kernels by name; "
+                  "on CPU the operators called.", "",
+                  markdown_table(["policy", "counted", "per step", "per target forward", "attention kernels"],
+                                 [[name, x["unit"], str(x["per_step"]), f"{x['per_forward']:.0f}",
+                                   _cell(", ".join(x["attention_kernels"]) or "none seen")]
+                                  for name, x in r["launches"].items()])]
     lines += ["", "## Correctness", "", markdown_table(
         ["check", "result", "value", "bound"],
         [[_cell(c["check"]), "ok" if c["ok"] else "**FAIL**", _cell(c["value"]), _cell(c["bound"])]
          for c in r["checks"]])]
-    lines += ["", "## Throughput", "",
-              f"{cfg['timed_steps']} timed steps per row, every one at the full batch, after "
-              f"{cfg['prompt_len']}-token prompts; medians per step in ms. verify: the target forward; backbone: "
-              "the drafter's block pass; draft: the whole drafting stage (backbone and depth waves); walk: "
-              "verification after the forward (acceptance, commit); rest: the step less verify and backbone "
-              "(host Python and the small device calls); syncs: synchronisations seen by "
-              "`torch.cuda.set_sync_debug_mode` (CUDA only); copies: the engine's own count of device-to-host "
-              "copies and waits.", "",
-              markdown_table(["T", "batch", "policy", "tokens/s", "step", "verify", "backbone", "draft", "walk",
-                              "rest", "syncs", "copies", "nodes/row"],
-                             [[f"{t['T']:g}", str(t["batch"]), t["policy"], f"{t['tokens_per_s']:.1f}",
-                               _ms(t["step"]), _ms(t["verify"]), _ms(t["backbone"]), _ms(t["draft"]),
-                               _ms(t["walk"]), _ms(t["rest"]), "-" if t["syncs"] is None else str(t["syncs"]),
-                               str(t["copies"]), f"{t['nodes']:.1f}"] for t in r["throughput"]])]
-    lines += ["", "## Long context", "", "A tree of 32 at T = 0 after long prompts.", "",
-              markdown_table(["batch", "context", "verify ms", "step ms", "peak GiB"],
-                             [[str(x["batch"]), str(x["context"]), _ms(x["verify_s"]), _ms(x["step_s"]),
-                               "-" if x["peak_gib"] is None else f"{x['peak_gib']:.1f}"]
-                              for x in r["long_context"]])]
-    f = r["floor"]
-    lines += ["", "## The floor", "",
-              f"Target weights {f['weight_bytes'] / 2**30:.2f} GiB over a measured copy bandwidth of "
-              f"{f['bandwidth_gb_s']:.1f} GB/s: a decode step cannot take less than {_ms(f['floor_s'])} ms. "
-              f"Plain decoding's step at batch {min(cfg['batch_sizes'])}: {_ms(f['plain_step_s'])} ms.", ""]
-    return "\n".join(lines)
+    if r.get("throughput"):
+        lines += ["", "## Throughput", "",
+                  f"{cfg['timed_steps']} timed steps per row, every one at the full batch, after "
+                  f"{cfg['prompt_len']}-token prompts; medians per step in ms. verify: the target forward; "
+                  "backbone: the drafter's block pass; draft: the whole drafting stage (backbone and depth waves); "
+                  "walk: verification after the forward (acceptance, commit); rest: the step less verify and "
+                  "backbone (host Python and the small device calls); syncs: synchronisations seen by "
+                  "`torch.cuda.set_sync_debug_mode` (CUDA only); copies: the engine's own count of "
+                  "device-to-host copies and waits.", "",
+                  markdown_table(["T", "batch", "policy", "tokens/s", "step", "verify", "backbone", "draft", "walk",
+                                  "rest", "syncs", "copies", "nodes/row"],
+                                 [[f"{t['T']:g}", str(t["batch"]), t["policy"], f"{t['tokens_per_s']:.1f}",
+                                   _ms(t["step"]), _ms(t["verify"]), _ms(t["backbone"]), _ms(t["draft"]),
+                                   _ms(t["walk"]), _ms(t["rest"]), "-" if t["syncs"] is None else str(t["syncs"]),
+                                   str(t["copies"]), f"{t['nodes']:.1f}"] for t in r["throughput"]])]
+    if r.get("long_context"):
+        lines += ["", "## Long context", "", "A tree of 32 at T = 0 after long prompts.", "",
+                  markdown_table(["batch", "context", "verify ms", "step ms", "peak GiB"],
+                                 [[str(x["batch"]), str(x["context"]), _ms(x["verify_s"]), _ms(x["step_s"]),
+                                   "-" if x["peak_gib"] is None else f"{x['peak_gib']:.1f}"]
+                                  for x in r["long_context"]])]
+    if r.get("floor"):
+        f = r["floor"]
+        lines += ["", "## The floor", "",
+                  f"Target weights {f['weight_bytes'] / 2**30:.2f} GiB over a measured copy bandwidth of "
+                  f"{f['bandwidth_gb_s']:.1f} GB/s: a decode step cannot take less than {_ms(f['floor_s'])} ms. "
+                  f"Plain decoding's step at batch {min(cfg['batch_sizes'])}: {_ms(f['plain_step_s'])} ms."]
+    for name, tb in r.get("errors", {}).items():
+        lines += ["", f"## Error in {name}", "", "```", tb.rstrip(), "```"]
+    return "\n".join(lines) + "\n"

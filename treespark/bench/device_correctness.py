@@ -39,12 +39,11 @@ def preflight(pair: ModelPair, device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         out |= {"device_name": torch.cuda.get_device_name(device), "cuda": torch.version.cuda,
-                "free_gib": round(free / 2**30, 1), "total_gib": round(total / 2**30, 1),
-                "sdpa_kernels": _sdpa_kernels(pair, device)}
+                "free_gib": round(free / 2**30, 1), "total_gib": round(total / 2**30, 1)}
     else:
         avail = _meminfo("MemAvailable")
         out |= {"device_name": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                "free_gib": None if avail is None else round(avail / 2**30, 1), "sdpa_kernels": ["cpu"]}
+                "free_gib": None if avail is None else round(avail / 2**30, 1)}
     return out
 
 
@@ -56,24 +55,6 @@ def _meminfo(key: str) -> int | None:
     except OSError:
         pass
     return None
-
-
-def _sdpa_kernels(pair: ModelPair, device: torch.device) -> list[str]:
-    """The attention kernels one tree-verify forward launches, by the profiler's names."""
-    from torch.profiler import ProfilerActivity, profile
-
-    runner = TargetRunner(pair.target, pair.drafter.config.target_layer_ids)
-    k = 8
-    store = KVStore(runner.store_shape, 1, 64, device, runner.dtype)
-    pos = torch.arange(k, device=device)[None]
-    mask = (torch.arange(64, device=device)[None, :] <= pos[0][:, None])[None, None]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.forward(torch.ones(1, k, dtype=torch.long, device=device), pos, pos, store, slice(0, 1), mask)
-        torch.cuda.synchronize(device)
-    names = {e.key for e in prof.key_averages()}
-    keys = ("flash", "fmha", "efficient", "attention", "cudnn", "sdpa", "softmax")
-    found = sorted(n for n in names if any(s in n.lower() for s in keys))
-    return found or ["math (no fused attention kernel seen)"]
 
 
 # -- 2. correctness ----------------------------------------------------------------------
