@@ -105,7 +105,7 @@ def run_bench(args: argparse.Namespace) -> None:
     elif args.what == "ops":
         from treespark.bench.ops import ops_benchmark
 
-        table = ops_benchmark(pair, tuple(args.batch_sizes), args.max_tokens, args.repeats)
+        table = ops_benchmark(pair, tuple(args.batch_sizes), args.max_tokens, args.repeats, pair_name=args.pair)
     elif args.what == "theta":
         from treespark.bench.wallclock import theta_sweep
 

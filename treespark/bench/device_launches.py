@@ -1,6 +1,6 @@
 """What one engine step launches (the device check's preflight): on CUDA the kernels
 the host launches in a step and inside its target forward, and the attention kernels
-by name; on CPU the operators called (``treespark.bench.ops`` counts them the same way).
+by name; on CPU the operators called (``treespark.bench.ops.top_level_ops``).
 
 One full engine step runs under ``torch.profiler`` with the target forward marked by a
 ``record_function`` range; a launch counts toward the forward when the host call that
@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from treespark.bench.device_pair import POLICIES, products_for, random_prompts
+from treespark.bench.ops import top_level_ops
 from treespark.engine.core import Engine, EngineConfig
 from treespark.models.pair import ModelPair
 from treespark.spec.params import SamplingParams
@@ -22,19 +23,6 @@ VERIFY = "treespark.verify"
 # the CUDA runtime and driver calls that put one kernel (or one graph) on a stream
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cudaGraphLaunch")
 ATTENTION_NAMES = ("flash", "fmha", "efficient", "attention", "cudnn", "sdpa", "softmax")
-
-
-def _top_level_ops(events) -> list:
-    """Operators called by the profiled code itself (not from inside another operator)."""
-    def nested(e) -> bool:
-        p = e.cpu_parent
-        while p is not None:
-            if "::" in p.name:
-                return True
-            p = p.cpu_parent
-        return False
-
-    return [e for e in events if "::" in e.name and not nested(e)]
 
 
 def profile_step(engine: Engine) -> dict[str, Any]:
@@ -65,7 +53,7 @@ def profile_step(engine: Engine) -> dict[str, Any]:
         kernels = [e for e in events if str(e.device_type).endswith("CUDA")]
         attention = sorted({e.name[:80] for e in kernels if any(s in e.name.lower() for s in ATTENTION_NAMES)})
     else:
-        launches, kernels, attention = _top_level_ops(events), [], ["cpu"]
+        launches, kernels, attention = top_level_ops(events), [], ["cpu"]
     in_verify = sum(any(a <= e.time_range.start < b for a, b in spans) for e in launches)
     return {"unit": "kernel launches" if cuda else "operators called", "per_step": len(launches),
             "per_forward": in_verify / max(len(spans), 1), "forwards": len(spans),

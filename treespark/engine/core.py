@@ -103,6 +103,9 @@ class EngineConfig:
     # (no kv_blocks: max_batch_size requests at max_context each, or fewer if the budget says so)
     prefix_caching: bool = True     # reuse the cached blocks of a prompt's longest known prefix
     attention: AttentionPath = AttentionPath.GROUPED  # the target's attention path (kernels/attention.py)
+    # the target forward's norms, rotation and activation compiled by torch.compile
+    # (kernels/layer_ops.py): fewer launches on a GPU; the first steps of each shape compile
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_context", "prefill_chunk", "block_size", "max_num_batched_tokens"):
@@ -130,7 +133,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.drafter = pair.drafter
         self.runner = TargetRunner(pair.target, self.drafter.config.target_layer_ids, products,
-                                   attention=self.config.attention)
+                                   attention=self.config.attention, compiled=self.config.compiled)
         self.device = self.runner.device
         dc = self.drafter.config
         shapes = (self.runner.store_shape, StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim))

@@ -37,18 +37,13 @@ from treespark.engine.products import (
     product_plan,
 )
 from treespark.kernels.attention import AttentionPath
-from treespark.kernels.layer_ops import rms_norm, rope, rope_sign
+from treespark.kernels.layer_ops import ACTIVATIONS, EAGER, compiled_layer_ops, rope_sign
 from treespark.kernels.linear import PACKED, ProductPlan, planned_linear
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return torch.cat([-x[..., d:], x[..., :d]], dim=-1)
-
-
-def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A transformers RMSNorm module's maths on ``x`` in one ``F.rms_norm`` (``rms_norm``)."""
-    return rms_norm(x, module.weight, module.variance_epsilon)
 
 
 @dataclass(frozen=True)
@@ -62,12 +57,13 @@ class TargetRunner:
 
     def __init__(self, model: PreTrainedModel, tap_layers: tuple[int, ...],
                  products: ProductPlan | None = None, fused: bool = True,
-                 attention: AttentionPath = AttentionPath.GROUPED) -> None:
+                 attention: AttentionPath = AttentionPath.GROUPED, compiled: bool = False) -> None:
         """``products``: the CPU product layout per row count (default: ``product_plan``,
         timed on this machine); ignored off CPU. ``fused``: the fused forward (False: the
         reference, separate products and transformers' norm modules). ``attention``: the
         attention path (``treespark.kernels.attention``; the reference is the plain gather
-        + SDPA)."""
+        + SDPA). ``compiled``: the fused forward's norms, rotary embeddings and activation
+        compiled by ``torch.compile`` (``treespark.kernels.layer_ops.compiled_layer_ops``)."""
         self.model = model
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
@@ -90,6 +86,12 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.fused = fused
+        if compiled and not fused:
+            raise ValueError("the compiled forward is the fused one: compiled=True needs fused=True")
+        self.ops = compiled_layer_ops() if compiled else EAGER
+        self.act = getattr(cfg, "hidden_act", "silu")
+        if fused and self.act not in ACTIVATIONS:
+            raise ValueError(f"the fused forward runs {sorted(ACTIVATIONS)}, not hidden_act={self.act!r}")
         if fused:
             self._rope_sign = rope_sign(self.head_dim, self.device, self.dtype)   # [D]
             self._qk_norms = [self._qk_norm(layer.self_attn) for layer in base.layers]
@@ -133,14 +135,10 @@ class TargetRunner:
 
     def _qkv(self, lp: LayerProducts, idx: int, x: torch.Tensor, cos, sin, b: int, k: int):
         """q [B, Hq, K, D], k and v [B, Hkv, K, D], q and k rotated: one stacked product,
-        Qwen3's q/k norms in one ``rms_norm``, q and k rotated in one ``rope``."""
-        hq, d = self.num_heads, self.head_dim
-        y = self._linear(x, lp.qkv[0]).view(b, k, -1, d)             # [B, K, Hq + 2 Hkv, D]
-        qk, vv = y[:, :, :hq + self.num_kv_heads], y[:, :, hq + self.num_kv_heads:]
-        if self._qk_norms[idx] is not None:
-            qk = rms_norm(qk, *self._qk_norms[idx])
-        qk = rope(qk.transpose(1, 2), cos, sin)                       # [B, Hq + Hkv, K, D]
-        return qk[:, :hq], qk[:, hq:], vv.transpose(1, 2)
+        Qwen3's q/k norms and the rotation in ``qk_norm_rope``."""
+        norm, eps = self._qk_norms[idx] or (None, 0.0)
+        return self.ops.qk_norm_rope(self._linear(x, lp.qkv[0]), b, k, self.num_heads, self.num_kv_heads,
+                                     self.head_dim, norm, eps, cos, sin)
 
     def _qkv_reference(self, attn, lp: LayerProducts, x: torch.Tensor, cos, sin, b: int, k: int):
         q, kk, vv = (self._linear(x, p).view(b, k, -1, self.head_dim) for p in lp.qkv)
@@ -163,13 +161,19 @@ class TargetRunner:
 
     def _mlp(self, mlp, lp: LayerProducts, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            gate, up = self._linear(x, lp.gate_up[0]).chunk(2, dim=-1)   # [N, I] each
-        else:
-            gate, up = (self._linear(x, p) for p in lp.gate_up)
+            return self._linear(self.ops.act_mul(self._linear(x, lp.gate_up[0]), self.act), lp.down)
+        gate, up = (self._linear(x, p) for p in lp.gate_up)
         return self._linear(mlp.act_fn(gate) * up, lp.down)
 
     def _norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return _norm(module, x) if self.fused else module(x)
+        return self.ops.rms_norm(x, module.weight, module.variance_epsilon) if self.fused else module(x)
+
+    def _add_norm(self, module: torch.nn.Module, x: torch.Tensor, r: torch.Tensor):
+        """(x + r, the norm of it)."""
+        if self.fused:
+            return self.ops.residual_rms_norm(x, r, module.weight, module.variance_epsilon)
+        x = x + r
+        return x, module(x)
 
     @torch.no_grad()
     def forward(
@@ -193,13 +197,19 @@ class TargetRunner:
         attend = store_attention(self.attention, store, rows, mask, groups=self.num_heads // self.num_kv_heads,
                                  dtype=self.dtype, scale=self.scaling)
         taps: dict[int, torch.Tensor] = {}
+        mlp_out = None  # each layer's MLP output is added to the stream in the next layer's first norm
         for idx, (layer, lp) in enumerate(zip(self.base.layers, self.weights.layers, strict=True)):
-            a = self._attention(layer, lp, self._norm(layer.input_layernorm, x), cos, sin, store, idx, rows,
-                                write_pos, attend, b, k)
-            x = x + a
-            x = x + self._mlp(layer.mlp, lp, self._norm(layer.post_attention_layernorm, x))
-            if idx in self.tap_layers:
-                taps[idx] = x
+            if mlp_out is None:
+                normed = self._norm(layer.input_layernorm, x)
+            else:
+                x, normed = self._add_norm(layer.input_layernorm, x, mlp_out)
+                if idx - 1 in self.tap_layers:
+                    taps[idx - 1] = x
+            a = self._attention(layer, lp, normed, cos, sin, store, idx, rows, write_pos, attend, b, k)
+            x, normed = self._add_norm(layer.post_attention_layernorm, x, a)
+            mlp_out = self._mlp(layer.mlp, lp, normed)
+        x = x + mlp_out
+        taps[self.num_layers - 1] = x
         tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
         if isinstance(logits_for, torch.Tensor):
             x = x.view(b, k, -1)[torch.arange(b, device=x.device), logits_for]

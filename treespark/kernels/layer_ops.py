@@ -13,6 +13,10 @@ negation is exact, so the values are transformers' to the bit.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -37,3 +41,61 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     """x: [B, H, K, D]; cos, signed_sin: [B, 1, K, D] (``signed_sin = sin * rope_sign``).
     Equals ``x * cos + rotate_half(x) * sin``."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def residual_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual)): a layer's residual add and the norm after it."""
+    s = x + residual
+    return s, rms_norm(s, weight, eps)
+
+
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """[N, 2I] -> [N, I]: ``act(gate) * up`` over gate|up stacked on the last dim; ``act``:
+    a transformers ``hidden_act`` name in ``ACTIVATIONS``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return ACTIVATIONS[act](gate) * up
+
+
+def qk_norm_rope(y: torch.Tensor, b: int, k: int, heads: int, kv_heads: int, head_dim: int,
+                 qk_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor):
+    """The stacked q|k|v product's output y [B K, (Hq + 2 Hkv) D] as q [B, Hq, K, D] and
+    k, v [B, Hkv, K, D]: Qwen3's q and k norms (per-head weight [Hq + Hkv, D]; None for a
+    model without them) in one ``rms_norm``, q and k rotated in one ``rope``."""
+    y = y.view(b, k, -1, head_dim)
+    qk, v = y[:, :, :heads + kv_heads], y[:, :, heads + kv_heads:]
+    if qk_norm is not None:
+        qk = rms_norm(qk, qk_norm, eps)
+    qk = rope(qk.transpose(1, 2), cos, signed_sin)               # [B, Hq + Hkv, K, D]
+    return qk[:, :heads], qk[:, heads:], v.transpose(1, 2)
+
+
+# transformers' hidden_act names of the activations the fused forward runs (the functions
+# transformers' own activation modules call)
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The target forward's operators between its products and its attention, as plain
+    functions (``EAGER``) or each compiled by ``torch.compile`` (``compiled_layer_ops``):
+    one fused kernel per call on a GPU instead of several, and no Python between them."""
+
+    rms_norm: Callable
+    residual_rms_norm: Callable
+    act_mul: Callable
+    qk_norm_rope: Callable
+    compiled: bool
+
+
+EAGER = LayerOps(rms_norm, residual_rms_norm, act_mul, qk_norm_rope, compiled=False)
+
+
+@functools.cache
+def compiled_layer_ops() -> LayerOps:
+    """``LayerOps`` compiled once per process (dynamic shapes: one graph serves every
+    row and token count, apart from torch's own specialisation of sizes 0 and 1).
+    Inductor caches what it compiles on disk, so a later process compiles faster."""
+    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+    return LayerOps(*(compile_(f) for f in (rms_norm, residual_rms_norm, act_mul, qk_norm_rope)), compiled=True)
