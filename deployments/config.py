@@ -210,9 +210,10 @@ class AppArgs(_Strict):
     # reuse the KV blocks of a prompt's longest cached prefix (EngineConfig.prefix_caching);
     # off: every prompt token is computed (what the prefix-cache load test compares against)
     prefix_caching: bool = True
-    # the target forward's norms, rotation and activation compiled (EngineConfig.compiled):
-    # for GPUs, where the eager forward is launch-bound; compiling takes tens of seconds at startup
-    compiled: bool = False
+    # torch.compile's backend for the target forward's norms, rotation and activation
+    # (EngineConfig.compile_backend), e.g. "inductor": for GPUs, where the eager forward is
+    # launch-bound; compiling takes tens of seconds at startup. None: eager
+    compile_backend: str | None = None
     default_max_tokens: int = Field(256, ge=1)  # chat requests without max_tokens
     device: str | None = None
     engine_factory: str = "deployments.replica.engine_factory:build_engine"  # "module:callable(AppArgs) -> EngineBundle", run on the engine thread

@@ -10,6 +10,9 @@ import torch
 from treespark import ModelPair, random_pair
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# one test process compiles the forward's layer ops for many models, dtypes and backends
+# (each a graph of its own); a replica compiles a handful
+torch._dynamo.config.recompile_limit = 64
 
 
 def make_mimic_pair(vocab_size: int = 16, seed: int = 0, block_size: int = 4,

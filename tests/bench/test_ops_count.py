@@ -14,7 +14,7 @@ from treespark.kernels.linear import F_LINEAR, ProductPlan
 def test_a_compiled_region_counts_as_one_call_and_the_compiled_forward_calls_fewer():
     pair = random_pair(512, 0)
     counts, logits = {}, {}
-    for name, kwargs in (("fused", {}), ("compiled", {"compiled": True})):
+    for name, kwargs in (("fused", {}), ("compiled", {"compile_backend": "inductor"})):
         runner = TargetRunner(pair.target, (0,), ProductPlan.fixed(F_LINEAR), **kwargs)
         call, logits[name] = _verify_call(runner, 1, (-1,), 512)
         counts[name] = count_ops(call)

@@ -1,5 +1,5 @@
 """How long ``torch.compile`` takes the target forward's layer ops
-(``TargetRunner(compiled=True)``): on a fresh start, with an empty inductor cache, and on
+(``TargetRunner(compile_backend="inductor")``): on a fresh start, with an empty inductor cache, and on
 a cached start, a new process over the same cache. Each start is its own process
 (``python -m treespark.bench.compile_time PAIR``), timing the first decode forward at
 batch 1 and the first verify forward at batch 8 x an 8-node tree (each compiles the
@@ -29,7 +29,7 @@ def first_calls(pair_name: str) -> dict[str, float]:
 
     pair = pair_by_name(pair_name, progress=False)
     target, taps = pair.target, pair.drafter.config.target_layer_ids
-    runner = TargetRunner(target, taps, product_plan(target), compiled=True)
+    runner = TargetRunner(target, taps, product_plan(target), compile_backend="inductor")
     out = {}
     for label, batch, parents in (("decode_s", 1, (-1,)), ("verify_s", 8, TREE_PARENTS)):
         t0 = time.perf_counter()

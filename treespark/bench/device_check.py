@@ -99,10 +99,23 @@ def device_check(config: CheckConfig, out_dir: str | Path, *, device: str | None
         log(f"{name}: {time.perf_counter() - t:.1f} s")
         return result.get(name)
 
-    section("launches", lambda: step_launches(pair, dev, config.seed))
+    def launches() -> dict[str, Any]:
+        rows = result["launches"] = {}
+        for backend in config.forwards:
+            rows |= step_launches(pair, dev, config.seed, backend=backend)
+        return rows
+
+    section("launches", launches)
     log(f"launches: {result.get('launches')}")
-    section("logits", lambda: check_logits(pair, dev, checks, inject, config.seed))
-    section("greedy", lambda: check_greedy(pair, dev, config, checks))
+    section("logits", lambda: [check_logits(pair, dev, checks, inject, config.seed, b) for b in config.forwards])
+
+    def greedy() -> dict[str, Any]:
+        report = result["greedy"] = {}
+        for backend in config.forwards:
+            report |= check_greedy(pair, dev, config, checks, backend)
+        return report
+
+    section("greedy", greedy)
     section("loader", lambda: check_loader(pair, dev, config, checks))
     for r in checks.rows:
         log(f"{'ok  ' if r['ok'] else 'FAIL'} {r['check']}: {r['value']} ({r['bound']})")
@@ -113,12 +126,16 @@ def device_check(config: CheckConfig, out_dir: str | Path, *, device: str | None
         log(f"served policy's step costs measured in {time.perf_counter() - t1:.1f} s")
         policies: dict[str, Budget] = {**POLICIES, SERVED: Budget.adaptive()}
         rows = result["throughput"] = []  # filled as it goes: a failure keeps the rows before it
-        for t in config.temperatures:
-            for bs in config.batch_sizes:
-                for name, budget in policies.items():
-                    r = timed_decode(pair, budget, bs, t, config, dev, allocator if name == SERVED else None)
-                    rows.append({"T": t, "batch": bs, "policy": name, **r})
-                    log(f"T={t:g} batch={bs} {name}: {r['tokens_per_s']:.1f} tok/s, step {_ms(r['step'])} ms")
+        for backend in config.forwards:
+            mode = backend or "eager"
+            for t in config.temperatures:
+                for bs in config.batch_sizes:
+                    for name, budget in policies.items():
+                        r = timed_decode(pair, budget, bs, t, config, dev, allocator if name == SERVED else None,
+                                         backend=backend)
+                        rows.append({"forward": mode, "T": t, "batch": bs, "policy": name, **r})
+                        log(f"{mode} T={t:g} batch={bs} {name}: {r['tokens_per_s']:.1f} tok/s, "
+                            f"step {_ms(r['step'])} ms")
         return rows
 
     section("throughput", throughput)
@@ -138,10 +155,10 @@ def device_check(config: CheckConfig, out_dir: str | Path, *, device: str | None
     def floor() -> dict[str, Any]:
         weight_bytes = sum(p.numel() * p.element_size() for p in pair.target.parameters())
         bw = bandwidth(dev, config.bandwidth_bytes)
-        plain1 = next((r["step"] for r in result.get("throughput") or []
-                       if r["policy"] == "plain" and r["batch"] == min(config.batch_sizes) and r["T"] == 0), None)
+        plain1 = {r["forward"]: r["step"] for r in result.get("throughput") or []
+                  if r["policy"] == "plain" and r["batch"] == min(config.batch_sizes) and r["T"] == 0}
         return {"weight_bytes": weight_bytes, "bandwidth_gb_s": bw / 1e9, "floor_s": weight_bytes / bw,
-                "plain_step_s": plain1}
+                "plain_step_s": plain1}  # by forward: eager, or the compile backend
 
     section("floor", floor)
     return result
@@ -181,9 +198,9 @@ def render(r: dict[str, Any]) -> str:
                   "backbone (host Python and the small device calls); syncs: synchronisations seen by "
                   "`torch.cuda.set_sync_debug_mode` (CUDA only); copies: the engine's own count of "
                   "device-to-host copies and waits.", "",
-                  markdown_table(["T", "batch", "policy", "tokens/s", "step", "verify", "backbone", "draft", "walk",
+                  markdown_table(["forward", "T", "batch", "policy", "tokens/s", "step", "verify", "backbone", "draft", "walk",
                                   "rest", "syncs", "copies", "nodes/row"],
-                                 [[f"{t['T']:g}", str(t["batch"]), t["policy"], f"{t['tokens_per_s']:.1f}",
+                                 [[t.get("forward", "eager"), f"{t['T']:g}", str(t["batch"]), t["policy"], f"{t['tokens_per_s']:.1f}",
                                    _ms(t["step"]), _ms(t["verify"]), _ms(t["backbone"]), _ms(t["draft"]),
                                    _ms(t["walk"]), _ms(t["rest"]), "-" if t["syncs"] is None else str(t["syncs"]),
                                    str(t["copies"]), f"{t['nodes']:.1f}"] for t in r["throughput"]])]
@@ -198,7 +215,8 @@ def render(r: dict[str, Any]) -> str:
         lines += ["", "## The floor", "",
                   f"Target weights {f['weight_bytes'] / 2**30:.2f} GiB over a measured copy bandwidth of "
                   f"{f['bandwidth_gb_s']:.1f} GB/s: a decode step cannot take less than {_ms(f['floor_s'])} ms. "
-                  f"Plain decoding's step at batch {min(cfg['batch_sizes'])}: {_ms(f['plain_step_s'])} ms."]
+                  f"Plain decoding's step at batch {min(cfg['batch_sizes'])}: "
+                  + ", ".join(f"{_ms(s)} ms ({fw})" for fw, s in f["plain_step_s"].items()) + "."]
     for name, tb in r.get("errors", {}).items():
         lines += ["", f"## Error in {name}", "", "```", tb.rstrip(), "```"]
     return "\n".join(lines) + "\n"

@@ -70,14 +70,18 @@ class Checks:
         return all(r["ok"] for r in self.rows)
 
 
-def check_logits(pair: ModelPair, device: torch.device, checks: Checks, inject: Inject | None, seed: int) -> None:
-    """The runner's logits and taps against the transformers forward on the same weights."""
+def check_logits(pair: ModelPair, device: torch.device, checks: Checks, inject: Inject | None, seed: int,
+                 backend: str | None = None) -> None:
+    """The runner's logits and taps against the transformers forward on the same weights
+    (``backend``: the runner's forward compiled with it; its rows say so)."""
+    mode = "" if backend is None else f" ({backend})"
     exact = next(pair.target.parameters()).dtype == torch.float32
     (ids,) = random_prompts(1, 48, pair.vocab_size, seed)
     x = torch.tensor([ids], device=device)
     with torch.no_grad():
         ref = pair.target(x).logits.float()
-    runner = TargetRunner(pair.target, pair.drafter.config.target_layer_ids, products_for(device))
+    runner = TargetRunner(pair.target, pair.drafter.config.target_layer_ids, products_for(device),
+                          compile_backend=backend)
     n = x.shape[1]
     store = KVStore(runner.store_shape, 1, n, device, runner.dtype)
     pos = torch.arange(n, device=device)[None]
@@ -85,28 +89,29 @@ def check_logits(pair: ModelPair, device: torch.device, checks: Checks, inject: 
     out = runner.forward(x, pos, pos, store, slice(0, 1), mask)
     got = out.logits if inject is None else inject("runner_logits", out.logits)
     finite = bool(torch.isfinite(got).all() and torch.isfinite(ref).all() and torch.isfinite(out.taps).all())
-    checks.add("runner and transformers logits finite", finite, str(finite), "True")
+    checks.add(f"runner and transformers logits finite{mode}", finite, str(finite), "True")
     diff = float((got - ref).abs().max())
     scale = float(ref.abs().max())
     agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
     tol = 1e-3 * max(scale, 1.0) if exact else 0.05 * max(scale, 1.0)
-    checks.add("runner vs transformers: max |logit diff|", diff <= tol, f"{diff:.3g} (max |logit| {scale:.3g})",
+    checks.add(f"runner vs transformers: max |logit diff|{mode}", diff <= tol, f"{diff:.3g} (max |logit| {scale:.3g})",
                f"<= {tol:.3g}")
     need = 1.0 if exact else 0.95
-    checks.add("runner vs transformers: argmax agreement", agree >= need, f"{agree:.4f}", f">= {need}")
+    checks.add(f"runner vs transformers: argmax agreement{mode}", agree >= need, f"{agree:.4f}", f">= {need}")
     # the drafter on the runner's taps: finite block logits
     d = pair.drafter
     k, v = d.context_kv(out.taps.to(d.fc.weight.dtype), pos)
     u = d.block_logits(x[:, -1], DenseKV(k, v), torch.tensor([n], device=device))
     u = u if inject is None else inject("drafter_logits", u)
-    checks.add("drafter block logits finite", bool(torch.isfinite(u).all()), str(bool(torch.isfinite(u).all())),
+    checks.add(f"drafter block logits finite{mode}", bool(torch.isfinite(u).all()), str(bool(torch.isfinite(u).all())),
                "True")
 
 
 def _generate(pair: ModelPair, prompts: list[list[int]], budget: Budget, tokens: int,
-              device: torch.device) -> list[list[int]]:
+              device: torch.device, backend: str | None = None) -> list[list[int]]:
     engine = Engine(pair, EngineConfig(max_batch_size=len(prompts), max_context=len(prompts[0]) + tokens + 8,
-                                       max_tree_nodes=32), budget=budget, products=products_for(device))
+                                       max_tree_nodes=32, compile_backend=backend),
+                    budget=budget, products=products_for(device))
     for i, p in enumerate(prompts):
         engine.add_request(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=tokens, seed=i))
     out: dict[str, list[int]] = {f"g{i}": [] for i in range(len(prompts))}
@@ -116,16 +121,19 @@ def _generate(pair: ModelPair, prompts: list[list[int]], budget: Budget, tokens:
     return [out[f"g{i}"] for i in range(len(prompts))]
 
 
-def check_greedy(pair: ModelPair, device: torch.device, cfg: CheckConfig, checks: Checks) -> dict[str, Any]:
-    """Greedy chain and tree output against plain decoding. A divergence passes only where
-    the plain path's top two logits (transformers forward) are within rounding."""
+def check_greedy(pair: ModelPair, device: torch.device, cfg: CheckConfig, checks: Checks,
+                 backend: str | None = None) -> dict[str, Any]:
+    """Greedy chain and tree output against plain decoding (``backend``: all three with
+    the target forward compiled with it). A divergence passes only where the plain path's
+    top two logits (transformers forward) are within rounding."""
+    mode = "" if backend is None else f" ({backend})"
     exact = next(pair.target.parameters()).dtype == torch.float32
     tie = 1e-3 if exact else 0.25
     prompts = random_prompts(cfg.greedy_prompts, 24, pair.vocab_size, cfg.seed + 1)
-    plain = _generate(pair, prompts, Budget.off(), cfg.greedy_tokens, device)
+    plain = _generate(pair, prompts, Budget.off(), cfg.greedy_tokens, device, backend)
     report = {}
     for name in ("chain of 4", "tree of 32"):
-        outs = _generate(pair, prompts, POLICIES[name], cfg.greedy_tokens, device)
+        outs = _generate(pair, prompts, POLICIES[name], cfg.greedy_tokens, device, backend)
         same = sum(o == p for o, p in zip(outs, plain, strict=True))
         first, margins = None, []
         for prompt, o, p in zip(prompts, outs, plain, strict=True):
@@ -137,9 +145,9 @@ def check_greedy(pair: ModelPair, device: torch.device, cfg: CheckConfig, checks
                 logits = pair.target(torch.tensor([prompt + p[:j]], device=device)).logits[0, -1].float()
             margins.append(float(logits[p[j]] - logits[o[j]]))
         ok = all(abs(m) <= tie for m in margins)
-        report[name] = {"matched": same, "of": len(prompts), "first_divergence": first, "margins": margins}
+        report[name + mode] = {"matched": same, "of": len(prompts), "first_divergence": first, "margins": margins}
         worst = max((abs(m) for m in margins), default=0.0)
-        checks.add(f"greedy {name} = plain decoding", ok,
+        checks.add(f"greedy {name} = plain decoding{mode}", ok,
                    f"{same}/{len(prompts)} identical; first divergence {first}; worst margin {worst:.3g}",
                    f"divergences only at near-ties (|margin| <= {tie})")
     return report

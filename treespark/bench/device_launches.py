@@ -60,12 +60,15 @@ def profile_step(engine: Engine) -> dict[str, Any]:
             "device_events": len(kernels) if cuda else None, "attention_kernels": attention}
 
 
-def step_launches(pair: ModelPair, device: torch.device, seed: int, prompt_len: int = 64) -> dict[str, Any]:
+def step_launches(pair: ModelPair, device: torch.device, seed: int, prompt_len: int = 64,
+                  backend: str | None = None) -> dict[str, Any]:
     """``profile_step`` at batch 1, T = 0, for plain decoding and a tree of 32 (after the
-    prompt is prefilled and two steps have warmed up)."""
+    prompt is prefilled and two steps have warmed up); ``backend``: the target forward
+    compiled with it (``EngineConfig.compile_backend``)."""
     out = {}
     for name in ("plain", "tree of 32"):
-        engine = Engine(pair, EngineConfig(max_batch_size=1, max_context=prompt_len + 256, max_tree_nodes=32),
+        engine = Engine(pair, EngineConfig(max_batch_size=1, max_context=prompt_len + 256, max_tree_nodes=32,
+                                           compile_backend=backend),
                         budget=POLICIES[name], products=products_for(device))
         (prompt,) = random_prompts(1, prompt_len, pair.vocab_size, seed)
         engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=200, seed=0))
@@ -73,5 +76,5 @@ def step_launches(pair: ModelPair, device: torch.device, seed: int, prompt_len: 
             engine.step()
         for _ in range(2):
             engine.step()
-        out[name] = profile_step(engine)
+        out[name + ("" if backend is None else f", {backend}")] = profile_step(engine)
     return out

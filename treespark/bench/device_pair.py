@@ -52,13 +52,16 @@ class CheckConfig:
     policy_profile_s: float = 20.0        # the served policy's startup step-cost measurement
     bandwidth_bytes: int = 1 << 30
     full_size_checkpoint: bool = True     # the loader fixture at the drafter's real size (else: tiny)
+    # the target forward eager (None), and compiled with these backends (EngineConfig.compile_backend)
+    forwards: tuple[str | None, ...] = (None, "inductor")
     seed: int = 0
 
     @classmethod
     def cpu(cls) -> CheckConfig:
         """The tiny CPU run (well under a minute): the same sections at small sizes."""
         return cls(shape=TINY, batch_sizes=(1, 2), prompt_len=16, timed_steps=4, warm_steps=1, greedy_prompts=2,
-                   greedy_tokens=12, long_context=((2, 512),), policy_profile_s=2.0, bandwidth_bytes=1 << 26)
+                   greedy_tokens=12, long_context=((2, 512),), policy_profile_s=2.0, bandwidth_bytes=1 << 26,
+                   forwards=(None,))
 
 
 POLICIES = {"plain": Budget.off(), "chain of 4": Budget.chain(4), "tree of 32": Budget(0.0, 32, 4)}

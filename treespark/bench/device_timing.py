@@ -60,7 +60,7 @@ class StageClock:
 
 def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float, cfg: CheckConfig,
                  device: torch.device, allocator: StepAllocator | None = None,
-                 prompt_len: int | None = None) -> dict[str, Any]:
+                 prompt_len: int | None = None, backend: str | None = None) -> dict[str, Any]:
     """Prefill ``batch`` requests, then time ``timed_steps`` decode steps that all run the
     full batch (max_tokens leaves every request running through the window)."""
     plen = prompt_len or cfg.prompt_len
@@ -69,7 +69,7 @@ def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float
     steps = batch * -(-plen // chunk) + cfg.warm_steps + cfg.timed_steps + 4  # >= the steps any request decodes
     max_tokens = steps * (blk + 1)
     engine = Engine(pair, EngineConfig(max_batch_size=batch, max_context=plen + max_tokens + 8,
-                                       max_tree_nodes=32, prefill_chunk=chunk),
+                                       max_tree_nodes=32, prefill_chunk=chunk, compile_backend=backend),
                     budget=budget, products=products_for(device))
     if allocator is not None:
         engine.set_allocator(allocator)

@@ -5,7 +5,7 @@ Three runners over the same model and product plan, side by side in one run:
 ``TargetRunner(fused=False)``, the reference (seven products a layer, transformers'
 RMSNorm modules, ``rotate_half``); the default fused forward (four products a layer,
 ``F.rms_norm``, one rope over q and k); and the fused forward with its norms, rotation
-and activation compiled by ``torch.compile`` (``compiled=True``). Operators are counted
+and activation compiled by ``torch.compile`` (``compile_backend="inductor"``). Operators are counted
 with ``torch.profiler`` over one forward after a warm-up: *called* = the operators the
 forward's Python calls (``aten::``, ``mkldnn::``, ..., and each call into a compiled
 region; an operator called from inside another is not counted again), *all* = every
@@ -146,7 +146,7 @@ def ops_benchmark(pair: ModelPair, batch_sizes: tuple[int, ...] = (1, 4, 16), ne
     vocab = target.config.vocab_size
     plan = product_plan(target)
     runners = {"reference": TargetRunner(target, taps, plan, fused=False), "fused": TargetRunner(target, taps, plan),
-               "compiled": TargetRunner(target, taps, plan, compiled=True)}
+               "compiled": TargetRunner(target, taps, plan, compile_backend="inductor")}
     rows = []
     for label, batch, parents in (("decode, batch 1", 1, (-1,)), ("verify, batch 8 x tree 8", 8, TREE_PARENTS)):
         counts, logits = {}, {}

@@ -103,9 +103,10 @@ class EngineConfig:
     # (no kv_blocks: max_batch_size requests at max_context each, or fewer if the budget says so)
     prefix_caching: bool = True     # reuse the cached blocks of a prompt's longest known prefix
     attention: AttentionPath = AttentionPath.GROUPED  # the target's attention path (kernels/attention.py)
-    # the target forward's norms, rotation and activation compiled by torch.compile
-    # (kernels/layer_ops.py): fewer launches on a GPU; the first steps of each shape compile
-    compiled: bool = False
+    # the target forward's norms, rotation and activation compiled by torch.compile with this
+    # backend ("inductor"; kernels/layer_ops.py): fewer launches on a GPU, slower on CPU
+    # (docs/results/engine/ops.md); the first steps of each shape compile. None: eager
+    compile_backend: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_context", "prefill_chunk", "block_size", "max_num_batched_tokens"):
@@ -133,7 +134,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.drafter = pair.drafter
         self.runner = TargetRunner(pair.target, self.drafter.config.target_layer_ids, products,
-                                   attention=self.config.attention, compiled=self.config.compiled)
+                                   attention=self.config.attention, compile_backend=self.config.compile_backend)
         self.device = self.runner.device
         dc = self.drafter.config
         shapes = (self.runner.store_shape, StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim))

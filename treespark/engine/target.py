@@ -57,13 +57,14 @@ class TargetRunner:
 
     def __init__(self, model: PreTrainedModel, tap_layers: tuple[int, ...],
                  products: ProductPlan | None = None, fused: bool = True,
-                 attention: AttentionPath = AttentionPath.GROUPED, compiled: bool = False) -> None:
+                 attention: AttentionPath = AttentionPath.GROUPED, compile_backend: str | None = None) -> None:
         """``products``: the CPU product layout per row count (default: ``product_plan``,
         timed on this machine); ignored off CPU. ``fused``: the fused forward (False: the
         reference, separate products and transformers' norm modules). ``attention``: the
         attention path (``treespark.kernels.attention``; the reference is the plain gather
-        + SDPA). ``compiled``: the fused forward's norms, rotary embeddings and activation
-        compiled by ``torch.compile`` (``treespark.kernels.layer_ops.compiled_layer_ops``)."""
+        + SDPA). ``compile_backend``: the fused forward's norms, rotary embeddings and
+        activation compiled by ``torch.compile`` with this backend (``inductor``, ...;
+        ``treespark.kernels.layer_ops.compiled_layer_ops``); None: not compiled."""
         self.model = model
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
@@ -86,9 +87,9 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.fused = fused
-        if compiled and not fused:
-            raise ValueError("the compiled forward is the fused one: compiled=True needs fused=True")
-        self.ops = compiled_layer_ops() if compiled else EAGER
+        if compile_backend is not None and not fused:
+            raise ValueError("the compiled forward is the fused one: compile_backend needs fused=True")
+        self.ops = EAGER if compile_backend is None else compiled_layer_ops(compile_backend)
         self.act = getattr(cfg, "hidden_act", "silu")
         if fused and self.act not in ACTIVATIONS:
             raise ValueError(f"the fused forward runs {sorted(ACTIVATIONS)}, not hidden_act={self.act!r}")

@@ -80,22 +80,25 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
 class LayerOps:
     """The target forward's operators between its products and its attention, as plain
     functions (``EAGER``) or each compiled by ``torch.compile`` (``compiled_layer_ops``):
-    one fused kernel per call on a GPU instead of several, and no Python between them."""
+    on a GPU, one fused kernel per call instead of several."""
 
     rms_norm: Callable
     residual_rms_norm: Callable
     act_mul: Callable
     qk_norm_rope: Callable
-    compiled: bool
+    backend: str | None  # torch.compile's backend; None: not compiled
 
 
-EAGER = LayerOps(rms_norm, residual_rms_norm, act_mul, qk_norm_rope, compiled=False)
+EAGER = LayerOps(rms_norm, residual_rms_norm, act_mul, qk_norm_rope, backend=None)
 
 
 @functools.cache
-def compiled_layer_ops() -> LayerOps:
-    """``LayerOps`` compiled once per process (dynamic shapes: one graph serves every
-    row and token count, apart from torch's own specialisation of sizes 0 and 1).
-    Inductor caches what it compiles on disk, so a later process compiles faster."""
-    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
-    return LayerOps(*(compile_(f) for f in (rms_norm, residual_rms_norm, act_mul, qk_norm_rope)), compiled=True)
+def compiled_layer_ops(backend: str = "inductor") -> LayerOps:
+    """``LayerOps`` compiled by ``torch.compile(backend=backend)``, once per process and
+    backend, with dynamic shapes: one graph serves every row and token count, apart from
+    torch's own specialisation of sizes 0 and 1. ``inductor`` generates the kernels
+    (Triton on a GPU, C++ on a CPU) and caches them on disk, so a later process compiles
+    faster; ``aot_eager`` traces the same graphs and runs them on torch's own kernels
+    (what the test suite checks the traced engine with, in seconds)."""
+    compile_ = functools.partial(torch.compile, backend=backend, dynamic=True, fullgraph=True)
+    return LayerOps(*(compile_(f) for f in (rms_norm, residual_rms_norm, act_mul, qk_norm_rope)), backend=backend)
