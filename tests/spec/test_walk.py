@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from treespark.kernels.compile import compiled
 from treespark.spec.sampling import sample_rows, target_probs_rows
-from treespark.spec.walk import SampledTrees, walk_sampled
+from treespark.spec.walk import SampledTrees, walk_level, walk_sampled
 
 
 def reference_walk(logits, temperature, top_p, trees, q_rows, q_totals, d2t, accept_u, final_u):
@@ -88,9 +89,13 @@ def random_trees(g, r, k, c, vd, d2t):
     return SampledTrees(tokens, ids, children, q_row, depth), rows
 
 
-@pytest.mark.parametrize("d2t_size", [0, 24])
-@pytest.mark.parametrize("top_p", [None, 0.8])
-def test_the_walk_equals_the_rule_written_out(d2t_size, top_p):
+@pytest.mark.parametrize(("d2t_size", "top_p", "backend"),
+                         [(0, None, None), (24, None, None), (0, 0.8, None), (24, 0.8, None),
+                          (24, 0.8, "aot_eager"), (24, 0.8, "inductor")])
+def test_the_walk_equals_the_rule_written_out(d2t_size, top_p, backend):
+    # each depth eager, traced (aot_eager: torch's kernels) or compiled (inductor's kernels,
+    # float64 sums in another order: the same tokens, these uniforms being nowhere near a tie)
+    level = walk_level if backend is None else compiled(walk_level, backend)
     g = torch.Generator().manual_seed(7 + d2t_size)
     v, r, k, c = 40, 64, 9, 3
     vd = d2t_size or v
@@ -106,11 +111,12 @@ def test_the_walk_equals_the_rule_written_out(d2t_size, top_p):
     accept_u = torch.rand(r, trees.depth + 1, c, generator=g, dtype=torch.float64)
     final_u = torch.rand(r, generator=g, dtype=torch.float64)
     want = reference_walk(logits, temperature, tp, trees, q_rows, q_totals, d2t, accept_u, final_u)
-    got = walk_sampled(logits, torch.arange(r), temperature, tp, trees, q_rows, q_totals, d2t, accept_u, final_u)
+    got = walk_sampled(logits, torch.arange(r), temperature, tp, trees, q_rows, q_totals, d2t, accept_u, final_u,
+                       level)
     assert (want[:, :-1] >= 0).any(), "some siblings must be accepted"
     assert torch.equal(got, want)
     # the rows of a bigger step, picked by index, walk alike
     wide = torch.cat([torch.randn(3, k, v, generator=g), logits])
     got = walk_sampled(wide, torch.arange(3, 3 + r), temperature, tp, trees, q_rows, q_totals, d2t,
-                       accept_u, final_u)
+                       accept_u, final_u, level)
     assert torch.equal(got, want)

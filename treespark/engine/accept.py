@@ -10,6 +10,8 @@ own tree's shape (batch-independent). One copy brings both to the host, where
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -18,13 +20,14 @@ from treespark.kernels.transfer import HostTransfers
 from treespark.spec.drafting import RoundDraft
 from treespark.spec.sampling import sample_rows, target_probs_rows
 from treespark.spec.verify import VerifyResult, verify_greedy, walked
-from treespark.spec.walk import SampledTrees, branching, walk_sampled
+from treespark.spec.walk import SampledTrees, branching, walk_level, walk_sampled
 
 
 def accept(batch: list[Request], drafted: RoundDraft, logits: torch.Tensor, transfers: HostTransfers,
-           d2t: torch.Tensor | None) -> list[VerifyResult]:
+           d2t: torch.Tensor | None, level: Callable = walk_level) -> list[VerifyResult]:
     """Verify every tree on the device; one copy brings back the small results:
-    the target's argmax at every node of greedy rows, the walk of sampled rows."""
+    the target's argmax at every node of greedy rows, the walk of sampled rows (each
+    depth a call of ``level``: ``walk_level`` or a compiled copy)."""
     trees = drafted.trees
     greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0]
     sampled = [i for i, r in enumerate(batch) if r.params.temperature > 0]
@@ -33,7 +36,7 @@ def accept(batch: list[Request], drafted: RoundDraft, logits: torch.Tensor, tran
         # the greedy rows on the device would upload their indices, a blocking copy on CUDA)
         parts.append(logits.argmax(-1).flatten())
     if sampled:
-        parts.append(_walk(batch, drafted, logits, sampled, transfers, d2t).flatten())
+        parts.append(_walk(batch, drafted, logits, sampled, transfers, d2t, level).flatten())
     host = transfers.fetch(torch.cat(parts)).tolist()
     results: list[VerifyResult | None] = [None] * len(batch)
     kmax = logits.shape[1]
@@ -47,7 +50,7 @@ def accept(batch: list[Request], drafted: RoundDraft, logits: torch.Tensor, tran
     return results  # type: ignore[return-value]
 
 def _walk(batch: list[Request], drafted: RoundDraft, logits: torch.Tensor, sampled: list[int],
-          transfers: HostTransfers, d2t: torch.Tensor | None) -> torch.Tensor:
+          transfers: HostTransfers, d2t: torch.Tensor | None, level: Callable) -> torch.Tensor:
     """The T > 0 rows' recursive rejection walk (``treespark.spec.walk``): the trees,
     the uniforms and the rows' parameters go up in two uploads."""
     trees = [drafted.trees[i] for i in sampled]
@@ -71,7 +74,7 @@ def _walk(batch: list[Request], drafted: RoundDraft, logits: torch.Tensor, sampl
     top_p = floats[:, -1] if any(p.top_p < 1 for p in params) else None
     n_u = (depth + 1) * c
     return walk_sampled(logits, ints[:, 0], floats[:, -2], top_p, dev_trees, drafted.q_rows,
-                        drafted.q_totals, d2t, floats[:, :n_u].view(r, depth + 1, c), floats[:, n_u])
+                        drafted.q_totals, d2t, floats[:, :n_u].view(r, depth + 1, c), floats[:, n_u], level)
 
 
 def sample_firsts(reqs: list[Request], logits: torch.Tensor, transfers: HostTransfers) -> list[int]:

@@ -72,6 +72,7 @@ from treespark.engine.step_alloc import StepAllocator
 from treespark.engine.step_stats import step_stats
 from treespark.engine.target import TargetRunner
 from treespark.kernels.attention import AttentionPath
+from treespark.kernels.compile import compiled
 from treespark.kernels.linear import ProductPlan
 from treespark.kernels.transfer import HostTransfers
 from treespark.models.pair import ModelPair
@@ -83,6 +84,7 @@ from treespark.spec.params import RequestOutput, RoundStats, SamplingParams, Ste
 from treespark.spec.sampling import TorchSampler
 from treespark.spec.tree import DraftTree, tree_batch
 from treespark.spec.verify import VerifyResult
+from treespark.spec.walk import walk_level
 
 
 @dataclass(frozen=True)
@@ -103,9 +105,10 @@ class EngineConfig:
     # (no kv_blocks: max_batch_size requests at max_context each, or fewer if the budget says so)
     prefix_caching: bool = True     # reuse the cached blocks of a prompt's longest known prefix
     attention: AttentionPath = AttentionPath.GROUPED  # the target's attention path (kernels/attention.py)
-    # the target forward's norms, rotation and activation compiled by torch.compile with this
-    # backend ("inductor"; kernels/layer_ops.py): fewer launches on a GPU, slower on CPU
-    # (docs/results/engine/ops.md); the first steps of each shape compile. None: eager
+    # the target forward's norms, rotation and activation, and a depth of the T > 0 walk,
+    # compiled by torch.compile with this backend ("inductor"; kernels/compile.py): fewer
+    # launches on a GPU (docs/results/engine/ops.md for CPU); the first steps of each shape
+    # compile. None: eager
     compile_backend: str | None = None
 
     def __post_init__(self) -> None:
@@ -135,6 +138,8 @@ class Engine:
         self.drafter = pair.drafter
         self.runner = TargetRunner(pair.target, self.drafter.config.target_layer_ids, products,
                                    attention=self.config.attention, compile_backend=self.config.compile_backend)
+        backend = self.config.compile_backend
+        self._walk_level = walk_level if backend is None else compiled(walk_level, backend)  # a depth of the T > 0 walk
         self.device = self.runner.device
         dc = self.drafter.config
         shapes = (self.runner.store_shape, StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim))
@@ -365,7 +370,7 @@ class Engine:
             policy_s = self.allocator.policy_s
         t_verify = time.perf_counter()
         logits, taps = self._verify_forward(batch, drafted.trees, lengths, table_d)
-        results = accept(batch, drafted, logits, self.transfers, self._d2t)
+        results = accept(batch, drafted, logits, self.transfers, self._d2t, self._walk_level)
         asked = [Emitted(i, [0, *r.path], list(r.tokens), req.params.logprobs)
                  for i, (req, r) in enumerate(zip(batch, results, strict=True)) if req.params.logprobs is not None]
         lps = dict(zip((e.row for e in asked), step_logprobs(logits, asked, self.transfers), strict=True))

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from treespark.kernels.compile import compiled
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., D]; weight: [D] (or any shape that broadcasts against ``x``, e.g.
@@ -92,13 +94,10 @@ class LayerOps:
 EAGER = LayerOps(rms_norm, residual_rms_norm, act_mul, qk_norm_rope, backend=None)
 
 
-@functools.cache
 def compiled_layer_ops(backend: str = "inductor") -> LayerOps:
-    """``LayerOps`` compiled by ``torch.compile(backend=backend)``, once per process and
-    backend, with dynamic shapes: one graph serves every row and token count, apart from
-    torch's own specialisation of sizes 0 and 1. ``inductor`` generates the kernels
-    (Triton on a GPU, C++ on a CPU) and caches them on disk, so a later process compiles
-    faster; ``aot_eager`` traces the same graphs and runs them on torch's own kernels
-    (what the test suite checks the traced engine with, in seconds)."""
-    compile_ = functools.partial(torch.compile, backend=backend, dynamic=True, fullgraph=True)
-    return LayerOps(*(compile_(f) for f in (rms_norm, residual_rms_norm, act_mul, qk_norm_rope)), backend=backend)
+    """``LayerOps`` compiled by ``torch.compile(backend=backend)`` (``treespark.kernels.compile``).
+    ``inductor`` generates the kernels (Triton on a GPU, C++ on a CPU); ``aot_eager``
+    traces the same graphs and runs them on torch's own kernels (what the test suite
+    checks the traced engine with, in seconds)."""
+    return LayerOps(*(compiled(f, backend) for f in (rms_norm, residual_rms_norm, act_mul, qk_norm_rope)),
+                    backend=backend)
