@@ -14,9 +14,9 @@ from treespark.bench.common import write_out
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """The ``bench`` subcommand and its options, on the ``treespark`` parser's ``sub``."""
     b = sub.add_parser("bench", help="benchmarks: engine | acceptance | wallclock | theta | linear | ops | rounds | "
-                                     "serving | attention")
+                                     "serving | attention | walk")
     b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear", "ops", "rounds", "serving",
-                                    "attention"])
+                                    "attention", "walk"])
     b.add_argument("--pair", default="default", choices=["default", "random"])
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     b.add_argument("--max-tokens", type=int, default=64)
@@ -37,7 +37,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--host", action="store_true",
                    help="rounds: whole decode steps at each of --batch-sizes with trees of 32 (CPU and wall ms, "
                         "host syncs and uploads per step)")
-    b.add_argument("--steps", type=int, default=3, help="rounds --host: timed steps per cell")
+    b.add_argument("--steps", type=int, default=3, help="rounds --host, walk: timed steps per cell")
     b.add_argument("--drafter", help="the default target with this drafter directory (its calibration.json)")
     b.add_argument("--goals", action="store_true",
                    help="acceptance: only the drafter's goal rows (first-token, tuned chain, adaptive at a low price)")
@@ -74,6 +74,11 @@ def run_bench(args: argparse.Namespace) -> None:
 
         write_out(serving_benchmark(base=Path(args.base) if args.base else None, burst_prompt=args.burst_prompt),
                args.out)
+        return
+    if args.what == "walk":  # builds the tiny Qwen3 pair at the GPU pair's vocabulary
+        from treespark.bench.walk import walk_benchmark
+
+        write_out(walk_benchmark(tuple(args.batch_sizes), steps=args.steps), args.out)
         return
     pair = pair_by_name(args.pair, args.drafter)
     if args.what == "acceptance" and args.goals:
