@@ -108,16 +108,16 @@ def test_a_section_that_raises_fails_the_check_and_the_rest_still_run(tmp_path, 
     assert json.loads((tmp_path / "device-check.json").read_text())["errors"].keys() == {"loader"}
 
 
-def test_bfloat16_eager_and_traced_as_on_a_gpu_passes_on_cpu(tmp_path):
-    # the GPU's dtype and both forwards through every section, at the smallest sizes
-    cfg = replace(CheckConfig.cpu(), batch_sizes=(2,), timed_steps=2, warm_steps=1, greedy_prompts=2,
-                  greedy_tokens=8, long_context=((1, 64),), policy_profile_s=0.5,
-                  forwards=(None, "aot_eager"))
+def test_bfloat16_and_a_traced_forward_as_on_a_gpu_pass_on_cpu(tmp_path):
+    # the GPU's dtype and a compiled forward (traced: aot_eager) through every section, at
+    # the smallest sizes (the eager forward's sections run in the float32 tests above)
+    cfg = replace(CheckConfig.cpu(), batch_sizes=(2,), temperatures=(1.0,), timed_steps=2, warm_steps=1,
+                  greedy_prompts=2, greedy_tokens=8, long_context=((1, 64),), policy_profile_s=0.5,
+                  forwards=("aot_eager",))
     result = device_check(cfg, tmp_path, device="cpu", log=lambda m: None, dtype=torch.bfloat16)
     assert result["preflight"]["dtype"] == "torch.bfloat16"
     assert result["ok"], (result["errors"], [c for c in result["checks"] if not c["ok"]])
-    assert {r["forward"] for r in result["throughput"]} == {"eager", "aot_eager"}
+    assert {r["forward"] for r in result["throughput"]} == {"aot_eager"}
     assert any(c["check"] == "greedy tree of 32 = plain decoding (aot_eager)" for c in result["checks"])
-    eager, compiled = result["launches"]["plain"], result["launches"]["plain, aot_eager"]
-    assert compiled["per_forward"] < eager["per_forward"]  # a compiled region is one call
+    assert set(result["launches"]) == {"plain, aot_eager", "tree of 32, aot_eager"}
     assert "forward | T | batch" in (tmp_path / "device-check.md").read_text()

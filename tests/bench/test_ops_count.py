@@ -6,7 +6,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from treespark import random_pair
-from treespark.bench.ops import COMPILED_REGION, _verify_call, count_ops, top_level_ops
+from treespark.bench.forward_calls import verify_call
+from treespark.bench.ops import COMPILED_REGION, count_ops, top_level_ops
 from treespark.engine.target import TargetRunner
 from treespark.kernels.linear import F_LINEAR, ProductPlan
 
@@ -16,7 +17,7 @@ def test_a_compiled_region_counts_as_one_call_and_the_compiled_forward_calls_few
     counts, logits = {}, {}
     for name, kwargs in (("fused", {}), ("compiled", {"compile_backend": "inductor"})):
         runner = TargetRunner(pair.target, (0,), ProductPlan.fixed(F_LINEAR), **kwargs)
-        call, logits[name] = _verify_call(runner, 1, (-1,), 512)
+        call, logits[name] = verify_call(runner, 1, (-1,), 512)
         counts[name] = count_ops(call)
     torch.testing.assert_close(logits["compiled"], logits["fused"], rtol=1e-4, atol=1e-4)
     fused, compiled = counts["fused"], counts["compiled"]

@@ -22,7 +22,7 @@ STARTS = ("fresh", "cached")
 @torch.no_grad()
 def first_calls(pair_name: str) -> dict[str, float]:
     """Seconds of the first forwards of a compiled runner over ``pair_name``'s target."""
-    from treespark.bench.ops import TREE_PARENTS, _verify_call
+    from treespark.bench.forward_calls import TREE_PARENTS, verify_call
     from treespark.engine.products import product_plan
     from treespark.engine.target import TargetRunner
     from treespark.models.pair import pair_by_name
@@ -33,7 +33,7 @@ def first_calls(pair_name: str) -> dict[str, float]:
     out = {}
     for label, batch, parents in (("decode_s", 1, (-1,)), ("verify_s", 8, TREE_PARENTS)):
         t0 = time.perf_counter()
-        call, _ = _verify_call(runner, batch, parents, target.config.vocab_size)  # a prefill, then the call
+        call, _ = verify_call(runner, batch, parents, target.config.vocab_size)  # a prefill, then the call
         out[label] = time.perf_counter() - t0
         if label == "decode_s":
             t0 = time.perf_counter()
