@@ -59,6 +59,7 @@ import torch
 
 from treespark.engine.accept import accept, sample_firsts
 from treespark.engine.attend import PagedContext
+from treespark.engine.commit import commit_plan
 from treespark.engine.kv import (
     PagedKV,
     StoreShape,
@@ -431,20 +432,10 @@ class Engine:
         # device operations: one taps gather, one move per store (the target's; the
         # drafter's context is written anew from the taps), one drafter call and write.
         # Rows that finish now too: their blocks are freed below, whatever they hold.
-        keeps = [[0, *r.path] for r in results]
-        rows = [i for i, keep in enumerate(keeps) for _ in keep]
-        nodes = [x for keep in keeps for x in keep]
-        kept = [list(range(lengths[i], lengths[i] + len(keep))) for i, keep in enumerate(keeps)]
-        src, dst = [], []
-        for req, keep, pos in zip(batch, keeps, kept, strict=True):
-            if keep != list(range(len(keep))):   # the accepted path, down next to the context
-                src += self.kv.slots(req.blocks, [pos[0] + x for x in keep])
-                dst += self.kv.slots(req.blocks, pos)
-        ctx_pos = [p for pos in kept for p in pos]
-        ctx_slots = [x for req, pos in zip(batch, kept, strict=True) for x in self.kv.slots(req.blocks, pos)]
-        m, e = len(rows), len(src)
-        ints = self.transfers.upload(np.asarray([*rows, *nodes, *src, *dst, *ctx_pos, *ctx_slots], dtype=np.int64),
-                                     torch.long)
+        plan = commit_plan([list(r.path) for r in results], lengths,
+                           lambda i, positions: self.kv.slots(batch[i].blocks, positions))
+        keeps, m, e = plan.keeps, len(plan.rows), len(plan.src)
+        ints = self.transfers.upload(plan.packed(), torch.long)
         kept_taps = taps[ints[:m], ints[m:2 * m]]                                     # [M, taps]
         if e:
             self.kv.target.move(ints[2 * m:2 * m + e], ints[2 * m + e:2 * m + 2 * e])
