@@ -49,6 +49,9 @@ def test_other_threads_or_batch_sizes_are_another_fingerprint(pair64):
         torch.set_num_threads(n)
     bigger = Engine(pair64, EngineConfig(max_batch_size=8, max_context=96, max_tree_nodes=8))
     assert fingerprint(bigger, grid) != fp
+    compiled = Engine(pair64, EngineConfig(max_batch_size=4, max_context=96, max_tree_nodes=8,
+                                           compile_backend="inductor"))
+    assert fingerprint(compiled, grid) != fp  # a compiled forward's steps cost something else
 
 
 def test_another_product_plan_is_another_fingerprint(pair64):

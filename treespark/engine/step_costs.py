@@ -73,8 +73,8 @@ class StepCostTable:
 
 
 def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
-    """Hardware + model + dtype + threads + grid + product plan + attention path, hashed:
-    the cache key."""
+    """Hardware + model + dtype + threads + grid + product plan + attention path + compile
+    backend, hashed: the cache key."""
     pair = engine.pair
     n_target = sum(p.numel() for p in pair.target.parameters())
     n_drafter = sum(p.numel() for p in pair.drafter.parameters())
@@ -82,7 +82,8 @@ def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
            "torch": torch.__version__, "threads": torch.get_num_threads(), "pair": pair.name,
            "params": [n_target, n_drafter], "vocab": engine.vocab_size, "grid": grid,
            "max_batch": engine.config.max_batch_size,
-           "products": engine.runner.products_described, "attention": engine.config.attention.value}
+           "products": engine.runner.products_described, "attention": engine.config.attention.value,
+           "compile": engine.config.compile_backend}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
