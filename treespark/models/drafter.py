@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespark.kernels.attention import ContextKV, attention_bias, grouped_attention
+from treespark.kernels.layer_ops import rms_norm
 from treespark.kernels.linear import Linear, linear
 from treespark.models.rotary import Rotary, apply_rope
 
@@ -115,16 +116,16 @@ class DSparkConfig:
 
 
 class RMSNorm(nn.Module):
+    """transformers' RMSNorm maths (normalised in float32, cast back, then weighted) in one
+    ``F.rms_norm`` call (``treespark.kernels.layer_ops.rms_norm``: the same bits)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class DSparkAttention(nn.Module):
