@@ -7,6 +7,8 @@ import torch
 from scipy.stats import chisquare
 
 from treespark import Budget, generate
+from treespark.engine.core import Engine, EngineConfig
+from treespark.spec.params import SamplingParams
 
 PROMPT = [3, 1, 4]
 
@@ -38,19 +40,31 @@ def chi2_pvalue(samples: list[int], expected_p: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
+def seeded_samples(pair, n: int, temperature: float, budget: Budget,
+                   compile_backend: str | None = None) -> tuple[list[list[int]], int]:
+    """The first 3 tokens after ``PROMPT`` of requests seeded 0..n-1, all through one
+    engine (a seeded request's tokens do not depend on its batch: tests/engine), and the
+    draft nodes accepted in all."""
+    engine = Engine(pair, EngineConfig(max_batch_size=64, max_context=16, compile_backend=compile_backend),
+                    budget=budget)
+    accepted: list[int] = []
+    engine.on_step = lambda st: accepted.extend(st.accepted)
+    tokens: dict[int, list[int]] = {seed: [] for seed in range(n)}
+    for seed in range(n):
+        engine.add_request(str(seed), PROMPT, SamplingParams(temperature=temperature, max_tokens=3, seed=seed))
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[int(out.request_id)] += out.new_token_ids
+    return [tokens[seed] for seed in range(n)], sum(accepted)
+
+
 @pytest.mark.parametrize("temperature", [1.0, pytest.param(0.7, marks=pytest.mark.slow)])
 def test_second_and_third_tokens_follow_the_target(mimic16, temperature):
     n = 5000
-    second, third, accepted = [], [], 0
-    for seed in range(n):
-        out = generate(mimic16, PROMPT, max_new_tokens=3, temperature=temperature, seed=seed,
-                       budget=Budget(theta=0.0, node_cap=6, branch_cap=3))
-        second.append(out.token_ids[1])
-        third.append(out.token_ids[2])
-        accepted += sum(r.accepted for r in out.rounds)
+    samples, accepted = seeded_samples(mimic16, n, temperature, Budget(theta=0.0, node_cap=6, branch_cap=3))
     m2, m3 = exact_marginals(mimic16, PROMPT, temperature)
-    assert chi2_pvalue(second, m2) > 0.01
-    assert chi2_pvalue(third, m3) > 0.01
+    assert chi2_pvalue([t[1] for t in samples], m2) > 0.01
+    assert chi2_pvalue([t[2] for t in samples], m3) > 0.01
     assert accepted > n // 2, "the trees must be accepted often for the test to mean something"
 
 
