@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         f"over the Locust run). Status read every {a.period:g} s ({len({r['t'] for r in rows})} snapshots); "
         "each row: one (row count, verified-node bin) cell, mean step seconds (drafting + verify) over the "
         "snapshots, weighted by the cell's decayed steps in each. *startup table*: what the table measured "
-        "at startup predicts for those steps; *corrected*: what the table the allocation priced on at the end "
-        f"predicts; *measured*: the engine's clock. Cells under {a.min_steps:g} pooled steps are left out "
+        "at startup predicts for those steps; *corrected*: what the table the allocation priced on (as it stood at each "
+        f"snapshot) predicts; *measured*: the engine's clock. Cells under {a.min_steps:g} pooled steps are left out "
         "(the *all* row counts them).", "",
         *table_lines(pool(rows), a.min_steps), "",
         f"Factors at the end (draft, base, extra; guarded): {factors}. "
