@@ -167,11 +167,16 @@ class CostFit:
                                                        draft_s, verify_s, fitted, clipped), strict=True)]
 
     def _cell(self, rows: int, nodes: int) -> list[float]:
-        """The cell's sums, decayed to now."""
+        """The cell's sums, decayed to now and stored (the engine's side: ``observe``)."""
         c = self._cells.setdefault((rows, nodes), [float(self.steps)] + [0.0] * 8)
-        f = self.cell_decay ** (self.steps - c[0])
-        c[:] = [float(self.steps)] + [x * f for x in c[1:]]
+        c[:] = self._decayed(c)
         return c
+
+    def _decayed(self, c: list[float]) -> list[float]:
+        """A copy of the cell's sums decayed to now: the readers' side (a heartbeat thread
+        reads while the engine's thread observes; readers never write)."""
+        f = self.cell_decay ** (self.steps - c[0])
+        return [float(self.steps)] + [x * f for x in c[1:]]
 
     @property
     def draft(self) -> float:
@@ -195,8 +200,8 @@ class CostFit:
         base, extra = guard(base, self._weight, **g), guard(extra, self._weight, **g)
         draft = guard(self.draft, float(self._draft[1]), **g)
         by_rows: dict[int, np.ndarray] = {}
-        for bs, nb in list(self._cells):
-            c = self._cell(bs, nb)
+        for (bs, _), c in list(self._cells.items()):
+            c = self._decayed(c)
             by_rows[bs] = by_rows.get(bs, 0.0) + np.array([c[1], c[7], c[8]])
         # measured over what the factors of each step's time predicted, over the same for all row counts: what
         # sets this row count apart (the factors carry the common level, and the lag of a drift they followed)
@@ -214,8 +219,8 @@ class CostFit:
         seconds as the startup table predicts, as the corrected table predicts, as measured."""
         f = self.factors()
         out = []
-        for (bs, nb) in sorted(self._cells):
-            _, w, pd, pb, pe, md, mv, _, _ = self._cell(bs, nb)
+        for (bs, nb), c in sorted(self._cells.items()):
+            _, w, pd, pb, pe, md, mv, _, _ = self._decayed(c)
             if w <= 0:
                 continue
             mean = StepPrediction(pd / w, pb / w, pe / w)
