@@ -122,6 +122,12 @@ REPLICA_GAUGES = (
     (P + "generation_tokens_per_second", "Generated tokens per second.", "tokens_per_s"),
     (P + "controller_broadcast_age_seconds",
      "Seconds since the controller last sent this replica its budget (answered its heartbeat).", "last_seen_s"),
+    (P + "step_cost_correction",
+     "Online step-cost correction: mean step seconds on the corrected table over the startup table's "
+     "(recent steps; NaN without online_costs).", "cost_correction"),
+    (P + "step_time_over_table",
+     "Mean measured step seconds over the startup table's for the same steps (recent steps; NaN without "
+     "online_costs).", "step_time_over_table"),
     (P + "replica_first_budget_seconds",
      "Seconds from the replica's first heartbeat to its first budget from a controller (NaN until then).",
      "first_budget_s"),

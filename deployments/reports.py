@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from treespark.pricing.costfit import CostCell
+
 COUNTERS = (
     "requests",
     "requests_aborted",
@@ -70,6 +72,7 @@ class ReplicaReport:
     price_latency_s: tuple[float, ...] = ()    # controller price change -> applied here, recent ones
     policy_share: float = 0.0                  # the per-step allocation's CPU seconds over step seconds
     cost_factors: tuple[float, float, float] | None = None   # (draft, base, extra): the online fit on the table
+    cost_cells: tuple[CostCell, ...] = ()   # the online fit's mean step seconds by (rows, verified-node bin)
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> ReplicaReport:
@@ -88,4 +91,5 @@ class ReplicaReport:
             "base_calibration": pair(d["base_calibration"]),
             "price_latency_s": tuple(float(x) for x in d.get("price_latency_s", ())),
             "cost_factors": None if d.get("cost_factors") is None else tuple(float(x) for x in d["cost_factors"]),
+            "cost_cells": tuple(CostCell(int(c[0]), int(c[1]), *(float(x) for x in c[2:])) for c in d.get("cost_cells", ())),
         })

@@ -31,6 +31,7 @@ from typing import Any
 
 from deployments.metrics import merge
 from deployments.reports import COUNTERS, ReplicaReport
+from treespark.pricing.costfit import CostCell, served_ratios
 from treespark.pricing.costmodel import AcceptanceStats
 from treespark.pricing.estimators import (
     RoundWindow,
@@ -269,6 +270,7 @@ class ControllerState:
                     "price_latency_s": e.report.price_latency_s,
                     "policy_share": e.report.policy_share,
                     "cost_factors": e.report.cost_factors,
+                    **cost_view(e.report.cost_cells),
                     **asdict(e.report.tree),
                 }
                 for rid, e in sorted(self.replicas.items())
@@ -301,3 +303,15 @@ class ControllerState:
         st["samples"] = merge(self.departed_samples, *(e.report.metrics for e in self.replicas.values()),
                               *self.ingress_samples.values())
         return st
+
+
+def cost_view(cells: tuple[CostCell, ...]) -> dict[str, Any]:
+    """A replica's online step-cost correction as its status shows it: the cells (rows,
+    verified-node bin, steps, and mean step seconds on the startup table, on the corrected
+    one, and measured) and how far the served costs are from the startup table
+    (``cost_correction``: corrected / startup; ``step_time_over_table``: measured / startup;
+    None without ``online_costs``)."""
+    ratios = served_ratios(list(cells))
+    return {"cost_cells": [asdict(c) for c in cells],
+            "cost_correction": None if ratios is None else ratios[0],
+            "step_time_over_table": None if ratios is None else ratios[1]}

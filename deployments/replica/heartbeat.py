@@ -240,15 +240,30 @@ class Heartbeat:
             "step_costs": self.bundle.step_costs,
             "price_latency_s": list(self.price_latency),
             "cost_factors": self._cost_factors(),
+            "cost_cells": self._cost_cells(),
             "policy_share": (sum(getattr(s, "policy_s", 0.0) for s in window) / max(sum(s.step_s for s in window), 1e-9)
                              if window else 0.0),
         }
 
-    def _cost_factors(self) -> list[float] | None:
+    def _fit(self):
         """The engine's online correction of its step-cost table (perstep with
-        ``online_costs``): [draft, base, extra], or None."""
-        fit = getattr(getattr(self.bundle.engine, "allocator", None), "fit", None)
-        return None if fit is None else [fit.draft, *fit.verify_factors()]
+        ``online_costs``), or None."""
+        return getattr(getattr(self.bundle.engine, "allocator", None), "fit", None)
+
+    def _cost_factors(self) -> list[float] | None:
+        """[draft, base, extra] as applied to the table (guarded), or None."""
+        fit = self._fit()
+        if fit is None:
+            return None
+        f = fit.factors()
+        return [f.draft, f.base, f.extra]
+
+    def _cost_cells(self) -> list[list[float]]:
+        """Per (rows, verified-node bin): [rows, nodes, steps, startup table s, corrected s,
+        measured s], the decayed mean step seconds (``CostFit.cells``); none without a fit."""
+        fit = self._fit()
+        return [] if fit is None else [[c.rows, c.nodes, c.steps, c.table_s, c.corrected_s, c.measured_s]
+                                       for c in fit.cells()]
 
     def apply_budget(self, budget: Budget, source: str) -> None:
         self.budget_source = source

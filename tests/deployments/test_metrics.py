@@ -8,6 +8,7 @@ import json
 import math
 import re
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from deployments.config import AppArgs
 from deployments.controller.state import ControllerState
 from deployments.metrics import ReplicaMetrics, budget_mode, merge, render
 from deployments.reports import ReplicaReport, TreeStats
+from treespark.pricing.costfit import CostCell
 from treespark.pricing.policy import LadderPolicy
 
 MODEL = "treespark-random"
@@ -158,6 +160,24 @@ def test_render_per_replica_gauges():
     assert value(m, "treespark:num_requests_waiting", replica="r1") == 2
     assert value(m, "treespark:request_aborted_total") == 0   # unlabelled counters read 0 before any event
     assert b"# TYPE treespark:time_to_first_token_seconds histogram" in text
+
+
+def test_the_online_cost_correction_per_replica():
+    """A replica's cost cells reach the controller's status and two gauges: the served
+    (corrected) and the measured step seconds over the startup table's, step-weighted."""
+    s = ControllerState(LadderPolicy())
+    cells = (CostCell(1, 0, 10.0, 0.01, 0.015, 0.02), CostCell(4, 4, 30.0, 0.02, 0.03, 0.03))
+    wire = {**asdict(report("r1", ())), "tree": asdict(TreeStats(steps=1)),
+            "cost_cells": [[c.rows, c.nodes, c.steps, c.table_s, c.corrected_s, c.measured_s] for c in cells]}
+    s.report(ReplicaReport.from_wire(wire))
+    s.report(report("r2", ()))   # online_costs off
+    r1 = s.status()["replicas"]["r1"]
+    assert [CostCell(**c) for c in r1["cost_cells"]] == list(cells)
+    assert r1["cost_correction"] == pytest.approx(1.05 / 0.7) and r1["step_time_over_table"] == pytest.approx(1.1 / 0.7)
+    m = parse(render(s.metrics_view(), MODEL))
+    assert value(m, "treespark:step_cost_correction", replica="r1") == pytest.approx(1.5)
+    assert value(m, "treespark:step_time_over_table", replica="r1") == pytest.approx(1.1 / 0.7)
+    assert math.isnan(value(m, "treespark:step_cost_correction", replica="r2"))
 
 
 # -- /metrics in-process: the real routes, replica core and controller state -----------------------

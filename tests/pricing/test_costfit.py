@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from treespark.pricing.allocate import StepCosts, allocate
-from treespark.pricing.costfit import CostFit, predict_step
+from treespark.pricing.costfit import CostFit, guard, node_bin, predict_step, served_ratios
 from treespark.pricing.costmodel import CostModel
 
 TABLE = StepCosts(CostModel.affine(0.02, 0.002), node_s=0.0002, max_nodes=16,
@@ -26,7 +26,7 @@ def run_steps(fit: CostFit, true: StepCosts, n: int, rng: np.random.Generator, *
         p = predict_step(TABLE, bs, drafted, draft, sizes)
         t = predict_step(true, bs, drafted, draft, sizes)
         e = 1 + noise * rng.standard_normal(2)
-        fit.observe(p, t.draft * e[0], (t.base + t.extra) * e[1])
+        fit.observe(p, t.draft * e[0], (t.base + t.extra) * e[1], rows=bs, nodes=sum(sizes))
 
 
 def test_a_uniform_slowdown_is_learnt_and_changes_no_allocation():
@@ -76,6 +76,75 @@ def test_no_steps_leave_the_table_and_one_stall_does_not_set_the_price():
     assert fit.draft < 1.1 and base < 1.1 and extra < 1.2
 
 
+def test_guard_uses_a_factor_only_on_enough_samples_and_within_its_bound():
+    assert guard(2.0, 15.9, min_samples=16, bound=4) == 1.0
+    assert guard(2.0, 16.0, min_samples=16, bound=4) == 2.0
+    assert guard(9.0, 100, min_samples=16, bound=4) == 4.0 and guard(0.1, 100, min_samples=16, bound=4) == 0.25
+    assert guard(float("nan"), 100, min_samples=16, bound=4) == 1.0
+    assert [node_bin(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32)] == [0, 1, 2, 2, 4, 4, 8, 16, 32]
+
+
+def test_too_few_steps_leave_the_table():
+    """A few steps twice the table move the raw fit, not the table priced on."""
+    fit, rng = CostFit(), np.random.default_rng(4)
+    twice = replace(TABLE, base_scale=2.0, extra_scale=2.0, node_s=2 * TABLE.node_s,
+                    draft_base_s=0.008, draft_row_s=0.002, draft_node_s=0.0006, _rows={})
+    run_steps(fit, twice, 8, rng)
+    assert fit.verify_factors()[0] > 1.3
+    f = fit.factors()
+    assert (f.draft, f.base, f.extra, f.rows) == (1.0, 1.0, 1.0, {})
+    assert fit.corrected(TABLE).verify_row(4) == pytest.approx(TABLE.verify_row(4))
+    run_steps(fit, twice, 200, rng)
+    assert fit.factors().base == pytest.approx(2.0, rel=0.05)
+
+
+def test_the_fit_follows_drift():
+    """1.5x the table for 400 steps, then the table again: the correction comes back."""
+    fit, rng = CostFit(), np.random.default_rng(5)
+    slow = replace(TABLE, base_scale=1.5, extra_scale=1.5, node_s=1.5 * TABLE.node_s, _rows={})
+    run_steps(fit, slow, 400, rng, draft=False)
+    assert fit.factors().base == pytest.approx(1.5, rel=0.03)
+    run_steps(fit, TABLE, 400, rng, draft=False)
+    f = fit.factors()
+    assert f.base == pytest.approx(1.0, rel=0.03) and f.extra == pytest.approx(1.0, rel=0.05)
+    assert all(r == pytest.approx(1.0, rel=0.05) for r in f.rows.values())
+
+
+def test_one_row_count_dearer_than_its_cell_is_corrected_there_alone():
+    """The table's 4-row forward was timed in a quiet moment: steps of 4 rows take twice
+    what it says, every other row count as it says. Only rows[4] moves; a row count seen
+    too rarely keeps the factors alone."""
+    fit, rng = CostFit(), np.random.default_rng(6)
+    rows4 = replace(TABLE, row_scale={4: 2.0}, _rows={})
+    run_steps(fit, rows4, 2000, rng, draft=False)
+    f = fit.factors()
+    assert f.rows[4] == pytest.approx(2.0 / f.base, rel=0.05)
+    corrected = fit.corrected(TABLE)
+    for bs in (1, 2, 4, 7):
+        assert corrected.verify_row(bs)[0] == pytest.approx(rows4.verify_row(bs)[0], rel=0.06)
+    # 12 rows: 5 steps, below min_samples: no residual of its own
+    for _ in range(5):
+        p = predict_step(TABLE, 12, 0, False, (0,) * 12)
+        fit.observe(p, 0.0, 3 * p.base, rows=12)
+    assert 12 not in fit.factors().rows
+
+
+def test_cells_show_the_table_the_correction_and_the_clock():
+    fit, rng = CostFit(), np.random.default_rng(7)
+    slow = replace(TABLE, base_scale=1.5, extra_scale=1.5, node_s=1.5 * TABLE.node_s,
+                   draft_base_s=0.006, draft_row_s=0.0015, draft_node_s=0.00045, _rows={})
+    run_steps(fit, slow, 800, rng, noise=0.0)
+    cells = fit.cells()
+    assert {(c.rows, c.nodes) for c in cells} <= {(bs, node_bin(n)) for bs in range(1, 9) for n in range(65)}
+    assert sum(c.steps for c in cells) == pytest.approx(sum(fit.cell_decay ** k for k in range(800)), rel=1e-6)
+    for c in cells:
+        assert c.measured_s == pytest.approx(1.5 * c.table_s, rel=0.02)
+        assert c.corrected_s == pytest.approx(c.measured_s, rel=0.03)
+    corrected, measured = served_ratios(cells)
+    assert corrected == pytest.approx(1.5, rel=0.03) and measured == pytest.approx(1.5, rel=0.02)
+    assert served_ratios([]) is None
+
+
 def test_prediction_splits_the_table():
     p = predict_step(TABLE, 2, 10, True, (4, 1))
     row = TABLE.verify_row(2)
@@ -96,7 +165,7 @@ def test_the_engine_feeds_the_fit_and_prices_on_the_corrected_table(mimic16):
     cfg = EngineConfig(max_batch_size=4, max_context=128)
     prompts = [[1 + (i * 5 + j) % 15 for j in range(12)] for i in range(4)]
     outs = {}
-    for name, fit in (("plain", None), ("fit", CostFit())):
+    for name, fit in (("plain", None), ("fit", CostFit(min_samples=4))):
         engine = Engine(mimic16, cfg, budget=Budget.off() if fit is None else Budget(0.0, 16, 4))
         if fit is not None:
             alloc = StepAllocator(table, fit=fit, refit_every=4)
@@ -114,4 +183,5 @@ def test_the_engine_feeds_the_fit_and_prices_on_the_corrected_table(mimic16):
     assert outs["fit"] == outs["plain"]
     assert alloc.fit.steps == len([s for s in decode if s.batch_size > 0])
     assert alloc.table is table and alloc.costs is not table
-    assert alloc.costs.base_scale > 10          # a real forward is far dearer than 10 us
+    # a real forward is far dearer than 10 us, but no correction moves the table past its bound
+    assert alloc.fit.verify_factors()[0] > 10 and alloc.costs.base_scale == alloc.fit.bound

@@ -79,7 +79,8 @@ class StepAllocator:
         pred = predict_step(self.table, stats.batch_size, self._drafted_nodes if drafted else 0, drafted,
                             stats.tree_sizes)
         # the drafting stage includes this allocation's own seconds: priced as drafting
-        self.fit.observe(pred, stats.draft_s if drafted else 0.0, stats.verify_s)
+        self.fit.observe(pred, stats.draft_s if drafted else 0.0, stats.verify_s, rows=stats.batch_size,
+                         nodes=sum(stats.tree_sizes))
         if self.fit.steps % self.refit_every == 0:
             self.costs = self.fit.corrected(self.table)
         self._observe_s = time.thread_time() - t0     # counted in the next step's policy_s

@@ -58,6 +58,7 @@ class StepCosts:
     draft_node_s: float = 0.0
     base_scale: float = 1.0    # online corrections (``costfit.CostFit``): T(bs, 1) x base_scale,
     extra_scale: float = 1.0   # T(bs, k + 1) - T(bs, 1) x extra_scale
+    row_scale: dict[int, float] = field(default_factory=dict)   # the verify row of bs rows x row_scale[bs] (absent: 1)
     _rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def drafting_s(self, bs: int, nodes: int) -> float:
@@ -70,7 +71,7 @@ class StepCosts:
         if row is None:
             row = np.array([self.cost.time(bs, k + 1) for k in range(self.max_nodes + 1)])
             row = np.maximum.accumulate(row)  # more tokens never cost less
-            row = self.base_scale * row[0] + self.extra_scale * (row - row[0])
+            row = self.row_scale.get(bs, 1.0) * (self.base_scale * row[0] + self.extra_scale * (row - row[0]))
             self._rows[bs] = row
         return row
 
