@@ -40,6 +40,8 @@ class Forest:
         self.depth_limit = np.asarray(depth_limits, dtype=np.int64)                  # [R]
         self.speculates = np.array([not b.is_off for b in budgets], dtype=bool) & (self.depth_limit > 0)
         self.d2t = draft_to_target
+        # a starting width: a node opened and later pushed out of the top keeps its
+        # children as candidates, so a row may outgrow it (``_grow``)
         cap = 1 + (int(self.node_cap.max(initial=0)) + 1) * max((b.branch_cap for b in budgets), default=1)
         self.size = np.ones(r, dtype=np.int64)                   # [R] candidates per row
         self.parent = np.full((r, cap), -1, dtype=np.int64)      # [R, C]
