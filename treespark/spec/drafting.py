@@ -26,8 +26,9 @@ from treespark.kernels.linear import SMALL_ROWS, linear
 from treespark.kernels.transfer import HostTransfers
 from treespark.spec.budget import Budget
 from treespark.spec.calibration import Calibration
+from treespark.spec.forest import Forest
 from treespark.spec.sampling import Sampler
-from treespark.spec.select import TOP_M, TreeBuilder, slot_table
+from treespark.spec.select import TOP_M, SlotArrays, slot_table
 from treespark.spec.tree import DraftTree
 
 
@@ -184,70 +185,77 @@ class WaveDrafter:
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor, draft_to_target: torch.Tensor | None,
                  transfers: HostTransfers) -> None:
         self.w1, self.w2 = w1, w2
-        self.d2t = None if draft_to_target is None else draft_to_target.tolist()
+        self.d2t = None if draft_to_target is None else draft_to_target.cpu().numpy()
         self.vocab = w2.shape[0]
         self.transfers = transfers
 
     def draft(self, base: torch.Tensor | None, rows: list[RowDraft]) -> RoundDraft:
-        builders = [TreeBuilder(r.root, r.budget, r.depth_limit, self.d2t) for r in rows]
+        forest = Forest([r.root for r in rows], [r.budget for r in rows], [r.depth_limit for r in rows], self.d2t)
         out = RoundDraft(trees=[])
-        q_row: dict[tuple[int, int], int] = {}
+        temp = np.array([r.temperature for r in rows], dtype=np.float64)         # [R]
+        cap = np.array([r.budget.branch_cap for r in rows], dtype=np.int64)      # [R]
+        # rows that share a map, a regime and a branch cap get their slots in one array call
+        group_of: dict[tuple[int, bool, int], int] = {}
+        group = np.array([group_of.setdefault((id(r.calibration), r.temperature > 0, r.budget.branch_cap),
+                                              len(group_of)) for r in rows], dtype=np.int64)
+        q_row = np.full(forest.parent.shape, -1, dtype=np.int64)                 # [R, C] grows with the forest
         chunks: list[torch.Tensor] = []
         total_chunks: list[torch.Tensor] = []
         n_rows = 0
         while base is not None:
-            opens = [(b, n) for b, bl in enumerate(builders) for n in bl.to_open()]
-            if not opens:
+            opens_b, opens_n = forest.to_open()
+            if not len(opens_b):
                 break
             out.waves += 1
-            k = max(rows[b].budget.branch_cap for b, _ in opens)
-            sampled = [i for i, (b, _) in enumerate(opens) if rows[b].temperature > 0]
+            p = len(opens_b)
+            k = int(cap[opens_b].max())
+            sampled = np.flatnonzero(temp[opens_b] > 0)
             # each parent draws its own branch_cap uniforms (padding unused), so what a
             # request draws never depends on who shares its batch
-            u = [rows[opens[i][0]].sampler.uniform(rows[opens[i][0]].budget.branch_cap) for i in sampled]
-            u = [x + [0.5] * (k - len(x)) for x in u]
+            u = np.full((len(sampled), k), 0.5)
+            for j, i in enumerate(sampled.tolist()):
+                r = rows[opens_b[i]]
+                u[j, :r.budget.branch_cap] = r.sampler.uniform(r.budget.branch_cap)
             # one upload: per parent (row, depth, token, temperature), the sampled parents, their uniforms
-            host = np.array([[b, builders[b].nodes[n].depth + 1, builders[b].token(n),
-                              rows[b].temperature if rows[b].temperature > 0 else 1.0]
-                             for b, n in opens], dtype=np.float64)
-            p, s = len(opens), len(sampled)
-            up = self.transfers.upload(np.concatenate([host.ravel(), np.asarray(sampled, dtype=np.float64),
-                                                       np.asarray(u, dtype=np.float64).ravel()]), torch.float64)
+            t = temp[opens_b]
+            host = np.stack([opens_b, forest.depth[opens_b, opens_n] + 1, forest.token[opens_b, opens_n],
+                             np.where(t > 0, t, 1.0)], 1).astype(np.float64)
+            s = len(sampled)
+            up = self.transfers.upload(np.concatenate([host.ravel(), sampled.astype(np.float64), u.ravel()]),
+                                       torch.float64)
             dev_host = up[:4 * p].view(p, 4)
-            unit = all(rows[b].temperature <= 0 or rows[b].temperature == 1 for b, _ in opens)
+            unit = bool(np.all((t <= 0) | (t == 1)))
             packed, q_rows, totals = score_parents(
                 base, self.w1, self.w2, dev_host[:, 0].long(), dev_host[:, 1].long(),
                 dev_host[:, 2].long(), None if unit else dev_host[:, 3].float().clamp(min=1e-30),  # > 0 in fp32
                 up[4 * p:4 * p + s].long(), up[4 * p + s:].view(s, k))
-            if sampled:
+            if s:
                 chunks.append(q_rows)
                 total_chunks.append(totals)
-                for j, i in enumerate(sampled):
-                    q_row[opens[i]] = n_rows + j
-                n_rows += len(sampled)
             values = self.transfers.fetch(packed).numpy()
             m = (values.shape[1] - 2 * k) // 2
             top_q, top_ids = values[:, :m], values[:, m:2 * m].astype(np.int64)
             drawn_ids, drawn_q = values[:, 2 * m:2 * m + k].astype(np.int64), values[:, 2 * m + k:]
             # the slots of every parent, one array computation per (map, regime, branch cap)
-            groups: dict[tuple[int, bool, int], list[int]] = {}
-            for i, (b, _) in enumerate(opens):
-                r = rows[b]
-                groups.setdefault((id(r.calibration), r.temperature > 0, r.budget.branch_cap), []).append(i)
-            for (_, drawn, cap), idx in groups.items():
-                r = rows[opens[idx[0]][0]]
-                sel = np.asarray(idx)
-                table = slot_table(top_q[sel], top_ids[sel], drawn_ids[sel] if drawn else None,
-                                   drawn_q[sel] if drawn else None, r.calibration, cap, self.vocab)
-                for i, slots in zip(idx, table, strict=True):
-                    b, n = opens[i]
-                    builders[b].open(n, slots)
-        for b, bl in enumerate(builders):
-            tree, keep = bl.finish()
-            out.trees.append(tree)
-            out.q_row_of.append([q_row.get((b, c), -1) for c in keep])
-            out.draft_ids.append([bl.nodes[c].draft_id for c in keep])
-            out.scores.append([bl.nodes[c].score for c in keep[1:]])
+            slots = SlotArrays.empty(p, k)
+            for g in np.unique(group[opens_b]).tolist():
+                sel = np.flatnonzero(group[opens_b] == g)
+                r = rows[opens_b[sel[0]]]
+                drawn = r.temperature > 0
+                slots.put(sel, slot_table(top_q[sel], top_ids[sel], drawn_ids[sel] if drawn else None,
+                                          drawn_q[sel] if drawn else None, r.calibration, r.budget.branch_cap,
+                                          self.vocab))
+            forest.open(opens_b, opens_n, slots)
+            if q_row.shape[1] < forest.parent.shape[1]:
+                q_row = np.pad(q_row, ((0, 0), (0, forest.parent.shape[1] - q_row.shape[1])), constant_values=-1)
+            q_row[opens_b[sampled], opens_n[sampled]] = n_rows + np.arange(s)
+            n_rows += s
+        trees, keeps = forest.finish()
+        for b, keep in enumerate(keeps):
+            out.trees.append(trees[b])
+            out.q_row_of.append(q_row[b, keep].tolist())
+            out.draft_ids.append(forest.draft_id[b, keep].tolist())
+            out.scores.append(forest.score[b, keep[1:]].tolist())
         if chunks:
             out.q_rows, out.q_totals = torch.cat(chunks), torch.cat(total_chunks)
         return out

@@ -17,9 +17,12 @@ so the ``node_cap`` best candidates scoring at least ``theta`` (ties to the earl
 candidate) form a tree: that tree is the round's draft, the same one sequential
 best-first expansion would stop at. It is found in *waves*: each wave opens, in one
 batched drafter call, every kept node whose children could still enter the top
-(``TreeBuilder.to_open``: lazily, never a node whose best child would lose), so a
+(``to_open``: lazily, never a node whose best child would lose), so a
 round costs one drafter call per depth level, and the host sees only ``branch_cap``
-(and ``TOP_M``) numbers per opened node, never a vocabulary-sized row.
+(and ``TOP_M``) numbers per opened node, never a vocabulary-sized row. ``TreeBuilder``
+grows one request's tree node by node (the host reference, ``treespark.spec.expand``);
+``treespark.spec.forest.Forest`` grows a batch's trees as array operations (the engine's),
+and builds the same trees.
 
 Lossless at T > 0: whether slot j is verified depends on the scores of candidates
 that rank above it, none of which depends on slot j's own draw (its descendants and
@@ -52,6 +55,30 @@ class Slots:
     realized: tuple[float, ...]  # p_hat_j(q_j): the acceptance once the token is known
 
 
+@dataclass(frozen=True)
+class SlotArrays:
+    """``Slots`` for P opened nodes as arrays padded to ``k``: row p's first ``count[p]``
+    columns are its slots in verification order."""
+
+    ids: np.ndarray       # [P, k] int64 draft-vocabulary indices
+    q: np.ndarray         # [P, k] float64 each token's probability under its distribution
+    expected: np.ndarray  # [P, k] float64 e(n, j): acceptance expected before the draw
+    realized: np.ndarray  # [P, k] float64 p_hat_j(q_j): acceptance once the token is known
+    count: np.ndarray     # [P] int64 slots per node
+
+    @classmethod
+    def empty(cls, p: int, k: int) -> SlotArrays:
+        return cls(np.zeros((p, k), np.int64), np.zeros((p, k)), np.zeros((p, k)), np.zeros((p, k)),
+                   np.zeros(p, np.int64))
+
+    def put(self, at: np.ndarray, part: SlotArrays) -> None:
+        """Write ``part``'s rows at rows ``at`` (its k may be smaller)."""
+        k = part.ids.shape[1]
+        self.ids[at, :k], self.q[at, :k] = part.ids, part.q
+        self.expected[at, :k], self.realized[at, :k] = part.expected, part.realized
+        self.count[at] = part.count
+
+
 def p_hat_ranked(cal: Calibration, q: np.ndarray, rank: np.ndarray | int) -> np.ndarray:
     """``cal.p_hat_scalar`` elementwise in float64: q at sibling rank ``rank`` (broadcast)."""
     q = np.clip(q, _EPS, 1 - _EPS)
@@ -63,9 +90,10 @@ def p_hat_ranked(cal: Calibration, q: np.ndarray, rank: np.ndarray | int) -> np.
 
 
 def slot_table(top_q: np.ndarray, top_ids: np.ndarray, drawn_ids: np.ndarray | None,
-               drawn_q: np.ndarray | None, cal: Calibration, k: int, vocab: int) -> list[Slots]:
+               drawn_q: np.ndarray | None, cal: Calibration, k: int, vocab: int) -> SlotArrays:
     """``slot_values`` for P opened nodes at once (to rounding: sums are taken in another
-    order), as array operations over [P, k] (and [P, k, M]): top_q / top_ids [P, M]; drawn_ids / drawn_q [P, >= k] (None at T = 0).
+    order), as array operations over [P, k] (and [P, k, M]): top_q / top_ids [P, M];
+    drawn_ids / drawn_q [P, >= k] (None at T = 0).
     Rank j's numbers depend only on slots 0..j, so a node whose budget offers fewer
     slots takes the first ones."""
     p = top_q.shape[0]
@@ -74,8 +102,7 @@ def slot_table(top_q: np.ndarray, top_ids: np.ndarray, drawn_ids: np.ndarray | N
         q = top_q[:, :k]
         n = (q > 0).sum(1)                                   # descending: the positive ones lead
         realized = p_hat_ranked(cal, q, ranks[None, :q.shape[1]])
-        return [Slots(tuple(top_ids[i, :n[i]].tolist()), tuple(q[i, :n[i]].tolist()),
-                      tuple(realized[i, :n[i]].tolist()), tuple(realized[i, :n[i]].tolist())) for i in range(p)]
+        return SlotArrays(top_ids[:, :k].astype(np.int64), q.astype(np.float64), realized, realized, n)
     m = top_q.shape[1]
     ids, q = drawn_ids[:, :k], drawn_q[:, :k]
     tail = np.maximum(1.0 - top_q.sum(1), 0.0)                             # [P]
@@ -93,8 +120,7 @@ def slot_table(top_q: np.ndarray, top_ids: np.ndarray, drawn_ids: np.ndarray | N
     with np.errstate(divide="ignore", invalid="ignore"):  # (only past a row's last slot)
         expected = np.minimum(np.maximum(total - taken, 0.0) / (1.0 - mass), 1.0)
     realized = p_hat_ranked(cal, q, ranks[None])
-    return [Slots(tuple(ids[i, :n[i]].tolist()), tuple(q[i, :n[i]].tolist()), tuple(expected[i, :n[i]].tolist()),
-                  tuple(realized[i, :n[i]].tolist())) for i in range(p)]
+    return SlotArrays(ids.astype(np.int64), q.astype(np.float64), expected, realized, n)
 
 
 def slot_values(top_q: list[float], top_ids: list[int], drawn: list[tuple[int, float]] | None,

@@ -34,6 +34,20 @@ class DraftTree:
     def root_only(cls, root_token: int) -> DraftTree:
         return cls(tokens=[root_token], parents=[-1], depths=[0], q=[1.0], survival=[1.0], children=[[]])
 
+    @classmethod
+    def from_arrays(cls, tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, q: np.ndarray,
+                    survival: np.ndarray) -> DraftTree:
+        """A tree from its flat arrays [N] (node 0 the root, parent -1; ``parents[i] < i``),
+        children in node order, as ``add`` would build it node by node."""
+        idx = np.arange(1, len(parents))
+        assert parents[0] == -1 and np.all((parents[1:] >= 0) & (parents[1:] < idx)), "parents precede children"
+        par = parents.tolist()
+        children: list[list[int]] = [[] for _ in par]
+        for i, p in enumerate(par[1:], 1):
+            children[p].append(i)
+        return cls(tokens=tokens.tolist(), parents=par, depths=depths.tolist(), q=q.tolist(),
+                   survival=survival.tolist(), children=children)
+
     def add(self, parent: int, token: int, q: float, survival: float) -> int:
         assert 0 <= parent < len(self.tokens), "parent must already be in the tree"
         i = len(self.tokens)
