@@ -211,11 +211,14 @@ class WaveDrafter:
             k = int(cap[opens_b].max())
             sampled = np.flatnonzero(temp[opens_b] > 0)
             # each parent draws its own branch_cap uniforms (padding unused), so what a
-            # request draws never depends on who shares its batch
+            # request draws never depends on who shares its batch; a row's parents draw
+            # in one call, in their order (the same numbers as one call a parent)
             u = np.full((len(sampled), k), 0.5)
-            for j, i in enumerate(sampled.tolist()):
-                r = rows[opens_b[i]]
-                u[j, :r.budget.branch_cap] = r.sampler.uniform(r.budget.branch_cap)
+            sampled_rows = opens_b[sampled]
+            for b in np.unique(sampled_rows).tolist():
+                mine = np.flatnonzero(sampled_rows == b)
+                c = rows[b].budget.branch_cap
+                u[mine, :c] = np.asarray(rows[b].sampler.uniform(len(mine) * c)).reshape(len(mine), c)
             # one upload: per parent (row, depth, token, temperature), the sampled parents, their uniforms
             t = temp[opens_b]
             host = np.stack([opens_b, forest.depth[opens_b, opens_n] + 1, forest.token[opens_b, opens_n],
