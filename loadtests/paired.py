@@ -298,7 +298,8 @@ def write_blocks(path: Path, blocks: list[Block]) -> None:
         w = csv.DictWriter(f, fieldnames=BLOCK_FIELDS)
         w.writeheader()
         for b in blocks:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in asdict(b).items()})
+            w.writerow({k: (f"{v:.3f}" if k == "t0" else f"{v:.6g}" if isinstance(v, float) else v)
+                        for k, v in asdict(b).items()})
 
 
 def read_blocks(path: Path) -> list[Block]:

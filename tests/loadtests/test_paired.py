@@ -139,11 +139,13 @@ def test_a_blocks_latency_is_that_of_the_requests_that_ended_in_it():
 def test_the_cluster_local_table_reads_goodput_and_latency_per_level(tmp_path):
     blocks = _blocks("cluster-local", 8, 5, "perstep", "perstep-local", 1.0) \
         + _blocks("cluster-local", 16, 5, "perstep", "perstep-local", 1.3)
-    for b in blocks:   # latency: the cluster's price halves it at 16 users, changes nothing at 8
-        b.theta, b.queued_max, b.requests = (0.5 if b.side == A else 0.3), 4.0, 12
+    for i, b in enumerate(blocks):   # latency: the cluster's price halves it at 16 users, changes nothing at 8
+        b.theta, b.queued_max, b.requests, b.t0 = (0.5 if b.side == A else 0.3), 4.0, 12, 1.7964e9 + 18.123 * i
         b.e2e_p90_s = 10.0 * (0.5 if b.users == 16 and b.side == A else 1.0) * (1 + 0.01 * b.pair)
     write_blocks(tmp_path / "blocks.csv", blocks)
-    text = report(read_blocks(tmp_path / "blocks.csv"))
+    back = read_blocks(tmp_path / "blocks.csv")
+    assert [b.t0 for b in back] == pytest.approx([b.t0 for b in blocks], abs=1e-3)   # unix times to the ms
+    text = report(back)
     assert "the cluster's price (A) against each replica's own (B)" in text
     rows = {int(line.split("|")[1]): line for line in text.splitlines() if line.startswith("| 8 |") or line.startswith("| 16 |")}
     assert "| 0.50 / 0.30 |" in rows[8] and "no difference resolved" in rows[8]
