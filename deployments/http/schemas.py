@@ -2,7 +2,8 @@
 
 Requests (strict types): ``CompletionRequest`` (``POST /v1/completions``),
 ``ChatRequest`` (``POST /v1/chat/completions``), ``OverrideRequest``
-(``POST /v1/speculation/override``) and ``PricingRequest`` (``POST /v1/speculation/pricing``). Unknown fields are ignored, as OpenAI clients send
+(``POST /v1/speculation/override``) and ``PricingRequest``
+(``POST /v1/speculation/pricing``). Unknown fields are ignored, as OpenAI clients send
 many; OpenAI fields that would change the output in a way we cannot honour are declared,
 and ``unsupported()`` names the first one a request sets (the API answers 400). The
 limits that depend on the app config (prompt size, max_tokens, n, stop sequences, the
