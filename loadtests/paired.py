@@ -3,10 +3,15 @@
 One service (``--config``, the served per-step default, or ``--url``), one Locust process
 per load level at constant users, and the policy switched underneath it through
 ``POST /v1/speculation/override``: a fixed budget pinned with ``fixed: true`` (verified as
-is, the replica's per-step allocation paused), per-step by releasing the override. After
-each switch the runner waits until every replica has applied the budget, then ``--settle``
-seconds, then measures a block: goodput is the cluster's ``generation_tokens`` counter
-over the block's seconds. ``loadtests.pairstats`` has the statistics.
+is, the replica's per-step allocation paused), per-step by releasing the override; and
+through ``POST /v1/speculation/pricing``: per-step priced on the cluster's load (the
+controller's theta, the served default) or on each replica's own queue (``perstep-local``).
+After each switch the runner waits until every replica has applied the budget (and the
+price source), then ``--settle`` seconds, then measures a block: goodput is the cluster's
+``generation_tokens`` counter over the block's seconds; the block's load, theta and tree
+are means of ``GET /v1/speculation`` polled each second, its latencies those of the
+requests that ended in it (Locust's per-request records). ``loadtests.pairstats`` has the
+statistics.
 
 Experiments (``--experiments``, in the order given):
 
@@ -16,7 +21,13 @@ Experiments (``--experiments``, in the order given):
                across policies; the best fixed policy is the one per-step gains least on.
                Then ``--pairs`` pairs of ``--block-s`` blocks, per-step against that
                policy, A B B A ...;
-* ``default-off``  per-step (the served default) against ``off`` at ``--aa-users``.
+* ``default-off``  per-step (the served default) against ``off`` at ``--aa-users``;
+* ``cluster-local``  at each of ``--cluster-users``, per-step with the cluster's price (A)
+               against per-step with each replica pricing its own queue (B), ``--pairs``
+               pairs of ``--block-s`` blocks: what the controller's price adds.
+
+A level's experiments share one Locust process: the ``--aa-users`` level first, then the
+ramp's other levels, then the other ``--cluster-users`` levels.
 
 Writes ``blocks.csv`` (every block, as measured) after each block, and ``paired.md``
 (the tables, from ``blocks.csv``: ``python -m loadtests.paired report OUT`` rewrites it).
@@ -29,6 +40,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import json
+import math
 import os
 import signal
 import subprocess
@@ -63,26 +76,34 @@ from loadtests.pairstats import (
     paired_ratios,
 )
 
-PERSTEP = "perstep"     # the served default: no override
+PERSTEP = "perstep"     # the served default: no override, priced on the cluster's load
+LOCAL = "perstep-local"  # per-step, each replica priced on its own queue
 FIXED = [p for p in BASELINES if p != "adaptive"]
+NAN = float("nan")
 
 
 @dataclass
 class Block:
     """One measured block (a row of ``blocks.csv``)."""
 
-    experiment: str         # aa | screen | paired | default-off
+    experiment: str         # aa | screen | paired | default-off | cluster-local
     users: int
     pair: int               # pairs counted from 0 within (experiment, users)
     side: str               # A | B
-    policy: str             # perstep or a BASELINES name
+    policy: str             # perstep, perstep-local or a BASELINES name
     t0: float               # unix time the block's measurement began
     seconds: float
     tokens: float
     goodput_tok_s: float
-    tree_size: float
+    tree_size: float        # means over the block's status polls (one a second)
     batch_size: float
     queued: float
+    # (older blocks.csv files lack the columns below: read as nan)
+    queued_max: float = NAN     # the most waiting on one replica
+    theta: float = NAN          # the applied theta, replicas weighted by batch
+    requests: int = 0           # requests that ended in the block
+    e2e_p90_s: float = NAN      # their end-to-end seconds, 90th percentile
+    ttft_p90_s: float = NAN     # their time to first token, 90th percentile
 
 
 BLOCK_FIELDS = [f.name for f in fields(Block)]
@@ -92,19 +113,28 @@ BLOCK_FIELDS = [f.name for f in fields(Block)]
 
 
 def set_policy(url: str, policy: str, timeout_s: float = 30.0, heartbeats_s: float = 0.6) -> None:
-    """``policy`` pinned (a fixed budget, verified as is) or per-step (override released);
-    returns once every replica runs it: reports the pinned budget, or (per-step, whose
-    budget may move with every heartbeat) has reported for ``heartbeats_s`` since the
-    release (two 0.25 s heartbeats: one reply carries the release, the next report shows it)."""
-    budget = None if policy == PERSTEP else BASELINES[policy]
+    """``policy`` pinned (a fixed budget, verified as is) or per-step (override released),
+    priced on the cluster's load or (``perstep-local``) each replica's own; returns once
+    every replica runs it: shows the price source, and reports the pinned budget or (per-step,
+    whose budget may move with every heartbeat) has reported for ``heartbeats_s`` since the
+    release (two 0.25 s heartbeats: one reply carries the release, the next report shows it).
+    A service whose controller does not price (``controller.pricing: false``) refuses the
+    cluster's price (409): per-step there is local only."""
+    budget = None if policy in (PERSTEP, LOCAL) else BASELINES[policy]
+    source = "local" if policy == LOCAL else "cluster"
     t_post = time.monotonic()
+    if (get_status(url) or {}).get("price_source") != source:
+        r = requests.post(f"{url}/v1/speculation/pricing", json={"cluster": source == "cluster"}, timeout=10)
+        r.raise_for_status()
     r = requests.post(f"{url}/v1/speculation/override", json={"budget": budget, "fixed": budget is not None},
                       timeout=10)
     r.raise_for_status()
 
     def applied() -> bool:
         st = get_status(url)
-        if not st or st.get("override") != budget or not st["replicas"]:
+        if not st or st.get("override") != budget or not st["replicas"] or st.get("price_source") != source:
+            return False
+        if any(rep.get("price_source") != source for rep in st["replicas"].values()):
             return False
         if budget is not None:
             return all(rep["applied_budget"] == budget for rep in st["replicas"].values())
@@ -115,17 +145,48 @@ def set_policy(url: str, policy: str, timeout_s: float = 30.0, heartbeats_s: flo
     poll_until(applied, timeout_s, f"{policy} not applied by every replica", period_s=0.1)
 
 
-def measure(url: str, seconds: float) -> tuple[float, float, dict]:
-    """(seconds, generated tokens, the status row at the end) over the next ``seconds``."""
+MEANS = ("tree_size", "batch_size", "queued", "queued_max", "theta")   # what a block averages over its polls
+
+
+def measure(url: str, seconds: float, poll_s: float = 1.0) -> tuple[float, float, float, dict[str, float]]:
+    """(start unix time, seconds, generated tokens, ``MEANS`` over status polls every
+    ``poll_s``) over the next ``seconds``."""
     st0 = get_status(url)
     t0 = time.time()
-    time.sleep(seconds)
+    rows = []
+    while (left := t0 + seconds - time.time()) > 0:
+        time.sleep(min(poll_s, left))
+        if (st := get_status(url)) is not None:
+            rows.append(speculation_row(st))
     st1 = get_status(url)
     t1 = time.time()
     if st0 is None or st1 is None:
         raise RuntimeError(f"{url}/v1/speculation did not answer")
     toks = st1["counters"]["generation_tokens"] - st0["counters"]["generation_tokens"]
-    return t1 - t0, toks, speculation_row(st1)
+    rows = rows or [speculation_row(st1)]
+    return t0, t1 - t0, toks, {k: float(np.mean([r[k] for r in rows])) for k in MEANS}
+
+
+def read_records_so_far(path: Path) -> list[dict]:
+    """The per-request records Locust has written to ``path`` so far (a line still being
+    written is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def block_latency(records: list[dict], start: float, end: float) -> tuple[int, float, float]:
+    """(requests, p90 end-to-end seconds, p90 time to first token) of the successful
+    requests that ended in ``[start, end)`` (unix seconds); nan where none did."""
+    done = [r for r in records if r.get("ok") and start <= r["t1"] < end]
+    e2e = [r["t1"] - r["t0"] for r in done]
+    ttft = [r["ttft"] for r in done if r.get("ttft") is not None]
+    return (len(done), float(np.percentile(e2e, 90)) if e2e else NAN,
+            float(np.percentile(ttft, 90)) if ttft else NAN)
 
 
 @contextlib.contextmanager
@@ -159,18 +220,20 @@ class Runner:
     def __init__(self, url: str, args) -> None:
         self.url, self.args = url, args
         self.blocks: list[Block] = read_blocks(args.out / "blocks.csv") if args.resume else []
+        self.records: Path | None = None    # the running level's per-request records
 
     def block(self, experiment: str, users: int, pair: int, side: str, policy: str, seconds: float) -> Block:
         set_policy(self.url, policy)
         time.sleep(self.args.settle)
-        t0 = time.time()
-        secs, toks, row = measure(self.url, seconds)
-        b = Block(experiment, users, pair, side, policy, t0, secs, toks, toks / secs, row["tree_size"],
-                  row["batch_size"], row["queued"])
+        t0, secs, toks, m = measure(self.url, seconds)
+        n, e2e, ttft = block_latency(read_records_so_far(self.records) if self.records else [], t0, t0 + secs)
+        b = Block(experiment, users, pair, side, policy, t0, secs, toks, toks / secs, m["tree_size"],
+                  m["batch_size"], m["queued"], m["queued_max"], m["theta"], n, e2e, ttft)
         self.blocks.append(b)
         write_blocks(self.args.out / "blocks.csv", self.blocks)
-        log(f"{experiment} u={users} pair {pair} {side} {policy:>7}: {b.goodput_tok_s:6.1f} tok/s, "
-            f"tree {b.tree_size:.2f}, batch {b.batch_size:.1f}")
+        log(f"{experiment} u={users} pair {pair} {side} {policy:>13}: {b.goodput_tok_s:6.1f} tok/s, "
+            f"tree {b.tree_size:.2f}, batch {b.batch_size:.1f}, theta {b.theta:.2f}, queued {b.queued:.1f}, "
+            f"p90 e2e {b.e2e_p90_s:.2f} s ({n} requests)")
         return b
 
     def pairs(self, experiment: str, users: int, a: str, b: str, n: int, seconds: float) -> None:
@@ -193,6 +256,7 @@ class Runner:
 
     def level(self, users: int, experiments: list[str]) -> None:
         warm = self.args.level_warm * (1 if self.blocks else 2)   # a fresh service's first requests are slow
+        self.records = self.args.out / "raw" / f"u{users}-records.jsonl"
         with locust_running(self.url, users, self.args.out, f"u{users}", self.args.load, warm):
             if "aa" in experiments:
                 self.pairs("aa", users, PERSTEP, PERSTEP, self.args.pairs, self.args.block_s)
@@ -201,20 +265,29 @@ class Runner:
                 self.pairs("paired", users, PERSTEP, best, self.args.pairs, self.args.block_s)
             if "default-off" in experiments:
                 self.pairs("default-off", users, PERSTEP, "off", self.args.pairs, self.args.block_s)
+            if "cluster-local" in experiments:
+                self.pairs("cluster-local", users, PERSTEP, LOCAL, self.args.pairs, self.args.block_s)
         set_policy(self.url, PERSTEP)
         wait_idle(self.url, 120)
 
 
 def plan(args) -> list[tuple[int, list[str]]]:
     """(users, experiments at that level) in run order: the ``--aa-users`` level first
-    (A/A, its ramp level, default vs off), then the other levels in ``--levels`` order."""
+    (A/A, its ramp level, default vs off, and cluster-local if it is one of
+    ``--cluster-users``), then the ramp's other levels in ``--levels`` order, then the other
+    ``--cluster-users`` levels."""
     ex = args.experiments
-    first = [e for e in ("aa", "ramp", "default-off")
-             if e in ex and (e != "ramp" or args.aa_users in args.levels)]
-    out = [(args.aa_users, first)] if first else []
+    levels: dict[int, list[str]] = {}    # in insertion order: the run's
+    for e in ("aa", "ramp", "default-off"):
+        if e in ex and (e != "ramp" or args.aa_users in args.levels):
+            levels.setdefault(args.aa_users, []).append(e)
     if "ramp" in ex:
-        out += [(u, ["ramp"]) for u in args.levels if u != args.aa_users]
-    return out
+        for u in (u for u in args.levels if u != args.aa_users):
+            levels.setdefault(u, []).append("ramp")
+    if "cluster-local" in ex:
+        for u in args.cluster_users:
+            levels.setdefault(u, []).append("cluster-local")
+    return list(levels.items())
 
 
 # -- blocks.csv and the report ------------------------------------------------------------------
@@ -225,31 +298,79 @@ def write_blocks(path: Path, blocks: list[Block]) -> None:
         w = csv.DictWriter(f, fieldnames=BLOCK_FIELDS)
         w.writeheader()
         for b in blocks:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in asdict(b).items()})
+            w.writerow({k: (f"{v:.3f}" if k == "t0" else f"{v:.6g}" if isinstance(v, float) else v)
+                        for k, v in asdict(b).items()})
 
 
 def read_blocks(path: Path) -> list[Block]:
+    """``blocks.csv`` as written; a column an older file lacks takes its default."""
     if not path.exists():
         return []
     conv = {"int": int, "str": str, "float": float}
     with path.open() as f:
-        return [Block(**{fl.name: conv[str(fl.type)](row[fl.name]) for fl in fields(Block)})
+        return [Block(**{fl.name: conv[str(fl.type)](row[fl.name]) for fl in fields(Block) if row.get(fl.name)})
                 for row in csv.DictReader(f)]
 
 
-def ratios_of(blocks: list[Block], experiment: str, users: int) -> np.ndarray:
+def ratios_of(blocks: list[Block], experiment: str, users: int, value: str = "goodput_tok_s") -> np.ndarray:
+    """A / B of ``value`` per pair (pairs whose value is not a positive number on both sides
+    are left out)."""
     bs = [b for b in blocks if b.experiment == experiment and b.users == users]
     bs = bs[:len(bs) // 2 * 2]
-    return paired_ratios([b.side for b in bs], [b.goodput_tok_s for b in bs])   # [pairs]
+    r = paired_ratios([b.side for b in bs], [getattr(b, value) for b in bs])   # [pairs]
+    return r[np.isfinite(r) & (r > 0)]
 
 
 def _ci(iv: Interval) -> str:
     return f"{iv.point:.3f} [{iv.lo:.3f}, {iv.hi:.3f}]"
 
 
-def _median_of(blocks: list[Block], experiment: str, users: int, side: str) -> float:
-    return float(np.median([b.goodput_tok_s for b in blocks
-                            if b.experiment == experiment and b.users == users and b.side == side]))
+def _median_of(blocks: list[Block], experiment: str, users: int, side: str, value: str = "goodput_tok_s") -> float:
+    xs = [getattr(b, value) for b in blocks if b.experiment == experiment and b.users == users and b.side == side]
+    xs = [x for x in xs if math.isfinite(x)]
+    return float(np.median(xs)) if xs else NAN
+
+
+def latency_verdict(iv: Interval, a: str, b: str) -> str:
+    """What an interval of latency ratios a / b says (above 1: a's latency is longer)."""
+    if iv.lo > 1.0:
+        return f"{a} longer"
+    if iv.hi < 1.0:
+        return f"{a} shorter"
+    return "no difference resolved"
+
+
+def cluster_local_table(blocks: list[Block], rng: np.random.Generator, draws: int) -> list[str]:
+    """The ``cluster-local`` experiment's table: goodput and p90 latency, the cluster's price
+    against each replica's own, per level."""
+    ex = "cluster-local"
+    levels = sorted({b.users for b in blocks if b.experiment == ex})
+    if not levels:
+        return []
+    lines = ["**Per-step: the cluster's price (A) against each replica's own (B)**", "",
+             "| users | pairs | A tok/s | B tok/s | theta A / B | queued A / B (most on one replica) | "
+             "goodput A / B, median [95 % CI] | reads | p90 e2e s A / B | p90 e2e A / B, median [95 % CI] | reads |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for u in levels:
+        r = ratios_of(blocks, ex, u)
+        if not len(r):
+            continue
+        iv = bootstrap_median(r, rng, draws)
+        lat = ratios_of(blocks, ex, u, "e2e_p90_s")
+        lat_cells = "| |"
+        if len(lat):
+            lat_iv = bootstrap_median(lat, rng, draws)
+            lat_cells = f"{_ci(lat_iv)} | {latency_verdict(lat_iv, 'cluster', 'local')} |"
+        lines.append(f"| {u} | {len(r)} | {_median_of(blocks, ex, u, A):.1f} | {_median_of(blocks, ex, u, B):.1f} | "
+                     f"{_sides(blocks, ex, u, 'theta', '.2f')} | {_sides(blocks, ex, u, 'queued', '.1f')} "
+                     f"({_sides(blocks, ex, u, 'queued_max', '.1f')}) | {_ci(iv)} | {iv.verdict('cluster', 'local')} | "
+                     f"{_sides(blocks, ex, u, 'e2e_p90_s', '.2f')} | " + lat_cells)
+    return lines + [""]
+
+
+def _sides(blocks: list[Block], experiment: str, users: int, value: str, fmt: str) -> str:
+    """``value``'s median over the A blocks and over the B blocks: "a / b"."""
+    return " / ".join(format(_median_of(blocks, experiment, users, s, value), fmt) for s in (A, B))
 
 
 def report(blocks: list[Block], seed: int = 0, draws: int = 10_000) -> str:
@@ -305,6 +426,7 @@ def report(blocks: list[Block], seed: int = 0, draws: int = 10_000) -> str:
             f"{geomean([cell[(u, p)] for u in s_levels if (u, p) in cell]):.2f}"
             if any((u, p) in cell for u in s_levels) else "" for p in pols) + " |")
         lines.append("")
+    lines += cluster_local_table(blocks, rng, draws)
     return "\n".join(lines)
 
 
@@ -329,9 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--port", type=int, help="rewrite the config's HTTP port")
     run.add_argument("--out", type=Path, default=Path("runs/paired"))
     run.add_argument("--experiments", nargs="+", default=["aa", "ramp", "default-off"],
-                     choices=["aa", "ramp", "default-off"])
+                     choices=["aa", "ramp", "default-off", "cluster-local"])
     run.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="ramp: users")
     run.add_argument("--aa-users", type=int, default=8, help="users of the A/A and default-off runs")
+    run.add_argument("--cluster-users", type=int, nargs="+", default=[8, 16], help="cluster-local: users")
     run.add_argument("--fixed", nargs="+", default=FIXED, choices=FIXED, help="ramp: the fixed policies screened")
     run.add_argument("--pairs", type=int, default=5)
     run.add_argument("--block-s", type=float, default=15.0, help="seconds of a measured block")
@@ -365,8 +488,9 @@ def main(argv: list[str] | None = None) -> None:
                 runner.level(users, experiments)
                 write_report(args.out, command, args.seed)
         finally:
-            with contextlib.suppress(requests.RequestException):
-                requests.post(f"{url}/v1/speculation/override", json={"budget": None}, timeout=10)
+            for path, body in (("override", {"budget": None}), ("pricing", {"cluster": True})):
+                with contextlib.suppress(requests.RequestException):
+                    requests.post(f"{url}/v1/speculation/{path}", json=body, timeout=10)
     print(write_report(args.out, command, args.seed))
 
 

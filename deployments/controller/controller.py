@@ -34,10 +34,12 @@ class Controller:
             min_calibration_records=a.controller.min_calibration_records,
             calibration_prior_records=a.controller.calibration_prior_records,
             rounds=RoundWindow(max_nodes=a.max_tree_nodes),
+            cluster_pricing=a.controller.pricing,
         )
 
     def configure(self, args: dict[str, Any]) -> None:
-        """A redeploy with new arguments updates the policy of a running controller."""
+        """A redeploy with new arguments updates the policy of a running controller (and
+        its price source to the config's, whatever ``set_pricing`` chose since)."""
         from deployments.config import AppArgs
 
         a = AppArgs.model_validate(args)
@@ -45,6 +47,7 @@ class Controller:
         s.policy, s.heartbeat_timeout_s = a.policy.build(a.max_batch_size), a.controller.heartbeat_timeout_s
         s.online_calibration, s.min_calibration_records = a.controller.online_calibration, a.controller.min_calibration_records
         s.calibration_prior_records = a.controller.calibration_prior_records
+        s.cluster_pricing = a.controller.pricing
         if s.rounds.max_nodes != a.max_tree_nodes:  # records are keyed by node caps up to it
             s.rounds = RoundWindow(max_nodes=a.max_tree_nodes)
         s.reassign()
@@ -57,6 +60,9 @@ class Controller:
 
     def set_override(self, budget: dict[str, Any] | None, fixed: bool = False) -> None:
         self.state.set_override(None if budget is None else Budget.from_wire(budget), fixed)
+
+    def set_pricing(self, cluster: bool) -> None:
+        self.state.set_pricing(cluster)
 
     def status(self) -> dict[str, Any]:
         import ray

@@ -7,7 +7,9 @@ Replicas report every heartbeat; the state
 * drops replicas silent for ``heartbeat_timeout_s`` (``expired``);
 * aggregates the live reports into a ``LoadSnapshot`` (``aggregate_load``) and asks the
   ``BudgetPolicy`` for each replica's budget (``assign_budgets``; an operator
-  ``override`` pins one budget for all);
+  ``override`` pins one budget for all): priced on the cluster's load, or, with
+  ``cluster_pricing`` off, on each replica's own (``replica_loads``: what a replica's local
+  policy sees of itself), switchable at run time (``set_pricing``);
 * keeps cluster counters (monotone across dropped replicas), calibration records and
   per-round (node cap, accepted) records, and refits what
   ``treespark.pricing.estimators`` learns from them;
@@ -78,10 +80,20 @@ def queue_growth(history: Iterable[tuple[float, int]], window_s: float = 2.0) ->
     return max(sum((t - mt) * (q - mq) for t, q in zip(ts, qs, strict=True)) / var, 0.0)
 
 
+def replica_loads(cluster: LoadSnapshot, reports: Mapping[str, ReplicaReport], cluster_pricing: bool = True
+                  ) -> dict[str, LoadSnapshot]:
+    """The load each replica is priced on: the cluster's, or (``cluster_pricing`` off) the
+    replica's own running and queued requests alone, as its local policy sees itself."""
+    if cluster_pricing:
+        return dict.fromkeys(reports, cluster)
+    return {rid: aggregate_load([r]) for rid, r in reports.items()}
+
+
 def assign_budgets(
-    policy: BudgetPolicy, load: LoadSnapshot, replica_ids: Iterable[str], override: Budget | None = None
+    policy: BudgetPolicy, loads: Mapping[str, LoadSnapshot], override: Budget | None = None
 ) -> dict[str, Budget]:
-    return {rid: override if override is not None else policy.budget_for(load, rid) for rid in replica_ids}
+    """Each replica's budget on its load (``replica_loads``), or the override for all."""
+    return {rid: override if override is not None else policy.budget_for(load, rid) for rid, load in loads.items()}
 
 
 def expired(last_seen: Mapping[str, float], now: float, timeout_s: float) -> list[str]:
@@ -96,6 +108,8 @@ class _Entry:
     budget: Budget
     version: int = 0
     priced_at: float = 0.0      # wall time of the last budget change (replicas time its arrival)
+    sent_source: str | None = None      # the price source of the budget in the last reply
+    applied_source: str | None = None   # ... of the budget the replica ran when it last reported
 
 
 @dataclass
@@ -111,6 +125,7 @@ class ControllerState:
     replicas: dict[str, _Entry] = field(default_factory=dict)
     override: Budget | None = None
     override_fixed: bool = False    # the override verified as is: replicas pause their per-step allocation
+    cluster_pricing: bool = True    # price every replica on the cluster's load; off: each on its own
     departed: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
     departed_samples: list = field(default_factory=list)   # dropped replicas' Prometheus samples, summed
     ingress_samples: dict = field(default_factory=dict)    # API replica id -> its latest samples (cumulative)
@@ -140,6 +155,8 @@ class ControllerState:
             entry = _Entry(report, now, now, Budget.from_wire(report.budget))
             self.replicas[report.replica_id] = entry
         entry.report, entry.last_seen = report, now
+        # the replica applies a reply before it writes its next report: this report shows the last reply's price
+        entry.applied_source = "local" if report.budget_source == "local" else entry.sent_source
         self.queue_history.append((now, sum(e.report.queued for e in self.replicas.values())))
         self.records.extend(report.calibration_records)
         self._records_since_fit += len(report.calibration_records)
@@ -151,6 +168,7 @@ class ControllerState:
         self._refit()
         self.reassign()
         e = self.replicas[report.replica_id]
+        e.sent_source = self.price_source
         return {
             "budget": e.budget.to_wire(),
             "allocate": not self.override_fixed,
@@ -184,9 +202,20 @@ class ControllerState:
         self.override, self.override_fixed = budget, budget is not None and fixed
         self.reassign()
 
+    @property
+    def price_source(self) -> str:
+        return "cluster" if self.cluster_pricing else "local"
+
+    def set_pricing(self, cluster: bool) -> None:
+        """Price every replica on the cluster's load (``True``) or each on its own (``False``)."""
+        self.cluster_pricing = cluster
+        self.reassign()
+
     def reassign(self) -> None:
-        """Ask the policy again for every replica's budget (after a load, policy or override change)."""
-        budgets = assign_budgets(self.policy, self.load(), self.replicas, self.override)
+        """Ask the policy again for every replica's budget (after a load, policy, pricing or
+        override change)."""
+        loads = replica_loads(self.load(), {rid: e.report for rid, e in self.replicas.items()}, self.cluster_pricing)
+        budgets = assign_budgets(self.policy, loads, self.override)
         for rid, b in budgets.items():
             e = self.replicas[rid]
             if b != e.budget:
@@ -256,6 +285,7 @@ class ControllerState:
                     "budget": e.budget.to_wire(),
                     "applied_budget": e.report.budget,
                     "budget_source": e.report.budget_source,
+                    "price_source": e.applied_source,
                     "active": e.report.active,
                     "queued": e.report.queued,
                     "kv_cache_usage": e.report.kv_cache_usage,
@@ -278,6 +308,7 @@ class ControllerState:
             "cluster": asdict(self.load()),
             "override": self.override.to_wire() if self.override else None,
             "override_fixed": self.override_fixed,
+            "price_source": self.price_source,
             "calibration": {
                 "records": len(acc),
                 "acceptance_rate": sum(acc) / len(acc) if acc else None,

@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE wit
 ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /v1/speculation`` (each
 replica's budget and recent tree statistics, from the controller),
 ``POST /v1/speculation/override`` (pin one budget for all replicas, or ``null`` to
-release), ``GET /metrics`` (Prometheus text).
+release), ``POST /v1/speculation/pricing`` (price the replicas on the cluster's load or
+each on its own), ``GET /metrics`` (Prometheus text).
 
 The ingress parses and validates (``deployments.http.validation`` over the schemas of
 ``deployments.http.schemas``); tokenization, context checks and stop strings happen in the
@@ -78,6 +79,8 @@ from deployments.http.schemas import (
     ModelList,
     OverrideRequest,
     OverrideResponse,
+    PricingRequest,
+    PricingResponse,
     SamplingRequest,
     SpeculationStatus,
 )
@@ -382,6 +385,27 @@ class Api:
         except Exception as err:  # noqa: BLE001
             return self._controller_unavailable(err)
         return {"override": budget, "fixed": budget is not None and req.fixed}
+
+    @app.post("/v1/speculation/pricing", summary="Price on the cluster's load (true) or each replica's own (false)",
+              openapi_extra=request_body(PricingRequest), responses=answers(PricingResponse, 400, 401, 409, 413, 503))
+    async def pricing(self, request: Request) -> Any:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        body = await json_body(request, self.args.limits.max_body_bytes)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            req = PricingRequest.model_validate(body)
+        except ValidationError as err:
+            return validation_error_response(err)
+        if not self.args.controller.pricing:
+            return error_response(409, "controller.pricing is false: every replica prices its own queue",
+                                  "cluster", "pricing_disabled")
+        try:
+            await self._controller_call("set_pricing", req.cluster)
+        except Exception as err:  # noqa: BLE001
+            return self._controller_unavailable(err)
+        return {"cluster": req.cluster}
 
     @app.get("/metrics", summary="Prometheus metrics of the whole cluster", response_class=PlainTextResponse,
              responses=answers(None, 401, 503, text="Prometheus text format 0.0.4"))

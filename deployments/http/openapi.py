@@ -26,9 +26,10 @@ from deployments.http.schemas import (
     CompletionRequest,
     ErrorBody,
     OverrideRequest,
+    PricingRequest,
 )
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatRequest, OverrideRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatRequest, OverrideRequest, PricingRequest)
 # response bodies named by reference rather than through FastAPI's ``model``: stream events, errors
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (CompletionChunk, ChatCompletionChunk, ErrorBody)
 
@@ -36,6 +37,7 @@ STATUS = {
     400: "Invalid request: a field's type or value, a limit, or a field we cannot honour (code `unsupported_parameter`).",
     401: "Missing or wrong `Authorization: Bearer` key (deployments with `api_key_env`).",
     404: "Another model's name.",
+    409: "The controller does not price (`controller.pricing: false`): every replica prices its own queue.",
     413: "The body exceeds `limits.max_body_bytes`.",
     429: "Overloaded (deployments configured with `backpressure_status: 429`); see `Retry-After`.",
     503: "Overloaded, no replica ready, or the controller unreachable; see `Retry-After`.",

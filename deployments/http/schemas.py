@@ -1,8 +1,9 @@
 """The HTTP API's bodies (pydantic): what each route takes and what it answers.
 
 Requests (strict types): ``CompletionRequest`` (``POST /v1/completions``),
-``ChatRequest`` (``POST /v1/chat/completions``) and ``OverrideRequest``
-(``POST /v1/speculation/override``). Unknown fields are ignored, as OpenAI clients send
+``ChatRequest`` (``POST /v1/chat/completions``), ``OverrideRequest``
+(``POST /v1/speculation/override``) and ``PricingRequest``
+(``POST /v1/speculation/pricing``). Unknown fields are ignored, as OpenAI clients send
 many; OpenAI fields that would change the output in a way we cannot honour are declared,
 and ``unsupported()`` names the first one a request sets (the API answers 400). The
 limits that depend on the app config (prompt size, max_tokens, n, stop sequences, the
@@ -124,6 +125,11 @@ class OverrideRequest(_Req):
     budget: BudgetArgs | None = Field(description="The budget every replica runs, or null to release the override.")
     fixed: bool = Field(False, description="Verify the budget as it is: a replica's per-step allocation "
                                            "(which may only cut it) pauses while this override is pinned.")
+
+
+class PricingRequest(_Req):
+    cluster: bool = Field(description="Price every replica's speculation on the cluster's load (true: the "
+                                      "controller's price theta) or each replica on its own queue (false).")
 
 
 # -- responses (documentation of what deployments.http.responses builds) --------------------------
@@ -282,6 +288,10 @@ class OverrideResponse(BaseModel):
     fixed: bool = False
 
 
+class PricingResponse(BaseModel):
+    cluster: bool
+
+
 class SpeculationStatus(BaseModel):
     """The controller's view: each replica's assigned and applied budget, load and recent
     tree statistics; cluster load; calibration; acceptance per tree size; counters."""
@@ -293,6 +303,9 @@ class SpeculationStatus(BaseModel):
     cluster: dict[str, Any]
     override: BudgetArgs | None
     override_fixed: bool = False
+    price_source: Literal["cluster", "local"] = Field(
+        description="What the controller prices each replica on (`POST /v1/speculation/pricing`); each "
+                    "replica's `price_source` is the one its running budget was priced on.")
     calibration: dict[str, Any]
     acceptance: dict[str, Any]
     draft_node_s: float | None

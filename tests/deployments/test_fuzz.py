@@ -59,7 +59,7 @@ messages = field(st.lists(message, min_size=1, max_size=3), st.lists(message, ma
 completion = st.fixed_dictionaries({"model": model, "prompt": prompt}, optional=SAMPLING)
 chat = st.fixed_dictionaries({"model": model, "messages": messages},
                              optional={**SAMPLING, "max_completion_tokens": field(st.integers(-1, 14))})
-POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/speculation/override"]
+POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/speculation/override", "/v1/speculation/pricing"]
 GET_PATHS = ["/v1/models", "/health", "/v1/speculation", "/metrics", "/v1/completions", "/nope", "/v1/../etc/passwd"]
 
 requests_ = st.one_of(

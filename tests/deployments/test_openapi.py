@@ -54,8 +54,9 @@ def test_every_body_is_described():
     gen = doc["paths"]["/v1/completions"]["post"]["responses"]
     assert set(gen) == {"200", "400", "401", "404", "413", "429", "503"}
     assert "text/event-stream" in gen["200"]["content"]
-    for name in ("CompletionRequest", "ChatRequest", "OverrideRequest", "CompletionResponse", "ChatCompletionResponse",
-                 "CompletionChunk", "ChatCompletionChunk", "ModelList", "SpeculationStatus", "ErrorBody"):
+    for name in ("CompletionRequest", "ChatRequest", "OverrideRequest", "PricingRequest", "CompletionResponse",
+                 "ChatCompletionResponse", "CompletionChunk", "ChatCompletionChunk", "ModelList", "SpeculationStatus",
+                 "ErrorBody"):
         assert name in schemas, name
     assert set(schemas["ChatRequest"]["required"]) == {"model", "messages"}
 

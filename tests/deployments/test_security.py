@@ -60,7 +60,8 @@ def test_api_key_required_except_health(monkeypatch):
         routes = [("POST", "/v1/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 2}),
                   ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
                   ("GET", "/v1/models", None), ("GET", "/v1/speculation", None), ("GET", "/metrics", None),
-                  ("POST", "/v1/speculation/override", {"budget": None})]
+                  ("POST", "/v1/speculation/override", {"budget": None}),
+                  ("POST", "/v1/speculation/pricing", {"cluster": True})]
         for method, path, body in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
                             {"Authorization": f"Bearer {KEY}x"}):

@@ -227,6 +227,19 @@ def test_budget_change_reaches_all_replicas(url):
     set_override(url, None)
 
 
+def test_the_price_source_reaches_all_replicas(url):
+    """``POST /v1/speculation/pricing``: every replica runs a budget priced on its own queue,
+    then on the cluster's again, each within a few heartbeats."""
+    try:
+        for cluster, source in ((False, "local"), (True, "cluster")):
+            r = requests.post(f"{url}/v1/speculation/pricing", json={"cluster": cluster}, timeout=5)
+            assert r.status_code == 200 and r.json() == {"cluster": cluster}, r.text
+            wait_for(lambda s=source: (x := spec(url))["price_source"] == s and len(x["replicas"]) >= 2
+                     and all(rep["price_source"] == s for rep in x["replicas"].values()), timeout=30, interval=0.05)
+    finally:
+        requests.post(f"{url}/v1/speculation/pricing", json={"cluster": True}, timeout=5)
+
+
 def test_metrics_prometheus(url):
     complete(url)
     wait_for(lambda: "treespark:request_success_total{" in requests.get(f"{url}/metrics", timeout=5).text, 5)

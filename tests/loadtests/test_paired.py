@@ -3,7 +3,15 @@
 import numpy as np
 import pytest
 
-from loadtests.paired import Block, plan, read_blocks, report, write_blocks
+from loadtests.paired import (
+    BLOCK_FIELDS,
+    Block,
+    block_latency,
+    plan,
+    read_blocks,
+    report,
+    write_blocks,
+)
 from loadtests.pairstats import (
     A,
     B,
@@ -99,8 +107,54 @@ def test_report_reads_blocks_csv_and_gives_every_table(tmp_path):
 
 def test_the_aa_users_level_runs_first_with_its_three_experiments():
     class Args:
-        experiments, levels, aa_users = ["aa", "ramp", "default-off"], [1, 2, 4, 8, 16], 8
+        experiments, levels, aa_users, cluster_users = ["aa", "ramp", "default-off"], [1, 2, 4, 8, 16], 8, [8, 16]
     assert plan(Args) == [(8, ["aa", "ramp", "default-off"]), (1, ["ramp"]), (2, ["ramp"]), (4, ["ramp"]),
                           (16, ["ramp"])]
     Args.experiments = ["ramp"]
     assert [u for u, _ in plan(Args)] == [8, 1, 2, 4, 16]
+
+
+def test_cluster_local_runs_at_its_own_levels_sharing_a_level_already_planned():
+    class Args:
+        experiments, levels, aa_users, cluster_users = ["cluster-local"], [1, 2, 4, 8, 16], 8, [8, 16]
+    assert plan(Args) == [(8, ["cluster-local"]), (16, ["cluster-local"])]
+    Args.experiments, Args.cluster_users = ["aa", "ramp", "cluster-local"], [24, 16]
+    assert plan(Args) == [(8, ["aa", "ramp"]), (1, ["ramp"]), (2, ["ramp"]), (4, ["ramp"]),
+                          (16, ["ramp", "cluster-local"]), (24, ["cluster-local"])]
+
+
+def test_a_blocks_latency_is_that_of_the_requests_that_ended_in_it():
+    records = [{"t0": 0.0, "t1": 9.0, "ttft": 1.0, "ok": True},     # ended before the block
+               {"t0": 5.0, "t1": 11.0, "ttft": 2.0, "ok": True}] \
+        + [{"t0": 10.0 + i, "t1": 12.0 + 2 * i, "ttft": 0.5, "ok": True} for i in range(10)] \
+        + [{"t0": 10.0, "t1": 13.0, "ttft": None, "ok": False},    # failed: not counted
+           {"t0": 18.0, "t1": 25.0, "ttft": 0.1, "ok": True}]      # ended after it
+    n, e2e, ttft = block_latency(records, 10.0, 20.0)
+    e2es = [6.0, 2.0, 3.0, 4.0, 5.0]                                # ended at 11, 12, 14, 16 and 18
+    assert n == 5 and e2e == pytest.approx(np.percentile(e2es, 90))
+    assert ttft == pytest.approx(np.percentile([2.0] + [0.5] * 4, 90))
+    assert block_latency(records, 100.0, 110.0)[0] == 0 and np.isnan(block_latency(records, 100.0, 110.0)[1])
+
+
+def test_the_cluster_local_table_reads_goodput_and_latency_per_level(tmp_path):
+    blocks = _blocks("cluster-local", 8, 5, "perstep", "perstep-local", 1.0) \
+        + _blocks("cluster-local", 16, 5, "perstep", "perstep-local", 1.3)
+    for i, b in enumerate(blocks):   # latency: the cluster's price halves it at 16 users, changes nothing at 8
+        b.theta, b.queued_max, b.requests, b.t0 = (0.5 if b.side == A else 0.3), 4.0, 12, 1.7964e9 + 18.123 * i
+        b.e2e_p90_s = 10.0 * (0.5 if b.users == 16 and b.side == A else 1.0) * (1 + 0.01 * b.pair)
+    write_blocks(tmp_path / "blocks.csv", blocks)
+    back = read_blocks(tmp_path / "blocks.csv")
+    assert [b.t0 for b in back] == pytest.approx([b.t0 for b in blocks], abs=1e-3)   # unix times to the ms
+    text = report(back)
+    assert "the cluster's price (A) against each replica's own (B)" in text
+    rows = {int(line.split("|")[1]): line for line in text.splitlines() if line.startswith("| 8 |") or line.startswith("| 16 |")}
+    assert "| 0.50 / 0.30 |" in rows[8] and "no difference resolved" in rows[8]
+    assert "cluster faster" in rows[16] and "cluster shorter" in rows[16] and "| 0.500 [0.500, 0.500] |" in rows[16]
+    assert "| 1.000 [1.000, 1.000] | no difference resolved |" in rows[8]
+
+
+def test_an_older_blocks_csv_without_the_latency_columns_still_reads(tmp_path):
+    old = [f for f in BLOCK_FIELDS if f not in ("queued_max", "theta", "requests", "e2e_p90_s", "ttft_p90_s")]
+    (tmp_path / "blocks.csv").write_text(",".join(old) + "\naa,8,0,A,perstep,1.0,15,150,10,0.5,8,0\n")
+    (b,) = read_blocks(tmp_path / "blocks.csv")
+    assert b.goodput_tok_s == 10.0 and b.requests == 0 and np.isnan(b.e2e_p90_s)

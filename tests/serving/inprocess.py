@@ -87,7 +87,7 @@ class LocalController:
     """Stand-in for the controller actor handle: a ``ControllerState`` in-process."""
 
     def __init__(self, args: AppArgs) -> None:
-        self.state = ControllerState(args.policy.build(args.max_batch_size))
+        self.state = ControllerState(args.policy.build(args.max_batch_size), cluster_pricing=args.controller.pricing)
 
         async def status() -> dict[str, Any]:
             return self.state.status()
@@ -100,6 +100,9 @@ class LocalController:
 
             self.state.set_override(None if budget is None else Budget.from_wire(budget), fixed)
 
+        async def set_pricing(cluster: bool) -> None:
+            self.state.set_pricing(cluster)
+
         async def report_ingress(ingress_id: str, samples: list) -> None:
             self.state.report_ingress(ingress_id, samples)
 
@@ -107,6 +110,7 @@ class LocalController:
         self.metrics_view = _Method(metrics_view)
         self.report_ingress = _Method(report_ingress)
         self.set_override = _Method(set_override)
+        self.set_pricing = _Method(set_pricing)
 
 
 def _api_class() -> type:
