@@ -74,7 +74,7 @@ class StepCostTable:
 
 def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
     """Hardware + model + dtype + threads + grid + product plan + attention path + compile
-    backend, hashed: the cache key."""
+    backend + CUDA graphs, hashed: the cache key."""
     pair = engine.pair
     n_target = sum(p.numel() for p in pair.target.parameters())
     n_drafter = sum(p.numel() for p in pair.drafter.parameters())
@@ -83,7 +83,7 @@ def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
            "params": [n_target, n_drafter], "vocab": engine.vocab_size, "grid": grid,
            "max_batch": engine.config.max_batch_size,
            "products": engine.runner.products_described, "attention": engine.config.attention.value,
-           "compile": engine.config.compile_backend}
+           "compile": engine.config.compile_backend, "graphs": engine.config.cuda_graphs}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
