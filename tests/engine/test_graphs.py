@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.engine.test_engine import prompts, run
+from tests.engine.test_transfers import Watch
 from treespark import Budget, generate, random_pair
 from treespark.bench.attention import paged_scene, random_trees
 from treespark.engine.core import Engine, EngineConfig
@@ -118,6 +119,20 @@ def test_a_smaller_fill_resets_the_padding_a_larger_one_left():
     pad[:2, :, :3] = False
     assert torch.equal(inputs.mask[..., 0], torch.ones(4, 1, 8, dtype=torch.bool))   # every query sees a key
     assert not inputs.mask[..., 1:][pad].any()                              # a padding query: key 0 only
+
+
+def test_the_padded_forward_takes_nothing_from_the_host(pairs):
+    """What a GPU captures must not build tensors from host data or move any: the padded
+    forward (its copies into the static buffers, the layers, the LM head) makes no such
+    call, where a stray one would be seen (``Watch``)."""
+    pair = pairs["llama"]
+    runner, scene = _scene(pair)
+    graphed = GraphedForward(runner, scene.kv.target, BS, BUCKETS, capture=False)
+    b = tree_batch(scene.trees, scene.lengths, runner.device)
+    rows = scene.kv.rows(scene.table, b.mask.shape[-1])
+    with Watch([*pair.target.parameters(), *pair.target.buffers()]) as w:
+        graphed.forward(b.tokens, b.positions, b.write_pos, rows, b.mask)
+    assert not w.outside and w.uploads == w.fetches == 0
 
 
 def test_a_shape_above_the_largest_bucket_runs_the_plain_forward(pairs):
