@@ -30,7 +30,7 @@ captures it into one memory pool shared by every bucket (``torch.cuda.graph_pool
 the graphs never run concurrently); later calls only copy and replay. Elsewhere there
 is nothing to capture and the same padded forward over the same static buffers runs
 eagerly: what the CPU tests check. A shape above the largest bucket, and every other
-forward (prefill, the reference attention path, dense stores), runs eagerly unpadded.
+forward (prefill, the cost measurements over dense stores), runs eagerly unpadded.
 """
 
 from __future__ import annotations
