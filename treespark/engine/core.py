@@ -16,7 +16,8 @@ Each ``step()``:
    in depth waves, one batched device call per wave (``treespark.spec.drafting``, the rule
    in ``treespark.spec.select``);
 3. verify: ONE target forward over all trees (padded; each row sees its committed
-   context and its tree ancestors), then on the device the argmax at every node
+   context and its tree ancestors; with ``cuda_graphs`` padded further to a bucket and
+   replayed from that bucket's CUDA graph, ``treespark.engine.graphs``), then on the device the argmax at every node
    (T = 0) or the recursive rejection walk (T > 0, ``treespark.spec.walk``); one copy
    brings the accepted paths to the host (``treespark.spec.verify`` builds the results);
 4. commit: move the accepted nodes' KV entries next to the committed context (inside
