@@ -16,9 +16,9 @@ Each ``step()``:
    in depth waves, one batched device call per wave (``treespark.spec.drafting``, the rule
    in ``treespark.spec.select``);
 3. verify: ONE target forward over all trees (padded; each row sees its committed
-   context and its tree ancestors; with ``cuda_graphs`` padded further to a bucket and
-   replayed from that bucket's CUDA graph, ``treespark.engine.graphs``), then on the device the argmax at every node
-   (T = 0) or the recursive rejection walk (T > 0, ``treespark.spec.walk``); one copy
+   context and its tree ancestors; with ``cuda_graphs``, padded further to a bucket and
+   replayed from that bucket's CUDA graph, ``treespark.engine.graphs``), then on the
+   device the argmax at every node (T = 0) or the recursive rejection walk (T > 0, ``treespark.spec.walk``); one copy
    brings the accepted paths to the host (``treespark.spec.verify`` builds the results);
 4. commit: move the accepted nodes' KV entries next to the committed context (inside
    the request's blocks), feed their tapped hidden states to the drafter's context
@@ -114,8 +114,8 @@ class EngineConfig:
     # launches on a GPU (docs/results/engine/ops.md for CPU); the first steps of each shape
     # compile. None: eager
     compile_backend: str | None = None
-    # the verify forward replayed from CUDA graphs, its shape padded to power-of-two buckets
-    # of rows, tokens a row and block-table columns (engine/graphs.py); prefill and shapes
+    # the verify forward replayed from CUDA graphs, its rows, tokens a row and block-table
+    # columns each padded to a power of two or the largest (engine/graphs.py); prefill and shapes
     # above the largest bucket run eagerly. Off CUDA nothing is captured: the same padded
     # forward runs eagerly (what the CPU tests check), slower than False, with one warning
     cuda_graphs: bool = False
