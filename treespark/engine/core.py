@@ -18,8 +18,9 @@ Each ``step()``:
 3. verify: ONE target forward over all trees (padded; each row sees its committed
    context and its tree ancestors; with ``cuda_graphs``, padded further to a bucket and
    replayed from that bucket's CUDA graph, ``treespark.engine.graphs``), then on the
-   device the argmax at every node (T = 0) or the recursive rejection walk (T > 0, ``treespark.spec.walk``); one copy
-   brings the accepted paths to the host (``treespark.spec.verify`` builds the results);
+   device the argmax at every node (T = 0) or the recursive rejection walk (T > 0,
+   ``treespark.spec.walk``); one copy brings the accepted paths to the host
+   (``treespark.spec.verify`` builds the results);
 4. commit: move the accepted nodes' KV entries next to the committed context (inside
    the request's blocks), feed their tapped hidden states to the drafter's context
    cache, key the blocks that became full for the prefix cache, and retire finished
