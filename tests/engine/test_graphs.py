@@ -6,6 +6,8 @@ decodes, greedy and sampled."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from treespark.bench.attention import paged_scene, random_trees
 from treespark.engine.core import Engine, EngineConfig
 from treespark.engine.graphs import Buckets, BucketShape, GraphedForward, StaticInputs
 from treespark.engine.kv import StoreShape
+from treespark.engine.step_costs import measure_verify
 from treespark.engine.target import TargetRunner
 from treespark.kernels.linear import F_LINEAR, ProductPlan
 from treespark.spec.params import SamplingParams
@@ -190,3 +193,13 @@ def test_graphed_engine_samples_what_the_eager_engine_samples(mimic16):
         graphed, _ = run(_engine(mimic16, Budget(0.0, 8, 3), True), arrivals)
     eager, _ = run(_engine(mimic16, Budget(0.0, 8, 3), False), arrivals)
     assert graphed == eager and all(len(t) == 16 for t in eager.values())
+
+
+def test_the_step_cost_table_times_the_graphed_forward_over_the_null_block(mimic16):
+    with pytest.warns(UserWarning):
+        engine = _engine(mimic16, Budget(0.0, 8, 3), True)
+    measure_verify(engine, (1, 2), (1, 4, 9), deadline=time.perf_counter() - 1, context=16)
+    # 16 + k keys: two blocks; 9 tokens pad to 16
+    assert engine.graphs.shapes == {BucketShape(b, k, 2) for b in (1, 2) for k in (1, 4, 16)}
+    bs = engine.kv.block_size
+    assert not engine.kv.target.k[:, bs:].any() and engine.kv.target.k[:, :bs].any()   # the null block alone
