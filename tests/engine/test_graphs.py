@@ -159,9 +159,9 @@ def test_cuda_graphs_off_cuda_warns_once_and_runs_padded(mimic16):
     assert engine.graphs is not None and not engine.graphs.capture
 
 
-@pytest.mark.parametrize("budget", [Budget.off(), Budget.chain(3), Budget(0.0, 16, 4)])
+@pytest.mark.parametrize("budget", [Budget.off(), Budget(0.0, 16, 4)])
 def test_graphed_engine_greedy_equals_plain_decoding(mimic16, budget):
-    ps, lengths = prompts(6, 16, seed=1), [5, 17, 9, 30, 2, 12]
+    ps, lengths = prompts(4, 16, seed=1), [5, 12, 9, 2]
     arrivals = {}
     for i, (p, n) in enumerate(zip(ps, lengths, strict=True)):
         arrivals.setdefault(i // 2, []).append((f"r{i}", p, SamplingParams(max_tokens=n)))
@@ -173,26 +173,17 @@ def test_graphed_engine_greedy_equals_plain_decoding(mimic16, budget):
         assert tokens[f"r{i}"] == generate(mimic16, p, max_new_tokens=n, budget=Budget.off()).token_ids
 
 
-def test_graphed_engine_greedy_on_the_full_qwen3_vocabulary(pairs):
-    pair = pairs["qwen3"]
-    ps = [torch.randint(1, 151_936, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 21, 40)]
-    arrivals = {0: [(f"r{i}", p, SamplingParams(max_tokens=10)) for i, p in enumerate(ps)]}
-    with pytest.warns(UserWarning):
-        graphed, _ = run(_engine(pair, Budget(0.0, 8, 3), True), arrivals)
-    assert graphed == run(_engine(pair, Budget(0.0, 8, 3), False), arrivals)[0]
-
-
 def test_graphed_engine_samples_what_the_eager_engine_samples(mimic16):
     """The same seeds give the same tokens: a tree's walk at T > 0 reads the padded
     forward's logits exactly where it reads the plain one's."""
     arrivals = {}
-    for i, p in enumerate(prompts(5, 16, seed=4)):
-        params = SamplingParams(temperature=0.6 + 0.2 * (i % 3), max_tokens=16, seed=i)
+    for i, p in enumerate(prompts(4, 16, seed=4)):
+        params = SamplingParams(temperature=0.6 + 0.2 * (i % 3), max_tokens=10, seed=i)
         arrivals.setdefault(i // 2, []).append((f"s{i}", p, params))
     with pytest.warns(UserWarning):
         graphed, _ = run(_engine(mimic16, Budget(0.0, 8, 3), True), arrivals)
     eager, _ = run(_engine(mimic16, Budget(0.0, 8, 3), False), arrivals)
-    assert graphed == eager and all(len(t) == 16 for t in eager.values())
+    assert graphed == eager and all(len(t) == 10 for t in eager.values())
 
 
 def test_the_step_cost_table_times_the_graphed_forward_over_the_null_block(mimic16):
