@@ -39,7 +39,8 @@ def build_engine(args: AppArgs) -> EngineBundle:
     engine = Engine(pair, EngineConfig(max_batch_size=args.max_batch_size, max_context=args.max_context,
                                         max_tree_nodes=args.max_tree_nodes,
                                         kv_memory_fraction=args.kv_memory_fraction,
-                                        prefix_caching=args.prefix_caching, compile_backend=args.compile_backend))
+                                        prefix_caching=args.prefix_caching, compile_backend=args.compile_backend,
+                                        cuda_graphs=args.cuda_graphs))
     tok = pair.tokenizer if pair.tokenizer is not None else ByteTokenizer(engine.vocab_size)
     step_costs = None
     if args.policy.kind == "perstep":

@@ -101,18 +101,18 @@ def device_check(config: CheckConfig, out_dir: str | Path, *, device: str | None
 
     def launches() -> dict[str, Any]:
         rows = result["launches"] = {}
-        for backend in config.forwards:
-            rows |= step_launches(pair, dev, config.seed, backend=backend)
+        for forward in config.forwards:
+            rows |= step_launches(pair, dev, config.seed, forward=forward)
         return rows
 
     section("launches", launches)
     log(f"launches: {result.get('launches')}")
-    section("logits", lambda: [check_logits(pair, dev, checks, inject, config.seed, b) for b in config.forwards])
+    section("logits", lambda: [check_logits(pair, dev, checks, inject, config.seed, f) for f in config.forwards])
 
     def greedy() -> dict[str, Any]:
         report = result["greedy"] = {}
-        for backend in config.forwards:
-            report |= check_greedy(pair, dev, config, checks, backend)
+        for forward in config.forwards:
+            report |= check_greedy(pair, dev, config, checks, forward)
         return report
 
     section("greedy", greedy)
@@ -126,13 +126,13 @@ def device_check(config: CheckConfig, out_dir: str | Path, *, device: str | None
         log(f"served policy's step costs measured in {time.perf_counter() - t1:.1f} s")
         policies: dict[str, Budget] = {**POLICIES, SERVED: Budget.adaptive()}
         rows = result["throughput"] = []  # filled as it goes: a failure keeps the rows before it
-        for backend in config.forwards:
-            mode = backend or "eager"
+        for forward in config.forwards:
+            mode = forward.name
             for t in config.temperatures:
                 for bs in config.batch_sizes:
                     for name, budget in policies.items():
                         r = timed_decode(pair, budget, bs, t, config, dev, allocator if name == SERVED else None,
-                                         backend=backend)
+                                         forward=forward)
                         rows.append({"forward": mode, "T": t, "batch": bs, "policy": name, **r})
                         log(f"{mode} T={t:g} batch={bs} {name}: {r['tokens_per_s']:.1f} tok/s, "
                             f"step {_ms(r['step'])} ms")
@@ -158,7 +158,7 @@ def device_check(config: CheckConfig, out_dir: str | Path, *, device: str | None
         plain1 = {r["forward"]: r["step"] for r in result.get("throughput") or []
                   if r["policy"] == "plain" and r["batch"] == min(config.batch_sizes) and r["T"] == 0}
         return {"weight_bytes": weight_bytes, "bandwidth_gb_s": bw / 1e9, "floor_s": weight_bytes / bw,
-                "plain_step_s": plain1}  # by forward: eager, or the compile backend
+                "plain_step_s": plain1}  # by forward: eager, inductor, graphs
 
     section("floor", floor)
     return result
@@ -182,7 +182,8 @@ def render(r: dict[str, Any]) -> str:
                   "launched (in the step and inside the target forward) and the attention kernels by name; "
                   "on CPU the operators called.", "",
                   markdown_table(["policy", "counted", "per step", "per target forward", "attention kernels"],
-                                 [[name, x["unit"], str(x["per_step"]), f"{x['per_forward']:.0f}",
+                                 [[name + (f" ({x['captures']} captured in the step)" if x.get("captures") else ""),
+                                   x["unit"], str(x["per_step"]), f"{x['per_forward']:.0f}",
                                    _cell(", ".join(x["attention_kernels"]) or "none seen")]
                                   for name, x in r["launches"].items()])]
     lines += ["", "## Correctness", "", markdown_table(

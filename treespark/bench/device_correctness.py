@@ -13,13 +13,23 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 from safetensors.torch import save_file
 
-from treespark.bench.device_pair import POLICIES, CheckConfig, products_for, random_prompts
+from treespark.bench.attention import paged_scene, random_trees
+from treespark.bench.device_pair import (
+    EAGER,
+    POLICIES,
+    CheckConfig,
+    Forward,
+    products_for,
+    random_prompts,
+)
 from treespark.engine.core import Engine, EngineConfig
-from treespark.engine.kv import KVStore
+from treespark.engine.graphs import Buckets, GraphedForward
+from treespark.engine.kv import KVStore, StoreShape
 from treespark.engine.target import TargetRunner
 from treespark.kernels.attention import DenseKV
 from treespark.models.checkpoint import INDEX_NAME, load_drafter
@@ -27,6 +37,7 @@ from treespark.models.drafter import DSparkDrafter
 from treespark.models.pair import ModelPair, init_weights
 from treespark.spec.budget import Budget
 from treespark.spec.params import SamplingParams
+from treespark.spec.tree import tree_batch
 
 Inject = Callable[[str, torch.Tensor], torch.Tensor]  # test hook: (point name, tensor) -> tensor
 
@@ -71,10 +82,12 @@ class Checks:
 
 
 def check_logits(pair: ModelPair, device: torch.device, checks: Checks, inject: Inject | None, seed: int,
-                 backend: str | None = None) -> None:
+                 forward: Forward = EAGER) -> None:
     """The runner's logits and taps against the transformers forward on the same weights
-    (``backend``: the runner's forward compiled with it; its rows say so)."""
-    mode = "" if backend is None else f" ({backend})"
+    (the runner's layer ops compiled with ``forward.compile_backend``); with CUDA graphs,
+    ``check_graph_logits`` too. Rows name a forward other than eager."""
+    backend = forward.compile_backend
+    mode = "" if forward == EAGER else f" ({forward.name})"
     exact = next(pair.target.parameters()).dtype == torch.float32
     (ids,) = random_prompts(1, 48, pair.vocab_size, seed)
     x = torch.tensor([ids], device=device)
@@ -105,12 +118,59 @@ def check_logits(pair: ModelPair, device: torch.device, checks: Checks, inject: 
     u = u if inject is None else inject("drafter_logits", u)
     checks.add(f"drafter block logits finite{mode}", bool(torch.isfinite(u).all()), str(bool(torch.isfinite(u).all())),
                "True")
+    if forward.cuda_graphs:
+        check_graph_logits(pair, runner, checks, seed, mode)
+
+
+def check_graph_logits(pair: ModelPair, runner: TargetRunner, checks: Checks, seed: int, mode: str) -> None:
+    """The verify forward replayed from CUDA graphs (on CPU: padded, eager) against the
+    runner's own forward on one paged store (shuffled blocks, rows of different lengths,
+    padded trees): two batches of one bucket, so the second is a replay on new inputs.
+    Each batch runs from the same store contents on both paths."""
+    device = runner.device
+    exact = runner.dtype == torch.float32
+    c = pair.drafter.config
+    bs = 16
+    scene = paged_scene(runner, StoreShape(c.num_hidden_layers, c.num_key_value_heads, c.head_dim), [37, 5, 70],
+                        nodes=9, block_size=bs, seed=seed)
+    # both batches in bucket (4 rows, 16 tokens, 8 blocks): 3 rows, 9 then 12 nodes, 79 then 76 keys
+    second = [30, 3, 64]
+    batches = [(scene.trees, scene.lengths),
+               (random_trees(second, 12, runner.vocab_size, np.random.default_rng(seed + 1)), second)]
+    store = scene.kv.target
+    k0, v0 = store.k.clone(), store.v.clone()
+    graphed = GraphedForward(runner, store, bs, Buckets.up_to(4, 16, 8))
+    diffs, agree, finite, scale = [], [], True, 0.0
+    for trees, lengths in batches:
+        b = tree_batch(trees, lengths, device)
+        rows = scene.kv.rows(scene.table, b.mask.shape[-1])
+        out = []
+        for path in ("eager", "graphed"):
+            store.k.copy_(k0)
+            store.v.copy_(v0)
+            if path == "eager":
+                got = runner.forward(b.tokens, b.positions, b.write_pos, store, rows, b.mask)
+            else:
+                got = graphed.forward(b.tokens, b.positions, b.write_pos, rows, b.mask)
+            out.append(got.logits)
+        ref, got = out
+        finite &= bool(torch.isfinite(got).all())
+        diffs.append(float((got - ref).abs().max()))
+        agree.append(float((got.argmax(-1) == ref.argmax(-1)).float().mean()))
+        scale = max(scale, float(ref.abs().max()))
+    tol = 1e-3 * max(scale, 1.0) if exact else 0.05 * max(scale, 1.0)
+    checks.add(f"graphed verify forward: logits finite{mode}", finite, str(finite), "True")
+    checks.add(f"graphed vs eager verify forward: max |logit diff|{mode}", max(diffs) <= tol,
+               f"{max(diffs):.3g} (2 batches of one bucket, {graphed.captures} captured)", f"<= {tol:.3g}")
+    need = 1.0 if exact else 0.95
+    checks.add(f"graphed vs eager verify forward: argmax agreement{mode}", min(agree) >= need, f"{min(agree):.4f}",
+               f">= {need}")
 
 
 def _generate(pair: ModelPair, prompts: list[list[int]], budget: Budget, tokens: int,
-              device: torch.device, backend: str | None = None) -> list[list[int]]:
+              device: torch.device, forward: Forward = EAGER) -> list[list[int]]:
     engine = Engine(pair, EngineConfig(max_batch_size=len(prompts), max_context=len(prompts[0]) + tokens + 8,
-                                       max_tree_nodes=32, compile_backend=backend),
+                                       max_tree_nodes=32, **forward.engine_args),
                     budget=budget, products=products_for(device))
     for i, p in enumerate(prompts):
         engine.add_request(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=tokens, seed=i))
@@ -122,18 +182,18 @@ def _generate(pair: ModelPair, prompts: list[list[int]], budget: Budget, tokens:
 
 
 def check_greedy(pair: ModelPair, device: torch.device, cfg: CheckConfig, checks: Checks,
-                 backend: str | None = None) -> dict[str, Any]:
-    """Greedy chain and tree output against plain decoding (``backend``: all three with
-    the target forward compiled with it). A divergence passes only where the plain path's
-    top two logits (transformers forward) are within rounding."""
-    mode = "" if backend is None else f" ({backend})"
+                 forward: Forward = EAGER) -> dict[str, Any]:
+    """Greedy chain and tree output against plain decoding (all three with ``forward``'s
+    target forward). A divergence passes only where the plain path's top two logits
+    (transformers forward) are within rounding."""
+    mode = "" if forward == EAGER else f" ({forward.name})"
     exact = next(pair.target.parameters()).dtype == torch.float32
     tie = 1e-3 if exact else 0.25
     prompts = random_prompts(cfg.greedy_prompts, 24, pair.vocab_size, cfg.seed + 1)
-    plain = _generate(pair, prompts, Budget.off(), cfg.greedy_tokens, device, backend)
+    plain = _generate(pair, prompts, Budget.off(), cfg.greedy_tokens, device, forward)
     report = {}
     for name in ("chain of 4", "tree of 32"):
-        outs = _generate(pair, prompts, POLICIES[name], cfg.greedy_tokens, device, backend)
+        outs = _generate(pair, prompts, POLICIES[name], cfg.greedy_tokens, device, forward)
         same = sum(o == p for o, p in zip(outs, plain, strict=True))
         first, margins = None, []
         for prompt, o, p in zip(prompts, outs, plain, strict=True):

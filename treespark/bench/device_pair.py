@@ -5,6 +5,7 @@ straight on the device (``treespark.bench.device_check``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -39,6 +40,28 @@ SHAPES = {s.name: s for s in (QWEN3_4B, TINY)}
 
 
 @dataclass(frozen=True)
+class Forward:
+    """A target forward the check runs: its layer ops compiled with ``compile_backend``
+    (None: eager), replayed from CUDA graphs (``cuda_graphs``; on CPU the padded forward,
+    eager): ``EngineConfig``'s two switches."""
+
+    compile_backend: str | None = None
+    cuda_graphs: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [self.compile_backend or ""] + (["graphs"] if self.cuda_graphs else [])
+        return "+".join(p for p in parts if p) or "eager"
+
+    @property
+    def engine_args(self) -> dict[str, Any]:
+        return {"compile_backend": self.compile_backend, "cuda_graphs": self.cuda_graphs}
+
+
+EAGER = Forward()
+
+
+@dataclass(frozen=True)
 class CheckConfig:
     shape: PairShape = QWEN3_4B
     batch_sizes: tuple[int, ...] = (1, 8, 32)
@@ -52,8 +75,8 @@ class CheckConfig:
     policy_profile_s: float = 20.0        # the served policy's startup step-cost measurement
     bandwidth_bytes: int = 1 << 30
     full_size_checkpoint: bool = True     # the loader fixture at the drafter's real size (else: tiny)
-    # the target forward eager (None), and compiled with these backends (EngineConfig.compile_backend)
-    forwards: tuple[str | None, ...] = (None, "inductor")
+    # the target forwards run: eager, compiled by inductor, replayed from CUDA graphs
+    forwards: tuple[Forward, ...] = (EAGER, Forward("inductor"), Forward(cuda_graphs=True))
     seed: int = 0
 
     @classmethod
@@ -61,7 +84,7 @@ class CheckConfig:
         """The tiny CPU run (well under a minute): the same sections at small sizes."""
         return cls(shape=TINY, batch_sizes=(1, 2), prompt_len=16, timed_steps=4, warm_steps=1, greedy_prompts=2,
                    greedy_tokens=12, long_context=((2, 512),), policy_profile_s=2.0, bandwidth_bytes=1 << 26,
-                   forwards=(None,))
+                   forwards=(EAGER,))
 
 
 POLICIES = {"plain": Budget.off(), "chain of 4": Budget.chain(4), "tree of 32": Budget(0.0, 32, 4)}

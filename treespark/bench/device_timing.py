@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from treespark.bench.device_pair import CheckConfig, products_for, random_prompts
+from treespark.bench.device_pair import EAGER, CheckConfig, Forward, products_for, random_prompts
 from treespark.engine.core import Engine, EngineConfig
 from treespark.engine.step_alloc import StepAllocator
 from treespark.engine.step_costs import startup_step_costs
@@ -23,12 +23,13 @@ from treespark.spec.params import SamplingParams, StepStats
 # -- 3. throughput -----------------------------------------------------------------------
 class StageClock:
     """Times the verify forward and the drafter backbone inside engine steps: CUDA events
-    on GPU, perf_counter on CPU (wrapping the two calls on this engine's objects)."""
+    on GPU, perf_counter on CPU (wrapping the two calls on this engine's objects; the
+    verify forward is the CUDA graphs' where the engine replays them)."""
 
     def __init__(self, engine: Engine) -> None:
         self.cuda = engine.device.type == "cuda"
         self.spans: dict[str, list] = {"verify": [], "backbone": []}
-        self._wrap(engine.runner, "forward", "verify")
+        self._wrap(engine.graphs if engine.graphs is not None else engine.runner, "forward", "verify")
         self._wrap(engine.drafter, "block_logits", "backbone")
 
     def _wrap(self, obj: Any, method: str, name: str) -> None:
@@ -60,16 +61,18 @@ class StageClock:
 
 def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float, cfg: CheckConfig,
                  device: torch.device, allocator: StepAllocator | None = None,
-                 prompt_len: int | None = None, backend: str | None = None) -> dict[str, Any]:
+                 prompt_len: int | None = None, forward: Forward = EAGER) -> dict[str, Any]:
     """Prefill ``batch`` requests, then time ``timed_steps`` decode steps that all run the
-    full batch (max_tokens leaves every request running through the window)."""
+    full batch (max_tokens leaves every request running through the window), with
+    ``forward``'s target forward (``captures``: CUDA-graph buckets captured inside the
+    timed steps, None without graphs)."""
     plen = prompt_len or cfg.prompt_len
     blk = pair.drafter.config.block_size
     chunk = min(plen, 2048)
     steps = batch * -(-plen // chunk) + cfg.warm_steps + cfg.timed_steps + 4  # >= the steps any request decodes
     max_tokens = steps * (blk + 1)
     engine = Engine(pair, EngineConfig(max_batch_size=batch, max_context=plen + max_tokens + 8,
-                                       max_tree_nodes=32, prefill_chunk=chunk, compile_backend=backend),
+                                       max_tree_nodes=32, prefill_chunk=chunk, **forward.engine_args),
                     budget=budget, products=products_for(device))
     if allocator is not None:
         engine.set_allocator(allocator)
@@ -82,6 +85,7 @@ def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float
     for _ in range(cfg.warm_steps):
         engine.step()
     clock = StageClock(engine)
+    captured = None if engine.graphs is None else engine.graphs.captures
     stats: list[StepStats] = []
     engine.on_step = stats.append
     rows = []
@@ -115,6 +119,7 @@ def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float
     return {**med, "tokens_per_s": emitted / sum(r["step"] for r in rows),
             "syncs": max((r["syncs"] or 0) for r in rows) if device.type == "cuda" else None,
             "copies": max(r["copies"] for r in rows),
+            "captures": None if engine.graphs is None else engine.graphs.captures - captured,
             "peak_gib": (torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None}
 
 

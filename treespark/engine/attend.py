@@ -37,11 +37,12 @@ class StoreAttention:
 
     path: AttentionPath
     store: KVStore | PagedStore
-    rows: slice | PagedRows
+    rows: slice | PagedRows | None  # None: the grouped path over ``table`` alone (``table_attention``)
     mask: torch.Tensor          # [B, 1, K, T] bool (the reference path's)
     bias: torch.Tensor | None   # [B, 1, G*K, T'] additive, T' >= T (the grouped path's)
     table: torch.Tensor | None  # [B, T' / block size] the blocks it reads (the grouped path's, paged)
     scale: float
+    block_size: int = 0         # the paged store's (with ``table``)
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [B, H, K, hd] -> [B, H, K, hd]."""
@@ -51,8 +52,8 @@ class StoreAttention:
             return reference_attention(q, keys, values, self.mask, self.scale)
         assert self.bias is not None
         if self.table is not None:
-            keys = gather_blocks(self.store.k[layer], self.table, self.rows.block_size)
-            values = gather_blocks(self.store.v[layer], self.table, self.rows.block_size)
+            keys = gather_blocks(self.store.k[layer], self.table, self.block_size)
+            values = gather_blocks(self.store.v[layer], self.table, self.block_size)
         else:
             keys, values = self.store.read(layer, self.rows, t)
         return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), self.bias, self.scale)
@@ -63,16 +64,21 @@ def store_attention(path: AttentionPath, store: KVStore | PagedStore, rows: slic
     """Prepare a forward's attention: on the grouped path the bias (and, paged, the block
     table's columns it reads) is built here, once for every layer, its keys a whole number
     of blocks (paged) or the mask's (dense)."""
-    bias = table = None
-    if path is AttentionPath.GROUPED:
-        t = mask.shape[-1]
-        if isinstance(rows, PagedRows):
-            nb = blocks_for(t, rows.block_size)
-            table = table_columns(rows.table, nb)
-            bias = attention_bias(mask, groups, dtype, nb * rows.block_size)
-        else:
-            bias = attention_bias(mask, groups, dtype, t)
-    return StoreAttention(path, store, rows, mask, bias, table, scale)
+    if path is AttentionPath.GROUPED and isinstance(rows, PagedRows):
+        table = table_columns(rows.table, blocks_for(mask.shape[-1], rows.block_size))
+        return table_attention(store, table, rows.block_size, mask, groups=groups, dtype=dtype, scale=scale)
+    bias = attention_bias(mask, groups, dtype, mask.shape[-1]) if path is AttentionPath.GROUPED else None
+    return StoreAttention(path, store, rows, mask, bias, None, scale)
+
+
+def table_attention(store: PagedStore, table: torch.Tensor, block_size: int, mask: torch.Tensor, *,
+                    groups: int, dtype: torch.dtype, scale: float) -> StoreAttention:
+    """The grouped path over the blocks of ``table`` [B, nb] (``mask`` [B, 1, K, T], T <=
+    nb * block_size): the bias over whole blocks, built once for every layer. What
+    ``store_attention`` prepares for a paged store, from tensors only: the static-shape
+    forward's (``treespark.engine.graphs``)."""
+    bias = attention_bias(mask, groups, dtype, table.shape[1] * block_size)
+    return StoreAttention(AttentionPath.GROUPED, store, None, mask, bias, table, scale, block_size)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,11 @@ Each ``step()``:
    in depth waves, one batched device call per wave (``treespark.spec.drafting``, the rule
    in ``treespark.spec.select``);
 3. verify: ONE target forward over all trees (padded; each row sees its committed
-   context and its tree ancestors), then on the device the argmax at every node
-   (T = 0) or the recursive rejection walk (T > 0, ``treespark.spec.walk``); one copy
-   brings the accepted paths to the host (``treespark.spec.verify`` builds the results);
+   context and its tree ancestors; with ``cuda_graphs``, padded further to a bucket and
+   replayed from that bucket's CUDA graph, ``treespark.engine.graphs``), then on the
+   device the argmax at every node (T = 0) or the recursive rejection walk (T > 0,
+   ``treespark.spec.walk``); one copy brings the accepted paths to the host
+   (``treespark.spec.verify`` builds the results);
 4. commit: move the accepted nodes' KV entries next to the committed context (inside
    the request's blocks), feed their tapped hidden states to the drafter's context
    cache, key the blocks that became full for the prefix cache, and retire finished
@@ -51,6 +53,7 @@ The engine is synchronous and not thread-safe: one thread owns it.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +63,7 @@ import torch
 from treespark.engine.accept import accept, sample_firsts
 from treespark.engine.attend import PagedContext
 from treespark.engine.commit import commit_plan
+from treespark.engine.graphs import Buckets, GraphedForward
 from treespark.engine.kv import (
     PagedKV,
     StoreShape,
@@ -111,6 +115,11 @@ class EngineConfig:
     # launches on a GPU (docs/results/engine/ops.md for CPU); the first steps of each shape
     # compile. None: eager
     compile_backend: str | None = None
+    # the verify forward replayed from CUDA graphs, its rows, tokens a row and block-table
+    # columns each padded to a power of two or the largest (engine/graphs.py); prefill and shapes
+    # above the largest bucket run eagerly. Off CUDA nothing is captured: the same padded
+    # forward runs eagerly (what the CPU tests check), slower than False, with one warning
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_context", "prefill_chunk", "block_size", "max_num_batched_tokens"):
@@ -120,6 +129,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.kv_blocks and kv_budget_bytes must be >= 0 and kv_memory_fraction in [0, 1]")
         if self.max_tree_nodes < 0:
             raise ValueError("EngineConfig.max_tree_nodes must be >= 0")
+        if self.cuda_graphs and self.attention is not AttentionPath.GROUPED:
+            raise ValueError("EngineConfig.cuda_graphs replays the grouped attention path: set attention=GROUPED")
 
 
 class Engine:
@@ -156,6 +167,14 @@ class Engine:
         # + the null block (padding reads and writes it)
         self.kv = PagedKV(*shapes, num_blocks=blocks + 1, block_size=bs, device=self.device,
                           dtype=self.runner.dtype, caching=cfg.prefix_caching)
+        # the verify forward: the runner's, or replayed from CUDA graphs by bucket
+        self.graphs: GraphedForward | None = None
+        if cfg.cuda_graphs:
+            if self.device.type != "cuda":
+                warnings.warn(f"EngineConfig.cuda_graphs on {self.device}: nothing to capture; the verify forward "
+                              "runs padded to its buckets, eagerly (slower than cuda_graphs=False)", stacklevel=2)
+            self.graphs = GraphedForward(self.runner, self.kv.target, bs, Buckets.up_to(
+                cfg.max_batch_size, cfg.max_tree_nodes + 1, blocks_for(cfg.max_context + cfg.max_tree_nodes + 1, bs)))
         self.prefill_computed = 0       # prompt positions computed by prefill forwards
         self.budget = budget or Budget.adaptive()
         self.calibration = calibration or pair.calibration
@@ -417,7 +436,10 @@ class Engine:
         """One target forward over every tree: logits [B, K, V] and taps, on the device."""
         b = tree_batch(trees, lengths, self.device, self.transfers.upload)
         rows = self.kv.rows(table, b.mask.shape[-1])
-        out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, rows, b.mask)
+        if self.graphs is not None:
+            out = self.graphs.forward(b.tokens, b.positions, b.write_pos, rows, b.mask)
+        else:
+            out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, rows, b.mask)
         assert out.logits is not None
         return out.logits, out.taps
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from treespark.engine.kv import KVStore
+from treespark.engine.graphs import GraphedForward
+from treespark.engine.kv import KVStore, PagedKV, blocks_for
 from treespark.engine.target import TargetRunner
 from treespark.pricing.costmodel import CostModel, interp, monotone
 
@@ -43,31 +44,58 @@ class MeasureConfig:
 
 
 
-def time_forward(runner, store, bs: int, k: int, context: int, repeats: int,
-                 generator=None, warmup: bool = True) -> float:
-    """Fastest of ``repeats`` timed verify forwards (after one warm-up) of ``bs`` rows x
-    ``k`` tokens over ``context`` committed tokens per row, with the engine's mask layout
+def chain_batch(bs: int, k: int, context: int, vocab: int, device: torch.device,
+                generator=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A timed verify forward's inputs: random tokens and positions [B, K] after
+    ``context`` committed tokens a row, and the engine's mask layout [B, 1, K, context + K]
     (context + tree ancestors; a chain mask: the shape of the tree does not change the
     cost)."""
-    dev = runner.device
-    tokens = torch.randint(0, runner.vocab_size, (bs, k), generator=generator).to(dev)  # [B, K]
-    lens = torch.full((bs, 1), context, device=dev)
-    offsets = torch.arange(k, device=dev)[None]
+    tokens = torch.randint(0, vocab, (bs, k), generator=generator).to(device)         # [B, K]
+    lens = torch.full((bs, 1), context, device=device)
+    offsets = torch.arange(k, device=device)[None]
     positions = lens + offsets                                                      # [B, K]
     total = context + k
-    cols = torch.arange(total, device=dev)[None, None, :]                           # [1, 1, T]
+    cols = torch.arange(total, device=device)[None, None, :]                        # [1, 1, T]
     rel = cols - lens[:, :, None]
     mask = ((rel < 0) | (rel <= offsets[:, :, None])).expand(bs, k, total)[:, None]  # [B, 1, K, T]
-    rows = slice(0, bs)
+    return tokens, positions, mask
+
+
+def _fastest(call: Callable[[], object], device: torch.device, repeats: int, warmup: bool) -> float:
+    """Fastest of ``repeats`` timed calls (after one untimed call with ``warmup``)."""
     times = []
     for i in range(repeats + int(warmup)):
         t0 = time.perf_counter()
-        runner.forward(tokens, positions, positions, store, rows, mask)
-        if dev.type == "cuda":
+        call()
+        if device.type == "cuda":
             torch.cuda.synchronize()
         if i or not warmup:
             times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def time_forward(runner, store, bs: int, k: int, context: int, repeats: int,
+                 generator=None, warmup: bool = True) -> float:
+    """Fastest of ``repeats`` timed verify forwards (after one warm-up) of ``bs`` rows x
+    ``k`` tokens over ``context`` committed tokens per row of a dense store
+    (``chain_batch``)."""
+    tokens, positions, mask = chain_batch(bs, k, context, runner.vocab_size, runner.device, generator)
+    return _fastest(lambda: runner.forward(tokens, positions, positions, store, slice(0, bs), mask),
+                    runner.device, repeats, warmup)
+
+
+def time_graphed_forward(graphs: GraphedForward, kv: PagedKV, bs: int, k: int, context: int, repeats: int,
+                         generator=None, warmup: bool = True) -> float:
+    """``time_forward`` for the verify forward replayed from CUDA graphs (padded to its
+    bucket, captured on its first call), over the paged store's null block alone: a
+    block table of block 0 reads as many keys and writes as many slots as real blocks
+    would, and nothing is kept there."""
+    runner = graphs.runner
+    tokens, positions, mask = chain_batch(bs, k, context, runner.vocab_size, runner.device, generator)
+    table = torch.zeros(bs, blocks_for(context + k, kv.block_size), dtype=torch.long, device=runner.device)
+    rows = kv.rows(table, context + k)
+    return _fastest(lambda: graphs.forward(tokens, positions, positions, rows, mask), runner.device, repeats,
+                    warmup)
 
 
 def _time_once(runner, store, bs: int, k: int, context: int, generator=None) -> float:

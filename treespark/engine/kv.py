@@ -193,7 +193,11 @@ class PagedStore:
 
     def write(self, layer: int, rows: PagedRows, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """pos: [B, S] positions (< rows' T); k, v: [B, kvh, S, hd]."""
-        slots = torch.gather(rows.slots, 1, pos).flatten()
+        self.write_at(layer, torch.gather(rows.slots, 1, pos), k, v)
+
+    def write_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots: [B, S] the slot of each new token; k, v: [B, kvh, S, hd]."""
+        slots = slots.flatten()
         self.k[layer, slots] = k.transpose(1, 2).flatten(0, 1).to(self.k.dtype)
         self.v[layer, slots] = v.transpose(1, 2).flatten(0, 1).to(self.v.dtype)
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from treespark.engine.cost_measure import time_forward
+from treespark.engine.cost_measure import time_forward, time_graphed_forward
 from treespark.engine.kv import KVStore
 from treespark.kernels.machine import hardware_name, read_cached, write_cached
 from treespark.pricing.allocate import StepCosts
@@ -74,7 +74,7 @@ class StepCostTable:
 
 def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
     """Hardware + model + dtype + threads + grid + product plan + attention path + compile
-    backend, hashed: the cache key."""
+    backend + CUDA graphs, hashed: the cache key."""
     pair = engine.pair
     n_target = sum(p.numel() for p in pair.target.parameters())
     n_drafter = sum(p.numel() for p in pair.drafter.parameters())
@@ -83,7 +83,7 @@ def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
            "params": [n_target, n_drafter], "vocab": engine.vocab_size, "grid": grid,
            "max_batch": engine.config.max_batch_size,
            "products": engine.runner.products_described, "attention": engine.config.attention.value,
-           "compile": engine.config.compile_backend}
+           "compile": engine.config.compile_backend, "graphs": engine.config.cuda_graphs}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -123,17 +123,25 @@ def measure_verify(engine, batch_sizes, tokens, *, deadline: float, max_passes: 
     more passes while ``deadline`` (a perf_counter time) allows (the first always runs
     whole; later ones stop at the deadline, cell by cell); each cell its median,
     made non-decreasing in k and bs (``isotonic``). Cells above ``max_step_tokens`` are
-    extrapolated along k."""
+    extrapolated along k. Timed: the forward the engine verifies with (the runner's over
+    a dense store; with ``cuda_graphs`` the replayed one, ``time_graphed_forward``)."""
     runner = engine.runner
-    store = KVStore(runner.store_shape, max(batch_sizes), context + max(tokens) + 1, runner.device, runner.dtype)
     g = torch.Generator().manual_seed(0)
+    if engine.graphs is None:
+        store = KVStore(runner.store_shape, max(batch_sizes), context + max(tokens) + 1, runner.device, runner.dtype)
+
+        def timed(b: int, k: int, warmup: bool) -> float:
+            return time_forward(runner, store, b, k, context, 1, g, warmup=warmup)
+    else:
+        def timed(b: int, k: int, warmup: bool) -> float:
+            return time_graphed_forward(engine.graphs, engine.kv, b, k, context, 1, g, warmup=warmup)
     cells = [(b, k) for b in batch_sizes for k in tokens if b * k <= max_step_tokens or k <= 2]
     times: dict[tuple[int, int], list[float]] = {}
     for p in range(max_passes):
         for b, k in cells:
             if p and time.perf_counter() > deadline:
                 break
-            times.setdefault((b, k), []).append(time_forward(runner, store, b, k, context, 1, g, warmup=p == 0))
+            times.setdefault((b, k), []).append(timed(b, k, p == 0))
     table = {c: statistics.median(ts) for c, ts in times.items()}
     seconds = []
     for b in batch_sizes:

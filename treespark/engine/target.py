@@ -21,12 +21,13 @@ q/k norms).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from treespark.engine.attend import store_attention
+from treespark.engine.attend import StoreAttention, store_attention
 from treespark.engine.kv import KVStore, PagedRows, PagedStore, StoreShape
 from treespark.engine.products import (
     LayerProducts,
@@ -44,6 +45,10 @@ from treespark.kernels.linear import PACKED, ProductPlan, planned_linear
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return torch.cat([-x[..., d:], x[..., :d]], dim=-1)
+
+
+# where a layer's new keys and values go: (layer, k, v), k and v [B, kvh, K, hd] (``kv_write``)
+KVWrite = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -150,13 +155,13 @@ class TargetRunner:
         kk = kk * cos + _rotate_half(kk) * sin
         return q, kk, vv
 
-    def _attention(self, layer, lp, x, cos, sin, store, idx, rows, write_pos, attend, b, k):
+    def _attention(self, layer, lp, x, cos, sin, write: KVWrite, idx, attend, b, k):
         attn = layer.self_attn
         if self.fused:
             q, kk, vv = self._qkv(lp, idx, x, cos, sin, b, k)
         else:
             q, kk, vv = self._qkv_reference(attn, lp, x, cos, sin, b, k)
-        store.write(idx, rows, write_pos, kk, vv)
+        write(idx, kk, vv)
         out = attend(idx, q)                                                 # [B, H, K, hd]
         return self._linear(out.transpose(1, 2).reshape(b * k, -1), lp.o)
 
@@ -188,6 +193,19 @@ class TargetRunner:
         logits_for: str | torch.Tensor = "all",  # "all" nodes, the "last" one of each row, "none",
                                                  # or [B] the index of each row's one token
     ) -> ForwardOutput:
+        attend = store_attention(self.attention, store, rows, mask, groups=self.num_heads // self.num_kv_heads,
+                                 dtype=self.dtype, scale=self.scaling)
+        x, tapped = self.layers(tokens, positions, kv_write(store, rows, write_pos), attend)
+        return ForwardOutput(logits=self.logits(x, logits_for), taps=tapped)
+
+    @torch.no_grad()
+    def layers(self, tokens: torch.Tensor, positions: torch.Tensor, write: KVWrite,
+               attend: StoreAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers over tokens and positions [B, K]: each layer's new keys and
+        values go through ``write``, its attention is ``attend``'s. Returns the last
+        layer's output [B, K, h] (before the final norm) and the tapped layers' [B, K,
+        n_taps * h]. Shapes come from the inputs only, and nothing here waits for the
+        device: the part ``treespark.engine.graphs`` captures."""
         b, k = tokens.shape
         h = self.base.embed_tokens(tokens).to(self.dtype)                  # [B, K, h]
         cos, sin = self.base.rotary_emb(h, positions)
@@ -195,8 +213,6 @@ class TargetRunner:
         if self.fused:
             sin = sin * self._rope_sign
         x = h.reshape(b * k, -1)
-        attend = store_attention(self.attention, store, rows, mask, groups=self.num_heads // self.num_kv_heads,
-                                 dtype=self.dtype, scale=self.scaling)
         taps: dict[int, torch.Tensor] = {}
         mlp_out = None  # each layer's MLP output is added to the stream in the next layer's first norm
         for idx, (layer, lp) in enumerate(zip(self.base.layers, self.weights.layers, strict=True)):
@@ -206,22 +222,40 @@ class TargetRunner:
                 x, normed = self._add_norm(layer.input_layernorm, x, mlp_out)
                 if idx - 1 in self.tap_layers:
                     taps[idx - 1] = x
-            a = self._attention(layer, lp, normed, cos, sin, store, idx, rows, write_pos, attend, b, k)
+            a = self._attention(layer, lp, normed, cos, sin, write, idx, attend, b, k)
             x, normed = self._add_norm(layer.post_attention_layernorm, x, a)
             mlp_out = self._mlp(layer.mlp, lp, normed)
         x = x + mlp_out
         taps[self.num_layers - 1] = x
         tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
+        return x.view(b, k, -1), tapped
+
+    @torch.no_grad()
+    def logits(self, x: torch.Tensor,                 # [B, K, h] the last layer's output
+               logits_for: str | torch.Tensor = "all") -> torch.Tensor | None:
+        """The final norm and the LM head where ``logits_for`` asks (``forward``'s):
+        [B, K, V] float32 ([B, 1, V] for one token a row; None for "none")."""
+        b, k = x.shape[:2]
         if isinstance(logits_for, torch.Tensor):
-            x = x.view(b, k, -1)[torch.arange(b, device=x.device), logits_for]
+            x = x[torch.arange(b, device=x.device), logits_for]
             k = 1
         elif logits_for == "none":
-            return ForwardOutput(logits=None, taps=tapped)
+            return None
         elif logits_for == "last":
-            x = x.view(b, k, -1)[:, -1]
+            x = x[:, -1]
             k = 1
         else:
             assert logits_for == "all", f"logits_for must be all, last or none, not {logits_for!r}"
-        x = self._norm(self.base.norm, x)
-        logits = self._linear(x, self.weights.head).view(b, k, -1).float()
-        return ForwardOutput(logits=logits, taps=tapped)
+        x = self._norm(self.base.norm, x.reshape(b * k, -1))
+        return self._linear(x, self.weights.head).view(b, k, -1).float()
+
+
+def kv_write(store: KVStore | PagedStore, rows: slice | PagedRows, write_pos: torch.Tensor) -> KVWrite:
+    """Where a forward's new keys and values go, as ``write(layer, k, v)`` (k, v: [B, kvh,
+    K, hd]): a paged store's slots looked up once for every layer."""
+    if isinstance(store, PagedStore):
+        assert isinstance(rows, PagedRows)
+        slots = torch.gather(rows.slots, 1, write_pos)                      # [B, K]
+        return lambda layer, k, v: store.write_at(layer, slots, k, v)
+    assert isinstance(rows, slice)
+    return lambda layer, k, v: store.write(layer, rows, write_pos, k, v)

@@ -1,0 +1,206 @@
+"""CUDA-graph replay of the target's verify forward, its shapes padded to buckets.
+
+On a GPU the eager verify forward is launch-bound: at batch 1 it launches ~1,000 small
+kernels, one by one from Python, for ~2 ms of memory traffic. A CUDA graph records
+those launches once and replays them as one. A graph fixes every shape and address it
+was captured with, so, as vLLM v1 does with its capture sizes, the forward's shape is
+padded up to a *bucket* and each bucket is captured once, on its first use:
+
+* rows B (``Buckets.rows``);
+* tokens per row K (``Buckets.tokens``);
+* the block table's columns nb, the key axis (attention reads nb * block_size keys)
+  (``Buckets.blocks``): at most twice the keys a step needs;
+
+each to a power of two, or to the engine's largest shape on that axis (``bucket_sizes``).
+
+What the graph reads are the bucket's static input buffers (``StaticInputs``: tokens,
+positions, write slots, block table, mask), filled by copies before each replay. A
+padding token is token 0 at position 0; its keys and values go to the null block (block
+0, never handed out, ``treespark.engine.kv``) and it attends to key 0 only, so it stays
+finite and never reaches a real token: every real row's mask (and so its attention
+bias) excludes the null block and the padded key columns. The captured part is
+``TargetRunner.layers`` (embeddings to the last layer, with the KV writes and the
+attention bias); the final norm and the LM head run eagerly on the real tokens only,
+so padding costs no logits, and the real rows' logits come from the same product as in
+the plain forward.
+
+On CUDA the first call of a bucket warms the forward up on a side stream (torch's
+CUDA-graph rules: lazy initialisation and compilation happen outside the capture), then
+captures it into one memory pool shared by every bucket (``torch.cuda.graph_pool_handle``;
+the graphs never run concurrently); later calls only copy and replay. Elsewhere there
+is nothing to capture and the same padded forward over the same static buffers runs
+eagerly: what the CPU tests check. A shape above the largest bucket, and every other
+forward (prefill, the cost measurements over dense stores), runs eagerly unpadded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from treespark.engine.attend import table_attention, table_columns
+from treespark.engine.kv import PagedRows, PagedStore, blocks_for
+from treespark.engine.target import ForwardOutput, TargetRunner
+from treespark.kernels.attention import AttentionPath
+
+WARMUP_CALLS = 2  # eager calls on a side stream before a bucket's capture
+
+
+def bucket_sizes(limit: int) -> tuple[int, ...]:
+    """The powers of two below ``limit``, then ``limit`` itself: 1, 2, 4, ..., limit."""
+    out = [1]
+    while 2 * out[-1] < limit:
+        out.append(2 * out[-1])
+    return tuple(out) + ((limit,) if limit > 1 else ())
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest of ``sizes`` (ascending) that holds ``n``; None above the largest."""
+    return next((s for s in sizes if s >= n), None)
+
+
+@dataclass(frozen=True)
+class BucketShape:
+    rows: int     # B, padded
+    tokens: int   # K, padded
+    blocks: int   # nb, padded: the forward reads blocks * block_size keys
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The padded sizes of each axis, ascending."""
+
+    rows: tuple[int, ...]
+    tokens: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+    @classmethod
+    def up_to(cls, rows: int, tokens: int, blocks: int) -> Buckets:
+        """``bucket_sizes`` of ``rows`` rows, ``tokens`` tokens a row and ``blocks``
+        block-table columns: the largest bucket is the largest shape, never more."""
+        return cls(bucket_sizes(rows), bucket_sizes(tokens), bucket_sizes(blocks))
+
+    def shape(self, rows: int, tokens: int, blocks: int) -> BucketShape | None:
+        """The bucket of a forward's shape; None where an axis is above its largest."""
+        b, k, nb = bucket(rows, self.rows), bucket(tokens, self.tokens), bucket(blocks, self.blocks)
+        return None if b is None or k is None or nb is None else BucketShape(b, k, nb)
+
+
+@dataclass(frozen=True)
+class StaticInputs:
+    """One bucket's input buffers: the graph reads these addresses, ``fill`` writes them."""
+
+    tokens: torch.Tensor      # [Bp, Kp] long
+    positions: torch.Tensor   # [Bp, Kp] long
+    slots: torch.Tensor       # [Bp, Kp] long: where each token's keys and values go
+    table: torch.Tensor       # [Bp, nbp] long: the blocks attention reads
+    mask: torch.Tensor        # [Bp, 1, Kp, nbp * block_size] bool
+
+    @classmethod
+    def empty(cls, shape: BucketShape, block_size: int, device: torch.device) -> StaticInputs:
+        b, k, nb = shape.rows, shape.tokens, shape.blocks
+        ints = [torch.zeros(b, k, dtype=torch.long, device=device) for _ in range(3)]
+        return cls(*ints, torch.zeros(b, nb, dtype=torch.long, device=device),
+                   torch.zeros(b, 1, k, nb * block_size, dtype=torch.bool, device=device))
+
+    def fill(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+             mask: torch.Tensor) -> None:
+        """Copy a forward's inputs in (tokens, positions, slots [B, K], table [B, nb],
+        mask [B, 1, K, T], each no larger than the bucket); the rest is padding: token 0
+        at position 0 writing the null block's slot 0, the null block in the table, and
+        a padding query that sees key 0 alone (an all-masked query would be NaN, and its
+        keys and values would carry that into the null block)."""
+        b, k = tokens.shape
+        for buf, src in ((self.tokens, tokens), (self.positions, positions), (self.slots, slots),
+                         (self.table, table)):
+            buf.zero_()
+            buf[:b, :src.shape[1]].copy_(src)
+        self.mask.zero_()
+        self.mask[..., 0] = True
+        self.mask[:b, :, :k, :mask.shape[-1]].copy_(mask)
+
+
+@dataclass
+class _Bucket:
+    inputs: StaticInputs
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: tuple[torch.Tensor, torch.Tensor] | None = None   # the captured forward's (x, taps)
+
+
+class GraphedForward:
+    """``TargetRunner.forward`` for verification (a paged store, the grouped attention
+    path, logits at every token), its shape padded to a bucket and replayed from a CUDA
+    graph (``capture``; default: on CUDA), or run padded and eager (no capture).
+
+    ``captures``: how many buckets have been captured so far; ``shapes``: the buckets
+    used so far."""
+
+    def __init__(self, runner: TargetRunner, store: PagedStore, block_size: int, buckets: Buckets,
+                 capture: bool | None = None) -> None:
+        if runner.attention is not AttentionPath.GROUPED:
+            raise ValueError("CUDA graphs replay the grouped attention path, not "
+                             f"{runner.attention.value!r}")
+        self.runner, self.store, self.block_size, self.buckets = runner, store, block_size, buckets
+        self.capture = runner.device.type == "cuda" if capture is None else capture
+        if self.capture and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs capture on a CUDA device, not {runner.device}")
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._buckets: dict[BucketShape, _Bucket] = {}
+        self.captures = 0
+
+    @property
+    def shapes(self) -> set[BucketShape]:
+        return set(self._buckets)
+
+    @torch.no_grad()
+    def forward(self,
+                tokens: torch.Tensor,      # [B, K]
+                positions: torch.Tensor,   # [B, K]
+                write_pos: torch.Tensor,   # [B, K] positions of the rows' slots
+                rows: PagedRows,           # the batch's block tables and slots
+                mask: torch.Tensor,        # [B, 1, K, T] bool
+                ) -> ForwardOutput:
+        """Logits [B, K, V] (fresh) and taps [B, K, ...]; the taps are a view of the
+        bucket's output buffer on CUDA, valid until the next call."""
+        b, k = tokens.shape
+        nb = blocks_for(mask.shape[-1], self.block_size)
+        shape = self.buckets.shape(b, k, nb)
+        if shape is None:
+            return self.runner.forward(tokens, positions, write_pos, self.store, rows, mask)
+        entry = self._buckets.get(shape)
+        if entry is None:
+            entry = self._buckets[shape] = _Bucket(StaticInputs.empty(shape, self.block_size, tokens.device))
+        entry.inputs.fill(tokens, positions, torch.gather(rows.slots, 1, write_pos),
+                          table_columns(rows.table, nb), mask)
+        x, taps = self._run(entry)
+        return ForwardOutput(logits=self.runner.logits(x[:b, :k]), taps=taps[:b, :k])
+
+    def _layers(self, s: StaticInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded forward's decoder layers over the static buffers: what is captured."""
+        r = self.runner
+        attend = table_attention(self.store, s.table, self.block_size, s.mask,
+                                 groups=r.num_heads // r.num_kv_heads, dtype=r.dtype, scale=r.scaling)
+        return r.layers(s.tokens, s.positions, lambda layer, k, v: self.store.write_at(layer, s.slots, k, v),
+                        attend)
+
+    def _run(self, entry: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.capture:
+            return self._layers(entry.inputs)
+        if entry.graph is None:
+            # warm up on a side stream, then capture; the warm-up calls and the first
+            # replay compute the same keys and values from the same inputs
+            side = torch.cuda.Stream(self.runner.device)
+            side.wait_stream(torch.cuda.current_stream(self.runner.device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_CALLS):
+                    self._layers(entry.inputs)
+            torch.cuda.current_stream(self.runner.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                entry.outputs = self._layers(entry.inputs)
+            entry.graph = graph
+            self.captures += 1
+        entry.graph.replay()
+        assert entry.outputs is not None
+        return entry.outputs
