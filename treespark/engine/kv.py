@@ -193,9 +193,13 @@ class PagedStore:
 
     def write(self, layer: int, rows: PagedRows, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """pos: [B, S] positions (< rows' T); k, v: [B, kvh, S, hd]."""
-        slots = torch.gather(rows.slots, 1, pos).flatten()
-        self.k[layer, slots] = k.transpose(1, 2).flatten(0, 1).to(self.k.dtype)
-        self.v[layer, slots] = v.transpose(1, 2).flatten(0, 1).to(self.v.dtype)
+        self.write_at(layer, torch.gather(rows.slots, 1, pos).flatten(),
+                      k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))
+
+    def write_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One layer: slots [N]; k, v: [N, kvh, hd]."""
+        self.k[layer, slots] = k.to(self.k.dtype)
+        self.v[layer, slots] = v.to(self.v.dtype)
 
     def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every layer at once: slots [N]; k, v: [L, N, kvh, hd]."""

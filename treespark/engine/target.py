@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from treespark.engine.attend import store_attention
+from treespark.engine.attend import LayerAttention, store_attention
 from treespark.engine.kv import KVStore, PagedRows, PagedStore, StoreShape
 from treespark.engine.products import (
     LayerProducts,
@@ -150,13 +150,13 @@ class TargetRunner:
         kk = kk * cos + _rotate_half(kk) * sin
         return q, kk, vv
 
-    def _attention(self, layer, lp, x, cos, sin, store, idx, rows, write_pos, attend, b, k):
+    def _attention(self, layer, lp, x, cos, sin, idx, attend: LayerAttention, b, k):
         attn = layer.self_attn
         if self.fused:
             q, kk, vv = self._qkv(lp, idx, x, cos, sin, b, k)
         else:
             q, kk, vv = self._qkv_reference(attn, lp, x, cos, sin, b, k)
-        store.write(idx, rows, write_pos, kk, vv)
+        attend.write(idx, kk, vv)
         out = attend(idx, q)                                                 # [B, H, K, hd]
         return self._linear(out.transpose(1, 2).reshape(b * k, -1), lp.o)
 
@@ -185,9 +185,28 @@ class TargetRunner:
         store: KVStore | PagedStore,
         rows: slice | PagedRows,   # the batch's rows of a dense store, or its block tables' slots
         mask: torch.Tensor,        # [B, 1, K, T] bool: True = may attend (T >= every position + 1)
-        logits_for: str | torch.Tensor = "all",  # "all" nodes, the "last" one of each row, "none",
-                                                 # or [B] the index of each row's one token
+        logits_for: str | torch.Tensor = "all",  # as ``run``
     ) -> ForwardOutput:
+        """A batch of rows padded to one width over a store (``StoreAttention``)."""
+        attend = store_attention(self.attention, store, rows, write_pos, mask, groups=self.groups,
+                                 dtype=self.dtype, scale=self.scaling)
+        return self.run(tokens, positions, attend, logits_for)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @torch.no_grad()
+    def run(
+        self,
+        tokens: torch.Tensor,      # [B, K] input ids
+        positions: torch.Tensor,   # [B, K] position ids
+        attend: LayerAttention,    # writes each layer's keys and values, and attends
+        logits_for: str | torch.Tensor = "all",  # "all" nodes, the "last" one of each row, "none",
+                                                 # or [F] indices into the B * K tokens (logits [F, 1, V])
+    ) -> ForwardOutput:
+        """The forward over any ``LayerAttention`` (``treespark.engine.attend``)."""
         b, k = tokens.shape
         h = self.base.embed_tokens(tokens).to(self.dtype)                  # [B, K, h]
         cos, sin = self.base.rotary_emb(h, positions)
@@ -195,8 +214,6 @@ class TargetRunner:
         if self.fused:
             sin = sin * self._rope_sign
         x = h.reshape(b * k, -1)
-        attend = store_attention(self.attention, store, rows, mask, groups=self.num_heads // self.num_kv_heads,
-                                 dtype=self.dtype, scale=self.scaling)
         taps: dict[int, torch.Tensor] = {}
         mlp_out = None  # each layer's MLP output is added to the stream in the next layer's first norm
         for idx, (layer, lp) in enumerate(zip(self.base.layers, self.weights.layers, strict=True)):
@@ -206,15 +223,15 @@ class TargetRunner:
                 x, normed = self._add_norm(layer.input_layernorm, x, mlp_out)
                 if idx - 1 in self.tap_layers:
                     taps[idx - 1] = x
-            a = self._attention(layer, lp, normed, cos, sin, store, idx, rows, write_pos, attend, b, k)
+            a = self._attention(layer, lp, normed, cos, sin, idx, attend, b, k)
             x, normed = self._add_norm(layer.post_attention_layernorm, x, a)
             mlp_out = self._mlp(layer.mlp, lp, normed)
         x = x + mlp_out
         taps[self.num_layers - 1] = x
         tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
         if isinstance(logits_for, torch.Tensor):
-            x = x.view(b, k, -1)[torch.arange(b, device=x.device), logits_for]
-            k = 1
+            x = x[logits_for]
+            b, k = logits_for.shape[0], 1
         elif logits_for == "none":
             return ForwardOutput(logits=None, taps=tapped)
         elif logits_for == "last":
