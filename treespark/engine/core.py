@@ -10,7 +10,8 @@ Each ``step()``:
 1. prefill: the step's token budget (``max_num_batched_tokens``) goes to the running
    rows' trees first, then to prefill chunks of the admitted requests, oldest first,
    all in ONE prefill forward (at least one chunk per step, so new arrivals never
-   starve, and at most the budget, so running requests keep their pace); a request's
+   starve, and at most the budget, so running requests keep their pace), the chunks
+   packed into one row with no padding (``treespark.engine.prefill``); a request's
    last chunk samples its first token at the request's own temperature;
 2. draft: ONE drafter backbone pass for every running request, then every tree grown
    in depth waves, one batched device call per wave (``treespark.spec.drafting``, the rule
