@@ -174,6 +174,9 @@ class Engine:
         self.sched = Scheduler(self.kv, lambda req: self._row_budget(req).node_cap + 1, max_batch_size=cfg.max_batch_size,
                                max_num_batched_tokens=cfg.max_num_batched_tokens, prefill_chunk=cfg.prefill_chunk)
         self.prefill = Prefill(self.runner, self.drafter, self.kv, self.sched, self.transfers)
+        # the verify step's logits, written into the same memory step after step (CPU; the
+        # largest step's, [rows x nodes x V] float32, kept: 78 MB at 8 x 16 x 151,936)
+        self._logits = torch.empty(0)
         self._ids: set[str] = set()
         self._aborted: list[RequestOutput] = []
 
@@ -351,7 +354,11 @@ class Engine:
         """One target forward over every tree: logits [B, K, V] and taps, on the device."""
         b = tree_batch(trees, lengths, self.device, self.transfers.upload)
         rows = self.kv.rows(table, b.mask.shape[-1])
-        out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, rows, b.mask)
+        need = b.tokens.numel() * self.vocab_size
+        if self.device.type == "cpu" and self._logits.numel() < need:
+            self._logits = torch.empty(need, dtype=torch.float32)
+        out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, rows, b.mask,
+                                  logits_into=self._logits)
         assert out.logits is not None
         return out.logits, out.taps
 

@@ -38,7 +38,7 @@ from treespark.engine.products import (
 )
 from treespark.kernels.attention import AttentionPath
 from treespark.kernels.layer_ops import ACTIVATIONS, EAGER, compiled_layer_ops, rope_sign
-from treespark.kernels.linear import PACKED, ProductPlan, planned_linear
+from treespark.kernels.linear import F_LINEAR, PACKED, ProductPlan, planned_linear
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -186,11 +186,12 @@ class TargetRunner:
         rows: slice | PagedRows,   # the batch's rows of a dense store, or its block tables' slots
         mask: torch.Tensor,        # [B, 1, K, T] bool: True = may attend (T >= every position + 1)
         logits_for: str | torch.Tensor = "all",  # as ``run``
+        logits_into: torch.Tensor | None = None,  # as ``run``
     ) -> ForwardOutput:
         """A batch of rows padded to one width over a store (``StoreAttention``)."""
         attend = store_attention(self.attention, store, rows, write_pos, mask, groups=self.groups,
                                  dtype=self.dtype, scale=self.scaling)
-        return self.run(tokens, positions, attend, logits_for)
+        return self.run(tokens, positions, attend, logits_for, logits_into)
 
     @property
     def groups(self) -> int:
@@ -205,6 +206,8 @@ class TargetRunner:
         attend: LayerAttention,    # writes each layer's keys and values, and attends
         logits_for: str | torch.Tensor = "all",  # "all" nodes, the "last" one of each row, "none",
                                                  # or [F] indices into the B * K tokens (logits [F, 1, V])
+        logits_into: torch.Tensor | None = None,  # flat float32 memory the logits may be written
+                                                  # into (valid until the next call; ``_head``)
     ) -> ForwardOutput:
         """The forward over any ``LayerAttention`` (``treespark.engine.attend``)."""
         b, k = tokens.shape
@@ -240,5 +243,15 @@ class TargetRunner:
         else:
             assert logits_for == "all", f"logits_for must be all, last or none, not {logits_for!r}"
         x = self._norm(self.base.norm, x)
-        logits = self._linear(x, self.weights.head).view(b, k, -1).float()
-        return ForwardOutput(logits=logits, taps=tapped)
+        return ForwardOutput(logits=self._head(x, logits_into).view(b, k, -1), taps=tapped)
+
+    def _head(self, x: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        """The LM head over x [N, h] -> [N, V] float32; into ``into`` (flat, float32, at
+        least N * V elements) where given and the plan runs N rows as ``F.linear`` (the
+        same product, ``x @ W^T``, into memory the caller keeps: a CPU step's logits are
+        otherwise pages taken from the kernel anew, one fault at a time, every step)."""
+        head, n = self.weights.head, x.shape[0]
+        if (into is not None and self.products is not None and self.products.layout(n) == F_LINEAR
+                and head.bias is None and x.dtype == into.dtype == torch.float32):
+            return torch.mm(x, head.weight.t(), out=into[:n * self.vocab_size].view(n, self.vocab_size))
+        return self._linear(x, head).float()
