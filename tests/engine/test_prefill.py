@@ -72,14 +72,19 @@ def _packed(runner, kv, chunks):
     return out.logits, out.taps, batch
 
 
+@pytest.fixture(scope="module")
+def pairs():
+    return {"qwen3": random_pair(151_936, 0, block_size=5, markov_rank=16, family="qwen3"),
+            "llama": random_pair(512, 0)}
+
+
 @pytest.mark.parametrize("path", list(AttentionPath))
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_packed_prefill_is_the_padded_forward(family, path):
+def test_packed_prefill_is_the_padded_forward(pairs, family, path):
     """Three requests mid-prompt (shuffled blocks, contexts of random keys before each
     chunk), chunks of different widths: every real token's logits and taps, and the keys
     and values it stores, are the padded forward's."""
-    pair = (random_pair(151_936, 0, block_size=5, markov_rank=16, family="qwen3") if family == "qwen3"
-            else random_pair(512, 0))
+    pair = pairs[family]
     runner = TargetRunner(pair.target, pair.drafter.config.target_layer_ids, ProductPlan.fixed(F_LINEAR), path)
     dc = pair.drafter.config
     g = torch.Generator().manual_seed(1)
