@@ -258,7 +258,7 @@ def serving_benchmark(pairs: tuple[str, ...] = PAIRS, *, base: Path | None = Non
     if long_rows:
         table += ("\nLong context (qwen3): 8 requests with 4,096-token prompts, decoding with 16-node trees "
                   "(theta 0, branch cap 4); medians over 5 steps after a warm one, then one step profiled.\n\n")
-        table += markdown_table(["pair", "engine", "verify stage ms", "step CPU ms", "step peak MiB"], long_rows)
+        table += markdown_table(["pair", "engine", "verify stage wall ms", "step CPU ms", "step peak MiB"], long_rows)
     return table
 
 
