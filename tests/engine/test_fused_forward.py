@@ -182,3 +182,20 @@ def test_rope_is_transformers_to_the_bit(dtype):
     signed = sin[:, None] * rope_sign(16, q.device, dtype)
     assert torch.equal(rope(q, cos[:, None], signed), q_ref)
     assert torch.equal(rope(k, cos[:, None], signed), k_ref)
+
+
+@pytest.mark.parametrize("layout", [F_LINEAR, SMALL])
+def test_logits_into_a_kept_buffer_are_the_same_bits(layout):
+    """``logits_into``: where the plan runs the head as ``F.linear`` the logits are written
+    into the caller's memory, the same values to the bit; any other layout ignores it."""
+    runner = TargetRunner(_target("llama"), (0,), ProductPlan.fixed(layout))
+    seq = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(3))
+    store = KVStore(runner.store_shape, 1, 12, torch.device("cpu"), torch.float32)
+    pos = torch.arange(12)[None]
+    mask = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
+    fresh = runner.forward(seq, pos, pos, store, slice(0, 1), mask).logits
+    buf = torch.full((20 * 512,), float("nan"))
+    kept = runner.forward(seq, pos, pos, store, slice(0, 1), mask, logits_into=buf).logits
+    assert torch.equal(kept, fresh)
+    assert (kept.data_ptr() == buf.data_ptr()) == (layout == F_LINEAR)
+    assert torch.isnan(buf[12 * 512:]).all()   # nothing past the logits written

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from treespark.bench.common import markdown_table
+from treespark.bench.serving import peak_bytes
 from treespark.engine.attend import PagedContext, store_attention
 from treespark.engine.kv import PagedKV, blocks_for
 from treespark.engine.target import TargetRunner
@@ -90,8 +91,8 @@ def attention_only(runner: TargetRunner, scene: PagedScene) -> torch.Tensor:
     rows = scene.kv.rows(scene.table, b.mask.shape[-1])
     n, k = b.tokens.shape
     q = torch.randn(n, runner.num_heads, k, runner.head_dim, generator=torch.Generator().manual_seed(0))
-    attend = store_attention(runner.attention, scene.kv.target, rows, b.mask, scale=runner.scaling,
-                             groups=runner.num_heads // runner.num_kv_heads, dtype=runner.dtype)
+    attend = store_attention(runner.attention, scene.kv.target, rows, b.write_pos, b.mask, scale=runner.scaling,
+                             groups=runner.groups, dtype=runner.dtype)
     return torch.stack([attend(i, q.to(runner.dtype)) for i in range(runner.num_layers)])
 
 
@@ -106,17 +107,6 @@ def draft(pair: ModelPair, scene: PagedScene, reference: bool) -> torch.Tensor:
         ks, vs = zip(*(store.read(i, rows, max(scene.lengths)) for i in range(store.k.shape[0])), strict=True)
         return d.block_logits_dense(anchors, torch.stack(ks), torch.stack(vs), lens)
     return d.block_logits(anchors, PagedContext(store, scene.table, scene.kv.block_size, max(scene.lengths)), lens)
-
-
-def peak_bytes(fn: Callable[[], object]) -> int:
-    """The most bytes ``fn`` holds at once above what it started with (profiler events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    return int(max(np.cumsum([n for _, n in events]).max(initial=0), 0))
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

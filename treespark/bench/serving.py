@@ -1,14 +1,23 @@
 """``treespark bench serving``: what the KV memory and the scheduler serve, on a tiny
-random pair (plain decoding: the numbers are about memory and scheduling, not trees).
+random pair (plain decoding, but for the long-context steps: the numbers are about
+memory and scheduling, not trees).
 
-Three measurements, each on a fresh engine:
+Four measurements, each on a fresh engine:
 
 * held at once: 64 chats of 300 tokens (200 prompt + 100 generated) arriving together,
   at a KV budget of 8 dense rows of max_context 2048; the most requests holding KV at
   once (``Engine.kv_rows_in_use``), and how many preemptions it took (requests are
   admitted by their prompts' blocks, and some are preempted as they grow);
-* TTFT: a burst of 16 requests with long prompts arriving together; seconds from the
-  burst to each request's first token, p50 and p95;
+* TTFT: a burst of 16 requests with long prompts arriving together; the process's CPU
+  seconds from the burst to each request's first token, p50 and p95, and the CPU seconds
+  between the tokens of the requests already decoding while the rest prefill (their
+  inter-token latency), p95. CPU time, not wall time: on a shared machine a wall clock
+  adds the other jobs' turns (one thread: the CPU time is the time the engine computes);
+* long context (the qwen3 pair only): 8 requests with 4,096-token prompts (prefilled
+  under plain decoding) decoding with 16-node trees; the median over steps of the
+  step's verify stage (``StepStats.verify_s``: the verify forward, acceptance and
+  commit), of the whole step's CPU time, and the peak bytes one step allocates above
+  what it started with (``peak_bytes``);
 * prefix cache: 4 conversations of 4 turns over one shared ~500-token system prompt
   (turn t's prompt: the previous prompt, its answer and a new user message); the
   prefix-cache hit rate (tokens) and the prefill positions computed per prompt token
@@ -16,7 +25,8 @@ Three measurements, each on a fresh engine:
 
 Only the engine's public interface is used, so the same measurement runs against an
 older checkout (``--base``, run in a subprocess with that checkout first on the path);
-an engine without the prefix-cache counters computes every prompt token.
+an engine without the prefix-cache counters computes every prompt token. The timed
+figures are the median of a few runs a side, the sides taking turns.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PAIRS = ("qwen3", "llama")
@@ -40,33 +51,96 @@ def _pair(name: str):
     return random_pair(512, 0)
 
 
-def _run(engine, requests, *, until_first: bool = False) -> tuple[dict[str, float], int]:
-    """Add every request at once, step to the end; (seconds to each first token, peak
-    requests holding KV)."""
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """The most bytes ``fn`` holds at once above what it started with: the peak of the
+    running sum of the profiler's allocation events (``profile_memory=True``), in time
+    order. (Here, torch only, since this module also measures older checkouts.)"""
+    import numpy as np
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    return int(max(np.cumsum([n for _, n in events]).max(initial=0), 0))
+
+
+def _run(engine, requests, *, until_first: bool = False) -> tuple[dict[str, float], int, list[float]]:
+    """Add every request at once, step to the end; (CPU seconds to each first token, peak
+    requests holding KV, CPU seconds between a request's later tokens)."""
     from treespark.spec.params import SamplingParams
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for rid, prompt, n in requests:
         engine.add_request(rid, prompt, SamplingParams(max_tokens=n))
     first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    gaps: list[float] = []
     peak = 0
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.new_token_ids and out.request_id not in first:
-                first[out.request_id] = time.perf_counter() - t0
+        outs = engine.step()
+        now = time.process_time() - t0
+        for out in outs:
+            if not out.new_token_ids:
+                continue
+            if out.request_id in first:
+                gaps.append(now - last[out.request_id])
+            else:
+                first[out.request_id] = now
+            last[out.request_id] = now
         peak = max(peak, engine.kv_rows_in_use)
         if until_first and len(first) == len(requests):
             for rid, _, _ in requests:
                 engine.abort(rid)
-    return first, peak
+    return first, peak, gaps
 
 
-def measure(pair_name: str, burst_prompt: int = 1500) -> dict:
+def _p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.95 * (len(ordered) - 1) + 0.5)]
+
+
+def long_context(pair, tokens: Callable[[int], list[int]], *, batch: int = 8, context: int = 4096,
+                 nodes: int = 16, steps: int = 5) -> dict:
+    """Decode steps of ``batch`` requests at ``context``-token prompts with ``nodes``-node
+    trees (theta 0: every drafted node is verified): medians of the verify stage (wall
+    ms, ``StepStats.verify_s``) and of the step's CPU ms, and one step's peak MiB."""
+    from treespark import Budget
+    from treespark.engine.core import Engine, EngineConfig
+    from treespark.spec.params import SamplingParams
+
+    # plain decoding while the prompts are prefilled (the first requests decode meanwhile,
+    # at most a token a step), then the trees
+    engine = Engine(pair, EngineConfig(max_batch_size=batch, max_context=context + 256, max_tree_nodes=nodes),
+                    budget=Budget.off())
+    for i in range(batch):
+        engine.add_request(f"l{i}", tokens(context), SamplingParams(max_tokens=256))
+    while engine.num_waiting or engine.num_running < batch:
+        engine.step()
+    engine.set_budget(Budget(theta=0.0, node_cap=nodes - 1, branch_cap=4))
+    engine.step()  # warm: every row drafting and verifying its tree
+    verify: list[float] = []
+    engine.on_step = lambda st: verify.append(st.verify_s)
+    cpu = []
+    for _ in range(steps):
+        t = time.process_time()
+        engine.step()
+        cpu.append(time.process_time() - t)
+    engine.on_step = None
+    peak = peak_bytes(engine.step)
+    return {"long_verify_ms": 1e3 * statistics.median(verify), "long_step_ms": 1e3 * statistics.median(cpu),
+            "long_peak_mib": peak / 2**20, "long_batch": batch, "long_context": context, "long_nodes": nodes}
+
+
+def measure(pair_name: str, part: str, burst_prompt: int = 1500) -> dict:
+    """One side's figures: ``part`` "counts" (held at once, prefix cache: the same in
+    every run) or "timing" (the burst, and for qwen3 the long-context steps)."""
     import torch
 
     from treespark import Budget
     from treespark.engine.core import Engine, EngineConfig
-    from treespark.engine.kv import bytes_per_token
+    from treespark.engine.kv import StoreShape, bytes_per_token
+    from treespark.spec.params import SamplingParams
 
     torch.manual_seed(0)
     pair = _pair(pair_name)
@@ -77,27 +151,28 @@ def measure(pair_name: str, burst_prompt: int = 1500) -> dict:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
     out: dict = {"pair": pair_name}
+    if part == "timing":
+        # TTFT of a burst of 16 long prompts, and the decoding requests' gaps meanwhile
+        engine = Engine(pair, EngineConfig(max_batch_size=16, max_context=burst_prompt + 64), budget=Budget.off())
+        first, _, gaps = _run(engine, [(f"b{i}", tokens(burst_prompt), 8) for i in range(16)], until_first=True)
+        out["ttft_p50"], out["ttft_p95"] = statistics.median(first.values()), _p95(list(first.values()))
+        out["itl_p95"] = _p95(gaps)
+        if pair_name == "qwen3":
+            out.update(long_context(pair, tokens))
+        return out
     # held at once, at a KV budget of 8 dense rows of max_context 2048 (the dense rule:
     # max_context + max_tree_nodes + 1 positions a row)
     probe = Engine(pair, EngineConfig(max_batch_size=1, max_context=64))
     dc = pair.drafter.config
-    from treespark.engine.kv import StoreShape
-
     per_token = bytes_per_token(probe.runner.store_shape,
                                 StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim),
                                 probe.runner.dtype)
     budget = 8 * (2048 + 64 + 1) * per_token
     engine = Engine(pair, EngineConfig(max_batch_size=128, max_context=2048, kv_budget_bytes=budget),
                     budget=Budget.off())
-    _, out["held"] = _run(engine, [(f"c{i}", tokens(200), 100) for i in range(64)])
+    _, out["held"], _ = _run(engine, [(f"c{i}", tokens(200), 100) for i in range(64)])
     out["preempted"] = getattr(engine, "preemptions", 0)  # (a dense engine queues instead)
     out["kv_budget_mib"] = budget / 2**20
-    # TTFT of a burst of 16 long prompts
-    engine = Engine(pair, EngineConfig(max_batch_size=16, max_context=burst_prompt + 64), budget=Budget.off())
-    first, _ = _run(engine, [(f"b{i}", tokens(burst_prompt), 8) for i in range(16)], until_first=True)
-    ttft = sorted(first.values())
-    out["ttft_p50"], out["ttft_p95"] = statistics.median(ttft), ttft[int(0.95 * (len(ttft) - 1) + 0.5)]
-    out["burst_prompt"] = burst_prompt
     # prefix cache: 4 conversations x 4 turns over one shared system prompt
     engine = Engine(pair, EngineConfig(max_batch_size=8, max_context=2048), budget=Budget.off())
     system = tokens(500)
@@ -108,8 +183,6 @@ def measure(pair_name: str, burst_prompt: int = 1500) -> dict:
         received += sum(len(c) for c in convs)
         answers: dict[str, list[int]] = {rid: [] for rid, _, _ in reqs}
         for rid, prompt, n in reqs:
-            from treespark.spec.params import SamplingParams
-
             engine.add_request(rid, prompt, SamplingParams(max_tokens=n))
         while engine.has_unfinished():
             for o in engine.step():
@@ -122,38 +195,71 @@ def measure(pair_name: str, burst_prompt: int = 1500) -> dict:
     return out
 
 
-def _measure_at(checkout: Path | None, pair: str, burst_prompt: int) -> dict:
+def _measure_at(checkout: Path | None, pair: str, part: str, burst_prompt: int) -> dict:
     """``measure`` in a subprocess whose ``treespark`` is the one of ``checkout`` (None:
     this one)."""
     root = checkout or Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", pair, "--burst-prompt", str(burst_prompt)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", pair, "--part", part,
+           "--burst-prompt", str(burst_prompt)]
     res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+TIMED = ("ttft_p50", "ttft_p95", "itl_p95", "long_verify_ms", "long_step_ms", "long_peak_mib")
+
+
+def _timings(base: Path | None, pair: str, burst_prompt: int, rounds: int) -> dict[str, dict]:
+    """The timed figures of each side, the median over ``rounds`` runs taken in turn
+    (before, after; then after, before; ...), so that a machine's load drifting during
+    the benchmark falls on both sides alike."""
+    sides = {"before": base, "after": None} if base is not None else {"after": None}
+    runs: dict[str, list[dict]] = {label: [] for label in sides}
+    for r in range(rounds):
+        for label in (list(sides) if r % 2 == 0 else list(reversed(sides))):
+            runs[label].append(_measure_at(sides[label], pair, "timing", burst_prompt))
+    return {label: {k: statistics.median(m[k] for m in ms) for k in TIMED if k in ms[0]} for label, ms in runs.items()}
+
+
 def serving_benchmark(pairs: tuple[str, ...] = PAIRS, *, base: Path | None = None,
-                      burst_prompt: int = 1500) -> str:
+                      burst_prompt: int = 1500, rounds: int = 3) -> str:
     from treespark.bench.common import markdown_table
 
-    rows = []
+    rows, long_rows = [], []
     for pair in pairs:
-        runs = ([("before", _measure_at(base, pair, burst_prompt))] if base is not None else [])
-        runs.append(("after", _measure_at(None, pair, burst_prompt)))
+        timed = _timings(base, pair, burst_prompt, rounds)
+        runs = [(label, {**_measure_at(base if label == "before" else None, pair, "counts", burst_prompt),
+                         **timed[label]}) for label in timed]
         for label, m in runs:
             rows.append([pair, label, f"{m['held']} ({m['preempted']})", f"{m['ttft_p50']:.2f} / {m['ttft_p95']:.2f}",
-                         f"{m['hit_rate']:.2f}", f"{m['computed_per_received']:.2f}"])
+                         f"{1e3 * m['itl_p95']:.0f}", f"{m['hit_rate']:.2f}", f"{m['computed_per_received']:.2f}"])
+            if "long_verify_ms" in m:
+                long_rows.append([pair, label, f"{m['long_verify_ms']:.1f}", f"{m['long_step_ms']:.1f}",
+                                  f"{m['long_peak_mib']:.1f}"])
+        if len(runs) == 2:
+            (_, b), (_, a) = runs
+            rows.append([pair, "after / before", "", f"{a['ttft_p50'] / b['ttft_p50']:.2f} / "
+                         f"{a['ttft_p95'] / b['ttft_p95']:.2f}", f"{a['itl_p95'] / b['itl_p95']:.2f}", "", ""])
+            if "long_verify_ms" in a:
+                long_rows.append([pair, "after / before", f"{a['long_verify_ms'] / b['long_verify_ms']:.2f}",
+                                  f"{a['long_step_ms'] / b['long_step_ms']:.2f}",
+                                  f"{a['long_peak_mib'] / b['long_peak_mib']:.2f}"])
     m = runs[-1][1]
     header = ["pair", "engine", f"300-token chats held at once (preempted) ({m['kv_budget_mib']:.1f} MiB KV)",
-              f"TTFT p50 / p95 s (16 x {burst_prompt}-token burst)", "prefix-cache hit rate",
-              "prefill computed / prompt received"]
+              f"TTFT p50 / p95 CPU s (16 x {burst_prompt}-token burst)", "ITL p95 CPU ms (during the burst)",
+              "prefix-cache hit rate", "prefill computed / prompt received"]
     note = ("\n\nPlain decoding, 1 thread; random pairs: qwen3 = `random_pair(151936, 0, block_size=5, "
             "markov_rank=16, family=\"qwen3\")`, llama = `random_pair(512, 0)`. Held at once: 64 chats "
             "(200 prompt + 100 generated tokens) arriving together at the KV bytes of 8 dense rows of "
             "max_context 2048. Prefix cache: 4 conversations x 4 turns (40-token user messages, 32-token "
             "answers) over one shared 500-token system prompt. An engine without prefix caching computes "
-            "every prompt token.\n")
-    return markdown_table(header, rows) + note
+            f"every prompt token. Timed figures: the median of {rounds} runs a side, the sides in turn.\n")
+    table = markdown_table(header, rows) + note
+    if long_rows:
+        table += ("\nLong context (qwen3): 8 requests with 4,096-token prompts, decoding with 16-node trees "
+                  "(theta 0, branch cap 4); medians over 5 steps after a warm one, then one step profiled.\n\n")
+        table += markdown_table(["pair", "engine", "verify stage wall ms", "step CPU ms", "step peak MiB"], long_rows)
+    return table
 
 
 if __name__ == "__main__":
@@ -161,6 +267,7 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--measure", required=True, choices=PAIRS)
+    ap.add_argument("--part", required=True, choices=["counts", "timing"])
     ap.add_argument("--burst-prompt", type=int, default=1500)
     a = ap.parse_args()
-    print(json.dumps(measure(a.measure, a.burst_prompt)))
+    print(json.dumps(measure(a.measure, a.part, a.burst_prompt)))

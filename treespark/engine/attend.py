@@ -1,6 +1,14 @@
 """Attention over the engine's KV stores: one forward's attention prepared once, then
 run per layer (the target), and the drafter's cached context read from the blocks.
 
+A target forward knows its attention only as a ``LayerAttention``: each layer writes its
+new keys and values through it, then attends through it. Two kinds:
+
+* ``StoreAttention``: a batch of rows padded to one width, each row its own context
+  (the verify forward over draft trees; the dense forwards that measure and train);
+* ``ChunkAttention``: a prefill's prompt chunks packed into one row with no padding,
+  each chunk attending only its own request's blocks up to its own last position.
+
 The maths and the kernels each path reaches are ``treespark.kernels.attention``. Here
 is only what knows the stores: which keys a forward reads (the dense store's rows, or
 the paged store's blocks through the batch's block table) and the mask turned once
@@ -10,11 +18,12 @@ per forward into what the chosen path takes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from treespark.engine.kv import KVStore, PagedRows, PagedStore, blocks_for
+from treespark.engine.kv import KVStore, PagedKV, PagedRows, PagedStore, blocks_for
 from treespark.kernels.attention import (
     AttentionPath,
     attention_bias,
@@ -30,55 +39,160 @@ def table_columns(table: torch.Tensor, nb: int) -> torch.Tensor:
     return table[:, :nb] if have >= nb else F.pad(table, (0, nb - have))
 
 
+class LayerAttention(Protocol):
+    """One forward's attention, layer by layer: ``write`` the layer's new keys and values,
+    then attend with its queries."""
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, kvh, K, hd], the forward's tokens' keys and values."""
+        ...
+
+    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: [B, H, K, hd] -> [B, H, K, hd]."""
+        ...
+
+
+def _attend(path: AttentionPath, store: KVStore | PagedStore, rows: slice | PagedRows | None, layer: int,
+            q: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None,
+            scale: float, block_size: int) -> torch.Tensor:
+    """q [B, H, K, hd] over the keys of ``rows`` (the reference: read slot by slot, the
+    boolean mask; grouped: the blocks of ``table`` when paged, the bias)."""
+    if path is AttentionPath.REFERENCE:
+        assert rows is not None
+        keys, values = store.read(layer, rows, mask.shape[-1])
+        return reference_attention(q, keys, values, mask, scale)
+    assert bias is not None
+    if table is not None:
+        assert isinstance(store, PagedStore)
+        keys = gather_blocks(store.k[layer], table, block_size)
+        values = gather_blocks(store.v[layer], table, block_size)
+    else:
+        assert rows is not None
+        keys, values = store.read(layer, rows, mask.shape[-1])
+    return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), bias, scale)
+
+
+def _prepared(path: AttentionPath, rows: slice | PagedRows, mask: torch.Tensor, groups: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(bias, table) of the grouped path, built once for every layer: its keys a whole
+    number of blocks (paged) or the mask's (dense); (None, None) on the reference path."""
+    if path is not AttentionPath.GROUPED:
+        return None, None
+    t = mask.shape[-1]
+    if isinstance(rows, PagedRows):
+        nb = blocks_for(t, rows.block_size)
+        return attention_bias(mask, groups, dtype, nb * rows.block_size), table_columns(rows.table, nb)
+    return attention_bias(mask, groups, dtype, t), None
+
+
 @dataclass(frozen=True)
 class StoreAttention:
-    """One forward's attention over a store: ``__call__(layer, q)`` per layer, after the
-    layer's new keys and values are written."""
+    """One forward's attention over a store, rows padded to one width: each row writes its
+    tokens (at ``slots`` of a paged store, looked up once for every layer, or at
+    ``write_pos`` of its dense row) and attends its own context under ``mask``."""
 
     path: AttentionPath
     store: KVStore | PagedStore
     rows: slice | PagedRows | None  # None: the grouped path over ``table`` alone (``table_attention``)
-    mask: torch.Tensor          # [B, 1, K, T] bool (the reference path's)
-    bias: torch.Tensor | None   # [B, 1, G*K, T'] additive, T' >= T (the grouped path's)
-    table: torch.Tensor | None  # [B, T' / block size] the blocks it reads (the grouped path's, paged)
+    slots: torch.Tensor | None      # [B, K] a paged store's slot of each token
+    write_pos: torch.Tensor | None  # [B, K] a dense store's position of each token in its row
+    mask: torch.Tensor              # [B, 1, K, T] bool (the reference path's)
+    bias: torch.Tensor | None       # [B, 1, G*K, T'] additive, T' >= T (the grouped path's)
+    table: torch.Tensor | None      # [B, T' / block size] the blocks it reads (the grouped path's, paged)
     scale: float
-    block_size: int = 0         # the paged store's (with ``table``)
+    block_size: int = 0             # the paged store's (with ``table``)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.slots is not None:
+            assert isinstance(self.store, PagedStore)
+            self.store.write_at(layer, self.slots, k, v)
+        else:
+            assert isinstance(self.store, KVStore) and isinstance(self.rows, slice) and self.write_pos is not None
+            self.store.write(layer, self.rows, self.write_pos, k, v)
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q: [B, H, K, hd] -> [B, H, K, hd]."""
-        t = self.mask.shape[-1]
-        if self.path is AttentionPath.REFERENCE:
-            keys, values = self.store.read(layer, self.rows, t)
-            return reference_attention(q, keys, values, self.mask, self.scale)
-        assert self.bias is not None
-        if self.table is not None:
-            keys = gather_blocks(self.store.k[layer], self.table, self.block_size)
-            values = gather_blocks(self.store.v[layer], self.table, self.block_size)
-        else:
-            keys, values = self.store.read(layer, self.rows, t)
-        return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), self.bias, self.scale)
+        return _attend(self.path, self.store, self.rows, layer, q, self.mask, self.bias, self.table, self.scale,
+                       self.block_size)
 
 
 def store_attention(path: AttentionPath, store: KVStore | PagedStore, rows: slice | PagedRows,
-                    mask: torch.Tensor, *, groups: int, dtype: torch.dtype, scale: float) -> StoreAttention:
-    """Prepare a forward's attention: on the grouped path the bias (and, paged, the block
-    table's columns it reads) is built here, once for every layer, its keys a whole number
-    of blocks (paged) or the mask's (dense)."""
-    if path is AttentionPath.GROUPED and isinstance(rows, PagedRows):
-        table = table_columns(rows.table, blocks_for(mask.shape[-1], rows.block_size))
-        return table_attention(store, table, rows.block_size, mask, groups=groups, dtype=dtype, scale=scale)
-    bias = attention_bias(mask, groups, dtype, mask.shape[-1]) if path is AttentionPath.GROUPED else None
-    return StoreAttention(path, store, rows, mask, bias, None, scale)
+                    write_pos: torch.Tensor, mask: torch.Tensor, *, groups: int, dtype: torch.dtype,
+                    scale: float) -> StoreAttention:
+    """Prepare a padded batch's attention (the grouped path's bias and block columns, and a
+    paged store's write slots, once for every layer)."""
+    if isinstance(rows, PagedRows):
+        slots = torch.gather(rows.slots, 1, write_pos)                      # [B, K]
+        if path is AttentionPath.GROUPED:
+            table = table_columns(rows.table, blocks_for(mask.shape[-1], rows.block_size))
+            return table_attention(store, table, rows.block_size, mask, slots, groups=groups, dtype=dtype,
+                                   scale=scale)
+        return StoreAttention(path, store, rows, slots, None, mask, None, None, scale, rows.block_size)
+    bias, _ = _prepared(path, rows, mask, groups, dtype)
+    return StoreAttention(path, store, rows, None, write_pos, mask, bias, None, scale)
 
 
-def table_attention(store: PagedStore, table: torch.Tensor, block_size: int, mask: torch.Tensor, *,
-                    groups: int, dtype: torch.dtype, scale: float) -> StoreAttention:
+def table_attention(store: PagedStore, table: torch.Tensor, block_size: int, mask: torch.Tensor,
+                    slots: torch.Tensor, *, groups: int, dtype: torch.dtype, scale: float) -> StoreAttention:
     """The grouped path over the blocks of ``table`` [B, nb] (``mask`` [B, 1, K, T], T <=
-    nb * block_size): the bias over whole blocks, built once for every layer. What
-    ``store_attention`` prepares for a paged store, from tensors only: the static-shape
-    forward's (``treespark.engine.graphs``)."""
+    nb * block_size), writing at ``slots`` [B, K]: the bias over whole blocks, built once
+    for every layer. What ``store_attention`` prepares for a paged store, from tensors
+    only: the static-shape forward's (``treespark.engine.graphs``)."""
     bias = attention_bias(mask, groups, dtype, table.shape[1] * block_size)
-    return StoreAttention(AttentionPath.GROUPED, store, None, mask, bias, table, scale, block_size)
+    return StoreAttention(AttentionPath.GROUPED, store, None, slots, None, mask, bias, table, scale, block_size)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One request's prompt chunk in a packed prefill: its tokens at ``offset ..
+    offset + size - 1`` of the packed row."""
+
+    offset: int
+    size: int
+    rows: PagedRows           # [1, start + size] its slots, and its blocks up to its last position
+    mask: torch.Tensor        # [1, 1, size, start + size] bool: causal
+    bias: torch.Tensor | None  # the grouped path's
+    table: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ChunkAttention:
+    """A prefill's attention over packed chunks: the step's chunks are one row ``[1, N]``
+    (no padding), each token written at its slot, each chunk attending its own request's
+    keys only, up to its own last position. Attention work is the sum over chunks of
+    size x context, where a padded batch pays rows x widest chunk x longest context."""
+
+    path: AttentionPath
+    store: PagedStore
+    slots: torch.Tensor       # [N] where each packed token's keys and values go
+    chunks: tuple[Chunk, ...]
+    scale: float
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [1, kvh, N, hd]."""
+        self.store.write_at(layer, self.slots[None], k, v)
+
+    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: [1, H, N, hd] -> [1, H, N, hd]."""
+        outs = [_attend(self.path, self.store, c.rows, layer, q[:, :, c.offset:c.offset + c.size], c.mask, c.bias,
+                        c.table, self.scale, c.rows.block_size) for c in self.chunks]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def chunk_attention(path: AttentionPath, kv: PagedKV, slots: torch.Tensor, positions: torch.Tensor,
+                    tables: torch.Tensor, spans: list[tuple[int, int, int]], *, groups: int, dtype: torch.dtype,
+                    scale: float) -> ChunkAttention:
+    """Prepare a packed prefill's attention: ``slots`` and ``positions`` [N] of the packed
+    tokens, ``tables`` [R, nb] each chunk's block table, ``spans`` each chunk's (offset,
+    size, start); masks, biases and block columns built once for every layer."""
+    chunks = []
+    for i, (offset, size, start) in enumerate(spans):
+        t = start + size
+        rows = kv.rows(tables[i:i + 1, :blocks_for(t, kv.block_size)], t)
+        pos = positions[offset:offset + size]
+        mask = (torch.arange(t, device=pos.device)[None, :] <= pos[:, None])[None, None]   # [1, 1, S, T]
+        bias, table = _prepared(path, rows, mask, groups, dtype)
+        chunks.append(Chunk(offset, size, rows, mask, bias, table))
+    return ChunkAttention(path, kv.target, slots, tuple(chunks), scale)
 
 
 @dataclass(frozen=True)

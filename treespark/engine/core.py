@@ -10,7 +10,8 @@ Each ``step()``:
 1. prefill: the step's token budget (``max_num_batched_tokens``) goes to the running
    rows' trees first, then to prefill chunks of the admitted requests, oldest first,
    all in ONE prefill forward (at least one chunk per step, so new arrivals never
-   starve, and at most the budget, so running requests keep their pace); a request's
+   starve, and at most the budget, so running requests keep their pace), the chunks
+   packed into one row with no padding (``treespark.engine.prefill``); a request's
    last chunk samples its first token at the request's own temperature;
 2. draft: ONE drafter backbone pass for every running request, then every tree grown
    in depth waves, one batched device call per wave (``treespark.spec.drafting``, the rule
@@ -60,7 +61,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treespark.engine.accept import accept, sample_firsts
+from treespark.engine.accept import accept
 from treespark.engine.attend import PagedContext
 from treespark.engine.commit import commit_plan
 from treespark.engine.graphs import Buckets, GraphedForward
@@ -71,6 +72,7 @@ from treespark.engine.kv import (
     bytes_per_token,
     pool_blocks,
 )
+from treespark.engine.prefill import Prefill, write_context
 from treespark.engine.request import Request, check_request, clip_emitted
 from treespark.engine.scheduler import Scheduler
 from treespark.engine.step_alloc import StepAllocator
@@ -175,7 +177,6 @@ class Engine:
                               "runs padded to its buckets, eagerly (slower than cuda_graphs=False)", stacklevel=2)
             self.graphs = GraphedForward(self.runner, self.kv.target, bs, Buckets.up_to(
                 cfg.max_batch_size, cfg.max_tree_nodes + 1, blocks_for(cfg.max_context + cfg.max_tree_nodes + 1, bs)))
-        self.prefill_computed = 0       # prompt positions computed by prefill forwards
         self.budget = budget or Budget.adaptive()
         self.calibration = calibration or pair.calibration
         self.transfers = HostTransfers(self.device)
@@ -191,6 +192,10 @@ class Engine:
         self.vocab_size = self.runner.vocab_size
         self.sched = Scheduler(self.kv, lambda req: self._row_budget(req).node_cap + 1, max_batch_size=cfg.max_batch_size,
                                max_num_batched_tokens=cfg.max_num_batched_tokens, prefill_chunk=cfg.prefill_chunk)
+        self.prefill = Prefill(self.runner, self.drafter, self.kv, self.sched, self.transfers)
+        # the verify step's logits, written into the same memory step after step (CPU; the
+        # largest step's, [rows x nodes x V] float32, kept: 78 MB at 8 x 16 x 151,936)
+        self._logits = torch.empty(0)
         self._ids: set[str] = set()
         self._aborted: list[RequestOutput] = []
 
@@ -236,6 +241,11 @@ class Engine:
         return len(self.sched.waiting) + len(self.sched.prefilling)
 
     @property
+    def prefill_computed(self) -> int:
+        """Prompt positions computed by prefill forwards (cached prefixes are not)."""
+        return self.prefill.computed
+
+    @property
     def kv_rows_in_use(self) -> int:
         """Requests holding KV blocks (running, or admitted and prefilling)."""
         return len(self.sched.running) + len(self.sched.prefilling)
@@ -277,87 +287,14 @@ class Engine:
         self.transfers.new_step()
         outputs, self._aborted = self._aborted, []
         self.sched.reserve_trees()
-        prefill_tokens = self._prefill_step(outputs, self.sched.schedule_prefill())
+        prefill_tokens = self.prefill.step(self.sched.schedule_prefill(),
+                                           lambda req, token, lps: self._emit(req, [token], outputs, is_prefill=True,
+                                                                              logprobs=lps))
         if self.sched.running:
             self.sched.reserve_trees()  # a request whose prefill ended joins this step's batch
         if self.sched.running:
             outputs += self._decode_step(t0, prefill_tokens)
         return outputs
-
-    # -- prefill -------------------------------------------------------------------------
-    def _prefill_step(self, outputs: list[RequestOutput], chunks: list[tuple[Request, int]]) -> int:
-        """One forward over every chunk (rows padded to the longest; a padding token writes
-        past its row's chunk, where nothing is committed, or into the null block)."""
-        if not chunks:
-            return 0
-        dev = self.device
-        reqs = [r for r, _ in chunks]
-        sizes = [m for _, m in chunks]
-        starts = [r.computed for r in reqs]
-        width, n = max(sizes), len(chunks)
-        t = max(starts) + width
-        tokens = np.zeros((n, width), dtype=np.int64)
-        for i, (req, m) in enumerate(chunks):
-            tokens[i, :m] = (req.prompt + req.output)[starts[i]:starts[i] + m]
-        pos = np.asarray(starts)[:, None] + np.arange(width)[None]                        # [R, S]
-        nb = blocks_for(t, self.kv.block_size)
-        table = self.kv.table([r.blocks for r in reqs], nb)                              # [R, nb]
-        positions = [list(range(s, s + m)) for s, m in zip(starts, sizes, strict=True)]
-        flat = [p for ps in positions for p in ps]
-        slots = [x for r, ps in zip(reqs, positions, strict=True) for x in self.kv.slots(r.blocks, ps)]
-        # the first token's logits, for each request whose prompt ends here (a recomputed
-        # request's root is already emitted)
-        ends = [s + m == r.prefill_len for r, s, m in zip(reqs, starts, sizes, strict=True)]
-        firsts = [i for i, r in enumerate(reqs) if ends[i] and not r.output]
-        # one upload: tokens, positions, block tables, last index, then the drafter context's
-        # positions and slots, then the rows that sample a first token
-        head = np.concatenate([tokens, pos, table, np.asarray(sizes)[:, None] - 1], 1).ravel()
-        ints = self.transfers.upload(np.concatenate([head, flat, slots, firsts]).astype(np.int64), torch.long)
-        rows = ints[:head.size].view(n, -1)
-        tokens_d, pos_d = rows[:, :width], rows[:, width:2 * width]
-        table_d, last_d = rows[:, 2 * width:2 * width + nb], rows[:, -1]
-        at = head.size
-        ctx_pos, ctx_slots = ints[at:at + len(flat)], ints[at + len(flat):at + 2 * len(flat)]
-        firsts_d = ints[at + 2 * len(flat):]
-        mask = (torch.arange(t, device=dev)[None, None, :] <= pos_d[:, :, None])[:, None]  # [R, 1, S, T]
-        out = self.runner.forward(tokens_d, pos_d, pos_d, self.kv.target, self.kv.rows(table_d, t),
-                                  mask, logits_for=last_d if firsts else "none")
-        self._write_context(ctx_pos, ctx_slots, torch.cat([out.taps[i, :m] for i, m in enumerate(sizes)]))
-        tokens_first: dict[int, int] = {}
-        lps: dict[int, list[TokenLogprob]] = {}
-        if firsts:
-            assert out.logits is not None
-            logits = out.logits if len(firsts) == n else out.logits[firsts_d]             # [F, 1, V]
-            tokens_first = dict(zip(firsts, sample_firsts([reqs[i] for i in firsts], logits[:, 0], self.transfers),
-                                    strict=True))
-            asked = [Emitted(j, [0], [tokens_first[i]], reqs[i].params.logprobs) for j, i in enumerate(firsts)
-                     if reqs[i].params.logprobs is not None]
-            lps = {firsts[e.row]: lp for e, lp in zip(asked, step_logprobs(logits, asked, self.transfers),
-                                                      strict=True)}
-        for i, req in enumerate(reqs):
-            end = starts[i] + sizes[i]
-            if req.taps is not None:  # (a recomputed request has its earlier positions' already)
-                have = sum(x.shape[0] for x in req.taps)
-                if end > have:
-                    req.taps.append(out.taps[i, max(have - starts[i], 0):sizes[i]])
-            req.computed = end
-            self.sched.cache_blocks(req)
-            if not ends[i]:
-                continue
-            self.sched.prefilling.remove(req)
-            self.sched.running.append(req)
-            if i in tokens_first and self._emit(req, [tokens_first[i]], outputs, is_prefill=True,
-                                                logprobs=lps.get(i)):
-                self.sched.release(req)
-        self.prefill_computed += sum(sizes)
-        return sum(sizes)
-
-    def _write_context(self, pos: torch.Tensor, slots: torch.Tensor, taps: torch.Tensor) -> None:
-        """Feed committed positions' tapped hidden states (taps: [N, ...]) to the drafter's
-        context cache, in one drafter call and one write: ``pos`` and ``slots`` [N] (on the
-        device, uploaded with the step's other inputs) are their positions and slots."""
-        k, v = self.drafter.context_kv(taps[None].to(self.drafter.fc.weight.dtype), pos[None])  # [L, 1, kvh, N, hd]
-        self.kv.drafter.write_slots(slots, k[:, 0].transpose(1, 2), v[:, 0].transpose(1, 2))
 
     def _row_budget(self, req: Request) -> Budget:
         b = req.budget or self.budget
@@ -436,10 +373,14 @@ class Engine:
         """One target forward over every tree: logits [B, K, V] and taps, on the device."""
         b = tree_batch(trees, lengths, self.device, self.transfers.upload)
         rows = self.kv.rows(table, b.mask.shape[-1])
+        need = b.tokens.numel() * self.vocab_size
+        if self.device.type == "cpu" and self._logits.numel() < need:
+            self._logits = torch.empty(need, dtype=torch.float32)
         if self.graphs is not None:
-            out = self.graphs.forward(b.tokens, b.positions, b.write_pos, rows, b.mask)
+            out = self.graphs.forward(b.tokens, b.positions, b.write_pos, rows, b.mask, logits_into=self._logits)
         else:
-            out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, rows, b.mask)
+            out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, rows, b.mask,
+                                      logits_into=self._logits)
         assert out.logits is not None
         return out.logits, out.taps
 
@@ -462,7 +403,7 @@ class Engine:
         if e:
             self.kv.target.move(ints[2 * m:2 * m + e], ints[2 * m + e:2 * m + 2 * e])
         at = 2 * m + 2 * e
-        self._write_context(ints[at:at + m], ints[at + m:at + 2 * m], kept_taps)
+        write_context(self.drafter, self.kv.drafter, ints[at:at + m], ints[at + m:at + 2 * m], kept_taps)
         outputs: list[RequestOutput] = []
         commit_reqs = []
         at = 0

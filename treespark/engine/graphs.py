@@ -160,6 +160,7 @@ class GraphedForward:
                 write_pos: torch.Tensor,   # [B, K] positions of the rows' slots
                 rows: PagedRows,           # the batch's block tables and slots
                 mask: torch.Tensor,        # [B, 1, K, T] bool
+                logits_into: torch.Tensor | None = None,  # as ``TargetRunner.run``
                 ) -> ForwardOutput:
         """Logits [B, K, V] (fresh) and taps [B, K, ...]; the taps are a view of the
         bucket's output buffer on CUDA, valid until the next call."""
@@ -167,22 +168,21 @@ class GraphedForward:
         nb = blocks_for(mask.shape[-1], self.block_size)
         shape = self.buckets.shape(b, k, nb)
         if shape is None:
-            return self.runner.forward(tokens, positions, write_pos, self.store, rows, mask)
+            return self.runner.forward(tokens, positions, write_pos, self.store, rows, mask, logits_into=logits_into)
         entry = self._buckets.get(shape)
         if entry is None:
             entry = self._buckets[shape] = _Bucket(StaticInputs.empty(shape, self.block_size, tokens.device))
         entry.inputs.fill(tokens, positions, torch.gather(rows.slots, 1, write_pos),
                           table_columns(rows.table, nb), mask)
         x, taps = self._run(entry)
-        return ForwardOutput(logits=self.runner.logits(x[:b, :k]), taps=taps[:b, :k])
+        return ForwardOutput(logits=self.runner.logits(x[:b, :k], "all", logits_into), taps=taps[:b, :k])
 
     def _layers(self, s: StaticInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded forward's decoder layers over the static buffers: what is captured."""
         r = self.runner
-        attend = table_attention(self.store, s.table, self.block_size, s.mask,
-                                 groups=r.num_heads // r.num_kv_heads, dtype=r.dtype, scale=r.scaling)
-        return r.layers(s.tokens, s.positions, lambda layer, k, v: self.store.write_at(layer, s.slots, k, v),
-                        attend)
+        attend = table_attention(self.store, s.table, self.block_size, s.mask, s.slots,
+                                 groups=r.groups, dtype=r.dtype, scale=r.scaling)
+        return r.layers(s.tokens, s.positions, attend)
 
     def _run(self, entry: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.capture:

@@ -21,13 +21,12 @@ q/k norms).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from treespark.engine.attend import StoreAttention, store_attention
+from treespark.engine.attend import LayerAttention, store_attention
 from treespark.engine.kv import KVStore, PagedRows, PagedStore, StoreShape
 from treespark.engine.products import (
     LayerProducts,
@@ -39,16 +38,12 @@ from treespark.engine.products import (
 )
 from treespark.kernels.attention import AttentionPath
 from treespark.kernels.layer_ops import ACTIVATIONS, EAGER, compiled_layer_ops, rope_sign
-from treespark.kernels.linear import PACKED, ProductPlan, planned_linear
+from treespark.kernels.linear import F_LINEAR, PACKED, ProductPlan, planned_linear
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return torch.cat([-x[..., d:], x[..., :d]], dim=-1)
-
-
-# where a layer's new keys and values go: (layer, k, v), k and v [B, kvh, K, hd] (``kv_write``)
-KVWrite = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -155,13 +150,13 @@ class TargetRunner:
         kk = kk * cos + _rotate_half(kk) * sin
         return q, kk, vv
 
-    def _attention(self, layer, lp, x, cos, sin, write: KVWrite, idx, attend, b, k):
+    def _attention(self, layer, lp, x, cos, sin, idx, attend: LayerAttention, b, k):
         attn = layer.self_attn
         if self.fused:
             q, kk, vv = self._qkv(lp, idx, x, cos, sin, b, k)
         else:
             q, kk, vv = self._qkv_reference(attn, lp, x, cos, sin, b, k)
-        write(idx, kk, vv)
+        attend.write(idx, kk, vv)
         out = attend(idx, q)                                                 # [B, H, K, hd]
         return self._linear(out.transpose(1, 2).reshape(b * k, -1), lp.o)
 
@@ -190,19 +185,39 @@ class TargetRunner:
         store: KVStore | PagedStore,
         rows: slice | PagedRows,   # the batch's rows of a dense store, or its block tables' slots
         mask: torch.Tensor,        # [B, 1, K, T] bool: True = may attend (T >= every position + 1)
-        logits_for: str | torch.Tensor = "all",  # "all" nodes, the "last" one of each row, "none",
-                                                 # or [B] the index of each row's one token
+        logits_for: str | torch.Tensor = "all",  # as ``run``
+        logits_into: torch.Tensor | None = None,  # as ``run``
     ) -> ForwardOutput:
-        attend = store_attention(self.attention, store, rows, mask, groups=self.num_heads // self.num_kv_heads,
+        """A batch of rows padded to one width over a store (``StoreAttention``)."""
+        attend = store_attention(self.attention, store, rows, write_pos, mask, groups=self.groups,
                                  dtype=self.dtype, scale=self.scaling)
-        x, tapped = self.layers(tokens, positions, kv_write(store, rows, write_pos), attend)
-        return ForwardOutput(logits=self.logits(x, logits_for), taps=tapped)
+        return self.run(tokens, positions, attend, logits_for, logits_into)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
 
     @torch.no_grad()
-    def layers(self, tokens: torch.Tensor, positions: torch.Tensor, write: KVWrite,
-               attend: StoreAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self,
+        tokens: torch.Tensor,      # [B, K] input ids
+        positions: torch.Tensor,   # [B, K] position ids
+        attend: LayerAttention,    # writes each layer's keys and values, and attends
+        logits_for: str | torch.Tensor = "all",  # "all" nodes, the "last" one of each row, "none",
+                                                 # or [F] indices into the B * K tokens (logits [F, 1, V])
+        logits_into: torch.Tensor | None = None,  # flat float32 memory the logits may be written
+                                                  # into (valid until the next call; ``_head``)
+    ) -> ForwardOutput:
+        """The forward over any ``LayerAttention`` (``treespark.engine.attend``)."""
+        x, tapped = self.layers(tokens, positions, attend)
+        return ForwardOutput(logits=self.logits(x, logits_for, logits_into), taps=tapped)
+
+    @torch.no_grad()
+    def layers(self, tokens: torch.Tensor, positions: torch.Tensor,
+               attend: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers over tokens and positions [B, K]: each layer's new keys and
-        values go through ``write``, its attention is ``attend``'s. Returns the last
+        values are written, and its attention run, through ``attend``. Returns the last
         layer's output [B, K, h] (before the final norm) and the tapped layers' [B, K,
         n_taps * h]. Shapes come from the inputs only, and nothing here waits for the
         device: the part ``treespark.engine.graphs`` captures."""
@@ -222,7 +237,7 @@ class TargetRunner:
                 x, normed = self._add_norm(layer.input_layernorm, x, mlp_out)
                 if idx - 1 in self.tap_layers:
                     taps[idx - 1] = x
-            a = self._attention(layer, lp, normed, cos, sin, write, idx, attend, b, k)
+            a = self._attention(layer, lp, normed, cos, sin, idx, attend, b, k)
             x, normed = self._add_norm(layer.post_attention_layernorm, x, a)
             mlp_out = self._mlp(layer.mlp, lp, normed)
         x = x + mlp_out
@@ -232,13 +247,14 @@ class TargetRunner:
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor,                 # [B, K, h] the last layer's output
-               logits_for: str | torch.Tensor = "all") -> torch.Tensor | None:
-        """The final norm and the LM head where ``logits_for`` asks (``forward``'s):
-        [B, K, V] float32 ([B, 1, V] for one token a row; None for "none")."""
+               logits_for: str | torch.Tensor = "all",
+               logits_into: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The final norm and the LM head where ``logits_for`` asks (``run``'s): [B, K, V]
+        float32 ([F, 1, V] for F token indices, [B, 1, V] for "last"; None for "none")."""
         b, k = x.shape[:2]
         if isinstance(logits_for, torch.Tensor):
-            x = x[torch.arange(b, device=x.device), logits_for]
-            k = 1
+            x = x.reshape(b * k, -1)[logits_for]
+            b, k = logits_for.shape[0], 1
         elif logits_for == "none":
             return None
         elif logits_for == "last":
@@ -246,16 +262,17 @@ class TargetRunner:
             k = 1
         else:
             assert logits_for == "all", f"logits_for must be all, last or none, not {logits_for!r}"
-        x = self._norm(self.base.norm, x.reshape(b * k, -1))
-        return self._linear(x, self.weights.head).view(b, k, -1).float()
+            x = x.reshape(b * k, -1)
+        x = self._norm(self.base.norm, x)
+        return self._head(x, logits_into).view(b, k, -1)
 
-
-def kv_write(store: KVStore | PagedStore, rows: slice | PagedRows, write_pos: torch.Tensor) -> KVWrite:
-    """Where a forward's new keys and values go, as ``write(layer, k, v)`` (k, v: [B, kvh,
-    K, hd]): a paged store's slots looked up once for every layer."""
-    if isinstance(store, PagedStore):
-        assert isinstance(rows, PagedRows)
-        slots = torch.gather(rows.slots, 1, write_pos)                      # [B, K]
-        return lambda layer, k, v: store.write_at(layer, slots, k, v)
-    assert isinstance(rows, slice)
-    return lambda layer, k, v: store.write(layer, rows, write_pos, k, v)
+    def _head(self, x: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        """The LM head over x [N, h] -> [N, V] float32; into ``into`` (flat, float32, at
+        least N * V elements) where given and the plan runs N rows as ``F.linear`` (the
+        same product, ``x @ W^T``, into memory the caller keeps: a CPU step's logits are
+        otherwise pages taken from the kernel anew, one fault at a time, every step)."""
+        head, n = self.weights.head, x.shape[0]
+        if (into is not None and self.products is not None and self.products.layout(n) == F_LINEAR
+                and head.bias is None and x.dtype == into.dtype == torch.float32):
+            return torch.mm(x, head.weight.t(), out=into[:n * self.vocab_size].view(n, self.vocab_size))
+        return self._linear(x, head).float()

@@ -66,9 +66,10 @@ def attention_bias(mask: torch.Tensor,   # [B, 1, K, T] bool, True = may attend
     the mask allows, -inf elsewhere and in the columns past T (``keys >= T``)."""
     b, _, k, t = mask.shape
     assert keys >= t, f"the bias needs at least the mask's {t} key columns, got {keys}"
-    bias = torch.full((b, 1, groups, k, keys), float("-inf"), dtype=dtype, device=mask.device)
-    bias[..., :t] = torch.where(mask, 0.0, float("-inf")).to(dtype)[:, :, None]   # [B, 1, G, K, T]
-    return bias.view(b, 1, groups * k, keys)
+    allowed = F.pad(mask, (0, keys - t), value=False) if keys > t else mask             # [B, 1, K, keys]
+    bias = torch.where(allowed, 0.0, float("-inf")).to(dtype)
+    # the G copies are the one write of the full size (no fill first, then the mask over it)
+    return bias[:, :, None].expand(b, 1, groups, k, keys).reshape(b, 1, groups * k, keys)
 
 
 def grouped_attention(q: torch.Tensor,      # [B, H, K, hd]

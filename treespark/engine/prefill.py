@@ -1,0 +1,153 @@
+"""Prefill: a step's prompt chunks in one target forward, packed with no padding.
+
+The scheduler hands a step its chunks (``Scheduler.schedule_prefill``: request, tokens),
+oldest first. They run as ONE row of N tokens, the chunks one after another
+(``PrefillBatch``, built on the host), so that the forward's products cover exactly the
+N prompt tokens and each chunk's attention reads only its own request's blocks up to
+its own last position (``treespark.engine.attend.ChunkAttention``). A batch padded to
+the widest chunk and the longest context pays rows x widest x longest instead: where a
+step holds the tail of one prompt, a whole chunk of the next and the head of a third,
+three rows of 256 over the longest row's 1,536 keys, for 512 tokens. (A burst of 16 x
+1,500-token prompts on the tiny Qwen3 pair, one CPU thread: 1.48 s of prefill padded,
+0.90 s packed.)
+
+The forward writes the target's KV at each token's slot; the tapped states of every
+position go to the drafter's context cache in one drafter call and one write
+(``write_context``, also what a decode step's commit calls); a request whose prompt
+ends in the step samples its first token at its own temperature from the logits of its
+last position, the only logits the forward computes. One upload carries the step's
+inputs; a first token adds one copy back (and one for its logprobs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treespark.engine.accept import sample_firsts
+from treespark.engine.attend import chunk_attention
+from treespark.engine.kv import PagedKV, PagedStore, blocks_for
+from treespark.engine.request import Request
+from treespark.engine.scheduler import Scheduler
+from treespark.engine.target import TargetRunner
+from treespark.kernels.transfer import HostTransfers
+from treespark.models.drafter import DSparkDrafter
+from treespark.spec.logprobs import Emitted, TokenLogprob, step_logprobs
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """A step's chunks packed into one row, as host arrays (one upload)."""
+
+    tokens: np.ndarray                    # [N] the chunks' tokens, one after another
+    positions: np.ndarray                 # [N] their positions in their requests
+    slots: np.ndarray                     # [N] their KV slots (the same in both stores)
+    tables: np.ndarray                    # [R, nb] each chunk's block table (the null block past its end)
+    spans: tuple[tuple[int, int, int], ...]  # per chunk: (offset in the row, size, first position)
+    ends: tuple[bool, ...]                # per chunk: its request's prefill ends here
+    firsts: tuple[int, ...]               # the chunks that sample a first token
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        assert self.positions.shape == self.slots.shape == (n,)
+        assert sum(size for _, size, _ in self.spans) == n and len(self.spans) == len(self.ends) == self.tables.shape[0]
+
+    @property
+    def last(self) -> list[int]:
+        """The index in the row of the last token of each chunk in ``firsts``."""
+        return [self.spans[i][0] + self.spans[i][1] - 1 for i in self.firsts]
+
+
+def prefill_batch(chunks: list[tuple[Request, int]], kv: PagedKV) -> PrefillBatch:
+    """Pack ``chunks`` (request, tokens), each going on from its request's ``computed``
+    position. A chunk samples a first token where its request's prompt ends there and it
+    has emitted nothing yet (a recomputed request's root is already emitted)."""
+    tokens, positions, slots, spans, ends = [], [], [], [], []
+    offset = 0
+    for req, m in chunks:
+        start = req.computed
+        pos = list(range(start, start + m))
+        tokens += (req.prompt + req.output)[start:start + m]
+        positions += pos
+        slots += kv.slots(req.blocks, pos)
+        spans.append((offset, m, start))
+        ends.append(start + m == req.prefill_len)
+        offset += m
+    nb = max(blocks_for(start + m, kv.block_size) for _, m, start in spans)
+    tables = kv.table([req.blocks[:blocks_for(start + m, kv.block_size)]
+                       for (req, _), (_, m, start) in zip(chunks, spans, strict=True)], nb)
+    firsts = tuple(i for i, (req, _) in enumerate(chunks) if ends[i] and not req.output)
+    return PrefillBatch(np.asarray(tokens, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+                        np.asarray(slots, dtype=np.int64), tables, tuple(spans), tuple(ends), firsts)
+
+
+def write_context(drafter: DSparkDrafter, store: PagedStore, pos: torch.Tensor, slots: torch.Tensor,
+                  taps: torch.Tensor) -> None:
+    """Feed committed positions' tapped hidden states (taps: [N, ...]) to the drafter's
+    context cache, in one drafter call and one write: ``pos`` and ``slots`` [N] (on the
+    device, uploaded with the step's other inputs) are their positions and slots."""
+    k, v = drafter.context_kv(taps[None].to(drafter.fc.weight.dtype), pos[None])  # [L, 1, kvh, N, hd]
+    store.write_slots(slots, k[:, 0].transpose(1, 2), v[:, 0].transpose(1, 2))
+
+
+# emit(request, first token, its logprobs) -> the request finished
+Emit = Callable[[Request, int, list[TokenLogprob] | None], bool]
+
+
+class Prefill:
+    """Runs a step's prefill chunks and moves the requests whose prompts end to running."""
+
+    def __init__(self, runner: TargetRunner, drafter: DSparkDrafter, kv: PagedKV, sched: Scheduler,
+                 transfers: HostTransfers) -> None:
+        self.runner, self.drafter, self.kv, self.sched, self.transfers = runner, drafter, kv, sched, transfers
+        self.computed = 0  # prompt positions computed by prefill forwards
+
+    def step(self, chunks: list[tuple[Request, int]], emit: Emit) -> int:
+        """One forward over ``chunks``; each request's prompt that ends here joins the
+        running requests, and emits its first token through ``emit``. The tokens computed."""
+        if not chunks:
+            return 0
+        reqs = [r for r, _ in chunks]
+        batch = prefill_batch(chunks, self.kv)
+        n, r = batch.tokens.shape[0], len(chunks)
+        # one upload: tokens, positions, slots, block tables, the first tokens' indices
+        ints = self.transfers.upload(np.concatenate([batch.tokens, batch.positions, batch.slots,
+                                                     batch.tables.ravel(), np.asarray(batch.last, dtype=np.int64)]),
+                                     torch.long)
+        tokens, pos, slots = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
+        at = 3 * n + batch.tables.size
+        tables, last = ints[3 * n:at].view(r, -1), ints[at:]
+        attend = chunk_attention(self.runner.attention, self.kv, slots, pos, tables, list(batch.spans),
+                                 groups=self.runner.groups, dtype=self.runner.dtype, scale=self.runner.scaling)
+        out = self.runner.run(tokens[None], pos[None], attend, logits_for=last if batch.firsts else "none")
+        taps = out.taps[0]                                                               # [N, taps]
+        write_context(self.drafter, self.kv.drafter, pos, slots, taps)
+        firsts: dict[int, int] = {}
+        lps: dict[int, list[TokenLogprob]] = {}
+        if batch.firsts:
+            assert out.logits is not None                                                 # [F, 1, V]
+            firsts = dict(zip(batch.firsts, sample_firsts([reqs[i] for i in batch.firsts], out.logits[:, 0],
+                                                           self.transfers), strict=True))
+            asked = [Emitted(j, [0], [firsts[i]], reqs[i].params.logprobs) for j, i in enumerate(batch.firsts)
+                     if reqs[i].params.logprobs is not None]
+            lps = {batch.firsts[e.row]: lp
+                   for e, lp in zip(asked, step_logprobs(out.logits, asked, self.transfers), strict=True)}
+        for i, req in enumerate(reqs):
+            offset, m, start = batch.spans[i]
+            if req.taps is not None:  # (a recomputed request has its earlier positions' already)
+                have = sum(x.shape[0] for x in req.taps)
+                if start + m > have:
+                    req.taps.append(taps[offset + max(have - start, 0):offset + m])
+            req.computed = start + m
+            self.sched.cache_blocks(req)
+            if not batch.ends[i]:
+                continue
+            self.sched.prefilling.remove(req)
+            self.sched.running.append(req)
+            if i in firsts and emit(req, firsts[i], lps.get(i)):
+                self.sched.release(req)
+        self.computed += n
+        return n
