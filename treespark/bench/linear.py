@@ -87,7 +87,7 @@ def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 12
         log(f"rows={n:>3} " + "  ".join(f"{k} {v:6.1f} ms" for k, v in ms.items()))
         best = min(v for k, v in ms.items() if k != READ)
         out.append([str(n)] + [f"{ms[k]:.1f}" + (" *" if ms[k] == best else "") if k in ms else "-"
-                               for k in layouts] + [f"{nbytes / best / 1e9:.1f} ({ms[READ] / best:.2f})"])
+                               for k in layouts] + [f"{nbytes / best / 1e6:.1f} ({ms[READ] / best:.2f})"])
         candidates[n] = {k: ms[k] for k in (F_LINEAR, SMALL, PACKED, MATVEC) if k in ms}
     plan = choose_plan(candidates)
     return (markdown_table(["rows"] + [f"{k} (ms per pass)" for k in layouts]
