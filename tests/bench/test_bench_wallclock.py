@@ -1,6 +1,12 @@
 """treespark bench wallclock / theta on a tiny random pair: the table's rows and columns."""
 
+import itertools
+from types import SimpleNamespace
+
+import torch
+
 from treespark import random_pair
+from treespark.bench import device_timing
 from treespark.bench.wallclock import goal_lines, theta_sweep, wallclock_benchmark
 
 
@@ -48,3 +54,11 @@ def test_theta_sweep_rows():
     rows = _rows(theta_sweep(pair, thetas=(0.1,), chains=(2,), n_prompts=1, max_tokens=5, log=lambda *_: None))
     assert [r[0] for r in rows] == ["plain", "adaptive theta=0.1", "chain k=2"]
     assert rows[0][2] == "0.0" and 0 < float(rows[2][2]) <= 2.0
+
+
+def test_read_bandwidth_counts_each_byte_read_once(monkeypatch):
+    """The limit's bandwidth is bytes read over time, each byte once (a copy reads and
+    writes each); here every timed sum takes 0.25 s of an injected clock."""
+    ticks = itertools.count(step=0.25)  # each clock read 0.25 s after the last
+    monkeypatch.setattr(device_timing, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    assert device_timing.read_bandwidth(torch.device("cpu"), 4096, reps=3) == 4096 / 0.25

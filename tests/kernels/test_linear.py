@@ -14,6 +14,7 @@ from treespark.engine.target import TargetRunner
 from treespark.kernels.linear import (
     F_LINEAR,
     LAYOUTS,
+    MATVEC,
     PACKED,
     SMALL,
     SMALL_ROWS,
@@ -22,6 +23,7 @@ from treespark.kernels.linear import (
     can_pack,
     choose_plan,
     linear,
+    matvec_linear,
     measure_plan,
     pack,
     packed_linear,
@@ -41,6 +43,18 @@ def test_linear_matches_f_linear(n, bias):
     y = linear(x, w, b)
     assert y.shape == (n, 40)
     assert y.is_contiguous()
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matvec_linear_matches_f_linear(n, bias):
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(40, 24, generator=g)
+    b = torch.randn(40, generator=g) if bias else None
+    x = torch.randn(1, n, 24, generator=g)
+    y = matvec_linear(x, w, b)
+    assert y.shape == (1, n, 40) and y.is_contiguous()
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
@@ -162,6 +176,10 @@ def test_choose_plan_keeps_the_fastest_layout_per_row_count():
     assert choose_plan({2: {F_LINEAR: 100.0, SMALL: 97.0}}).layouts == (F_LINEAR,)
     assert choose_plan({2: {F_LINEAR: 100.0, SMALL: 93.0}}).layouts == (SMALL,)
     assert choose_plan({2: {F_LINEAR: 100.0, SMALL: 97.0}}, margin=0.0).layouts == (SMALL,)
+    # W x at one row only where it is timed faster
+    assert choose_plan({1: {F_LINEAR: 92.0, MATVEC: 75.0, PACKED: 120.0},
+                        4: {F_LINEAR: 60.0, PACKED: 50.0}}).layouts == (MATVEC, PACKED)
+    assert choose_plan({1: {F_LINEAR: 92.0, MATVEC: 90.0}}).layouts == (F_LINEAR,)
 
 
 def test_plan_sample_takes_whole_layers_up_to_the_budget_and_the_head():
@@ -178,7 +196,8 @@ def test_measure_plan_times_every_layout_at_every_row_count_and_keeps_the_fastes
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g)]
     plan, ms = measure_plan(ws, [pack(w) for w in ws], rows=(1, 3, 9), reps=1)
-    assert set(ms) == {1, 3, 9} and all(set(by) == set(LAYOUTS) for by in ms.values())
+    assert set(ms[1]) == set(LAYOUTS), "every layout at one row"
+    assert all(set(ms[n]) == set(LAYOUTS) - {MATVEC} for n in (3, 9)), "W x runs one row only"
     assert all(t > 0 for by in ms.values() for t in by.values())
     assert plan == choose_plan(ms)
     unpacked, ms = measure_plan(ws, None, rows=(2,), reps=1)

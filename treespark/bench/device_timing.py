@@ -133,6 +133,24 @@ def served_allocator(pair: ModelPair, cfg: CheckConfig, device: torch.device) ->
 
 
 # -- 4. and 5. -----------------------------------------------------------------------------
+def read_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> float:
+    """Bytes per second of reading a large buffer once: a ``sum`` over ``nbytes`` of
+    float32, the median of ``reps`` after one untimed. A forward at batch 1 reads its
+    weights and writes almost nothing, so this, not a copy, is the limit it streams at."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    times = []
+    for rep in range(reps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        src.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return src.numel() * 4 / statistics.median(times)
+
+
 def bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes per second of a large device copy (read + write counted)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)

@@ -9,11 +9,15 @@ each layout, side by side in one run (median of ``reps`` passes):
 - ``W @ x^T``, x row-major;
 - ``treespark.kernels.linear``: ``W @ x^T`` row-major with its padding (1 -> 2 rows, 10-15 -> 16)
   up to ``SMALL_ROWS`` rows, ``F.linear`` above;
-- oneDNN packed: ``packed_linear`` on weights packed once (where ``can_pack``).
+- oneDNN packed: ``packed_linear`` on weights packed once (where ``can_pack``);
+- ``W x`` (one row): ``matvec_linear``, a matrix-vector product (gemv) at one row.
+
+Beside them, a ``sum`` over each weight: the same bytes read once, what a pass would
+take at the machine's read bandwidth.
 
 This is how ``treespark.kernels.linear``'s rules and constants were chosen. ``TargetRunner``
 does not use fixed rules: it runs each row count in the fastest of ``F.linear``,
-``treespark.kernels.linear`` and oneDNN packed, timed when it starts (``product_plan``); the
+``treespark.kernels.linear``, oneDNN packed and ``W x``, timed when it starts (``product_plan``); the
 table ends with the plan these passes choose.
 """
 
@@ -27,7 +31,16 @@ import torch.nn.functional as F
 
 from treespark.bench.common import markdown_table
 from treespark.engine.products import model_products, packable
-from treespark.kernels.linear import F_LINEAR, PACKED, SMALL, choose_plan, linear, packed_linear
+from treespark.kernels.linear import (
+    F_LINEAR,
+    MATVEC,
+    PACKED,
+    SMALL,
+    choose_plan,
+    linear,
+    matvec_linear,
+    packed_linear,
+)
 from treespark.models.pair import ModelPair
 
 LAYOUTS = {
@@ -36,6 +49,7 @@ LAYOUTS = {
     "W @ x^T (row-major)": lambda x, w: (w @ x.T).T.contiguous(),
     SMALL: linear,
 }
+READ = "sum (the weights read once)"
 
 
 def _pass_ms(ws: list[torch.Tensor], n: int, fn, reps: int) -> float:
@@ -64,13 +78,19 @@ def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 12
     if can:
         by_weight = {id(p.weight): p.packed for p in products}
         layouts[PACKED] = lambda x, w: packed_linear(x, by_weight[id(w)])
+    layouts[MATVEC] = matvec_linear
+    layouts[READ] = lambda x, w: w.sum()
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
     out, candidates = [], {}
     for n in rows:
-        ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in layouts.items()}
+        ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in layouts.items() if name != MATVEC or n == 1}
         log(f"rows={n:>3} " + "  ".join(f"{k} {v:6.1f} ms" for k, v in ms.items()))
-        best = min(ms.values())
-        out.append([str(n)] + [f"{v:.1f}" + (" *" if v == best else "") for v in ms.values()])
-        candidates[n] = {k: ms[k] for k in (F_LINEAR, SMALL, PACKED) if k in ms}
+        best = min(v for k, v in ms.items() if k != READ)
+        out.append([str(n)] + [f"{ms[k]:.1f}" + (" *" if ms[k] == best else "") if k in ms else "-"
+                               for k in layouts] + [f"{nbytes / best / 1e6:.1f} ({ms[READ] / best:.2f})"])
+        candidates[n] = {k: ms[k] for k in (F_LINEAR, SMALL, PACKED, MATVEC) if k in ms}
     plan = choose_plan(candidates)
-    return (markdown_table(["rows"] + [f"{k} (ms per pass)" for k in layouts], out)
-            + f"\n\nThe plan these passes choose (of {', '.join(candidates[rows[0]])}): {plan.describe()}.\n")
+    return (markdown_table(["rows"] + [f"{k} (ms per pass)" for k in layouts]
+                           + ["fastest: GB/s of weights (share of the sum's)"], out)
+            + f"\n\nA pass reads {nbytes / 1e6:.0f} MB of {ws[0].dtype} weights. The plan these passes "
+            f"choose (of {', '.join(candidates[rows[0]])}): {plan.describe()}.\n")

@@ -39,6 +39,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from treespark.kernels.linear import (
+    LAYOUTS,
     PACKED,
     PLAN_ROWS,
     PackedWeight,
@@ -211,11 +212,11 @@ PLAN_CACHE_DIR = Path.home() / ".cache" / "treespark" / "product-plans"
 
 
 def plan_key(weights: list[torch.Tensor], packable: bool) -> str:
-    """What a plan is valid for, hashed: the machine, torch and its threads, and the
-    shapes and dtype of the weights it times (not their values)."""
+    """What a plan is valid for, hashed: the machine, torch and its threads, the layouts
+    it chooses from, and the shapes and dtype of the weights it times (not their values)."""
     key = {"hw": hardware_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": str(weights[0].dtype), "shapes": [list(w.shape) for w in weights], "packed": packable,
-           "rows": list(PLAN_ROWS)}
+           "rows": list(PLAN_ROWS), "layouts": list(LAYOUTS)}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -24,7 +24,12 @@ matrix product on a weight reordered once into its blocked layout (``pack`` /
 It keeps a second copy of each packed weight, so the target's forward packs its
 weights and the drafter (trained as well as served) uses ``linear``.
 
-Which of the three (``F.linear``, ``linear``, packed) is fastest at a row count is a
+At one row, ``matvec_linear`` multiplies as a matrix-vector product (``torch.mv``, the
+BLAS gemv) without ``linear``'s padding: on a two-core AMD EPYC (Zen 3, AVX2) it read the
+weights faster than ``F.linear`` (75 against 92 ms a pass over the default target's, two
+loaded runs), where on the AVX-512 machine a single-threaded gemv was the slow path.
+
+Which of the four (``F.linear``, ``linear``, packed, ``W x`` at one row) is fastest at a row count is a
 property of the machine, not of the code: on a two-core AVX-512 machine ``linear``
 beat ``F.linear`` 1.5x at 1-4 rows, on a two-core AVX-512 + AMX Xeon ``F.linear`` beat
 it 2.6x. So the target's forward does not fix the choice: ``measure_plan`` times one
@@ -107,6 +112,18 @@ def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return y.view(*x.shape[:-1], w.out_features)
 
 
+def matvec_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, one row as a matrix-vector product ``W x`` (``torch.mv``, BLAS's gemv);
+    more rows as ``F.linear``."""
+    n = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if n != 1:
+        return F.linear(x, weight, bias)
+    y = torch.mv(weight, x.reshape(-1))
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) whose products go through ``linear``."""
 
@@ -115,7 +132,8 @@ class Linear(nn.Linear):
 
 
 F_LINEAR, SMALL, PACKED = "F.linear", "treespark.kernels.linear", "oneDNN packed"
-LAYOUTS = (F_LINEAR, SMALL, PACKED)
+MATVEC = "W x (one row)"
+LAYOUTS = (F_LINEAR, SMALL, PACKED, MATVEC)
 PLAN_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # the row counts ``measure_plan`` times
 PLAN_SAMPLE_BYTES = 512 << 20  # ``measure_plan`` times whole layers up to this many weight bytes
 
@@ -168,6 +186,8 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return packed_linear(x, packed)
     if layout == SMALL:
         return linear(x, weight, bias)
+    if layout == MATVEC:
+        return matvec_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -221,14 +241,17 @@ def measure_plan(weights: Sequence[torch.Tensor], packed: Sequence[PackedWeight]
     fns: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
         F_LINEAR: lambda x, i: F.linear(x, weights[i]),
         SMALL: lambda x, i: linear(x, weights[i]),
+        MATVEC: lambda x, i: matvec_linear(x, weights[i]),  # timed at one row only: F.linear beyond
     }
     if packed is not None:
         fns[PACKED] = lambda x, i: packed_linear(x, packed[i])
-    times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in fns} for n in rows}
+    times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in fns if name != MATVEC or n == 1}
+                                                 for n in rows}
     with torch.no_grad():
         for rep in range(reps + 1):
             for n in rows:
-                for name, fn in fns.items():
+                for name in times[n]:
+                    fn = fns[name]
                     t0 = time.perf_counter()
                     for i, w in enumerate(weights):
                         fn(xs[n][w.shape[1]], i)
