@@ -39,12 +39,12 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -94,6 +94,7 @@ from deployments.http.validation import (
 from deployments.metrics import CONTENT_TYPE, IngressMetrics, render
 
 log = logging.getLogger(__name__)
+_Body = TypeVar("_Body", bound=BaseModel)  # an admin route's request schema
 
 app = FastAPI(
     title="TreeSpark Serve",
@@ -169,6 +170,19 @@ class Api:
             self._api_key = key.encode()
 
     # -- helpers ----------------------------------------------------------------
+    async def _admin_body(self, request: Request, schema: type[_Body]) -> _Body | JSONResponse:
+        """An admin route's authorized JSON body, validated by ``schema``; else the 401,
+        400 or 413 to answer."""
+        if (denied := self._auth(request)) is not None:
+            return denied
+        body = await json_body(request, self.args.limits.max_body_bytes)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            return schema.model_validate(body)
+        except ValidationError as err:
+            return validation_error_response(err)
+
     def _auth(self, request: Request) -> JSONResponse | None:
         """None if the request may pass; a 401 otherwise."""
         if self._api_key is None:
@@ -368,15 +382,9 @@ class Api:
     @app.post("/v1/speculation/override", summary="Pin one budget for all replicas (null: release)",
               openapi_extra=request_body(OverrideRequest), responses=answers(OverrideResponse, 400, 401, 413, 503))
     async def override(self, request: Request) -> Any:
-        if (denied := self._auth(request)) is not None:
-            return denied
-        body = await json_body(request, self.args.limits.max_body_bytes)
-        if isinstance(body, JSONResponse):
-            return body
-        try:
-            req = OverrideRequest.model_validate(body)
-        except ValidationError as err:
-            return validation_error_response(err)
+        req = await self._admin_body(request, OverrideRequest)
+        if isinstance(req, JSONResponse):
+            return req
         if (refused := check_override(req, self.args)) is not None:
             return refused
         budget = None if req.budget is None else req.budget.model_dump()
@@ -389,15 +397,9 @@ class Api:
     @app.post("/v1/speculation/pricing", summary="Price on the cluster's load (true) or each replica's own (false)",
               openapi_extra=request_body(PricingRequest), responses=answers(PricingResponse, 400, 401, 409, 413, 503))
     async def pricing(self, request: Request) -> Any:
-        if (denied := self._auth(request)) is not None:
-            return denied
-        body = await json_body(request, self.args.limits.max_body_bytes)
-        if isinstance(body, JSONResponse):
-            return body
-        try:
-            req = PricingRequest.model_validate(body)
-        except ValidationError as err:
-            return validation_error_response(err)
+        req = await self._admin_body(request, PricingRequest)
+        if isinstance(req, JSONResponse):
+            return req
         if not self.args.controller.pricing:
             return error_response(409, "controller.pricing is false: every replica prices its own queue",
                                   "cluster", "pricing_disabled")
