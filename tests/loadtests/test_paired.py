@@ -3,15 +3,8 @@
 import numpy as np
 import pytest
 
-from loadtests.paired import (
-    BLOCK_FIELDS,
-    Block,
-    block_latency,
-    plan,
-    read_blocks,
-    report,
-    write_blocks,
-)
+from loadtests.paired import block_latency, plan
+from loadtests.paired_report import BLOCK_FIELDS, Block, read_blocks, report, write_blocks
 from loadtests.pairstats import (
     A,
     B,
