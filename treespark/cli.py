@@ -198,12 +198,14 @@ def cmd_device_check(args) -> None:
     from dataclasses import replace
 
     from treespark.bench.device_check import device_check
-    from treespark.bench.device_pair import CheckConfig
+    from treespark.bench.device_pair import FORWARDS, CheckConfig
 
     cpu = args.device == "cpu"
     cfg = CheckConfig.cpu() if cpu else CheckConfig()
     if args.batch_sizes:
         cfg = replace(cfg, batch_sizes=tuple(args.batch_sizes))
+    if args.forwards:
+        cfg = replace(cfg, forwards=tuple(FORWARDS[name] for name in args.forwards))
     result = device_check(cfg, args.out, device=args.device, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"written to {args.out}/device-check.md and {args.out}/device-check.json", file=sys.stderr)
     if not result["ok"]:
@@ -337,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "the bandwidth floor on a random Qwen3-4B-shaped pair; exits "
                                             "non-zero if a correctness check fails (docs/device-check.md)")
     v.add_argument("--batch-sizes", type=int, nargs="+", help="default: 1 8 32 (CPU: 1 2)")
+    v.add_argument("--forwards", nargs="+", choices=("eager", "inductor", "graphs", "inductor+graphs"),
+                   help="the target forwards run, in this order (default: eager graphs inductor+graphs; CPU: eager)")
     v.add_argument("--device", help="default: cuda when present; cpu runs tiny shapes in well under a minute")
     v.add_argument("--out", default="runs/device-check")
     v.set_defaults(func=cmd_device_check)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from treespark.bench.device_check import device_check
+from treespark.bench.device_correctness import disagreement_margin
 from treespark.bench.device_pair import TINY, CheckConfig, Forward, build_pair
 
 SECTIONS = ("## Preflight", "## Launches per step", "## Correctness", "## Throughput", "## Long context", "## The floor")
@@ -125,3 +126,12 @@ def test_bfloat16_and_a_traced_graphed_forward_as_on_a_gpu_pass_on_cpu(tmp_path)
     assert set(result["launches"]) == {"plain, aot_eager+graphs", "tree of 32, aot_eager+graphs"}
     assert all(x["captures"] == 0 for x in result["launches"].values())  # nothing is captured on CPU
     assert "forward | T | batch" in (tmp_path / "device-check.md").read_text()
+
+
+def test_a_flipped_argmax_is_measured_by_the_reference_margin():
+    ref = torch.tensor([[[1.0, 0.9, 0.0], [0.0, 2.0, 1.0]]])
+    assert disagreement_margin(ref, ref.clone()) == 0.0
+    got = torch.tensor([[[0.8, 0.95, 0.0], [0.0, 2.0, 1.0]]])   # row 0 flips to token 1
+    assert abs(disagreement_margin(ref, got) - 0.1) < 1e-6
+    got[0, 1] = torch.tensor([0.0, 0.0, 3.0])                  # and row 1 to token 2, 1.0 from the top
+    assert abs(disagreement_margin(ref, got) - 1.0) < 1e-6
