@@ -58,9 +58,15 @@ def answers(ok: type[BaseModel] | None, *errors: int, stream: type[BaseModel] | 
     if ok is not None:
         out[200] = {"model": ok, "description": "OK"}
     if stream is not None:
+        # each server-sent event (as OpenAPI 3.2's itemSchema for text/event-stream; schemathesis
+        # checks every event of a stream against it)
         out[200]["content"] = {"text/event-stream": {"schema": {
-            "type": "string", "description": f"With `stream: true`: `data: <{stream.__name__}>` events, an error event "
-                                             "`data: {\"error\": ...}` if the engine fails mid-stream, then `data: [DONE]`."}}}
+            "type": "object", "required": ["data"],
+            "description": f"With `stream: true`: `data: <{stream.__name__}>` events, an error event "
+                           "`data: {\"error\": ...}` if the engine fails mid-stream, then `data: [DONE]`.",
+            "properties": {"data": {"type": "string", "description": f"JSON: a {stream.__name__} or an "
+                                                                     "ErrorBody; or `[DONE]`"},
+                           "event": {"type": "string"}, "id": {"type": "string"}}}}}
     if text is not None:
         out[200] = {"description": text, "content": {"text/plain": {"schema": {"type": "string"}}}}
     for s in errors:  # JSON whatever the route's own media type
