@@ -22,7 +22,7 @@ from treespark.engine.core import Engine, EngineConfig
 from treespark.engine.draft_graphs import DraftInputs, GraphedDraft, draft_buckets
 from treespark.engine.graphs import Buckets, BucketShape, GraphedForward, StaticInputs
 from treespark.engine.kv import StoreShape
-from treespark.engine.step_costs import measure_verify
+from treespark.engine.step_costs import measure_drafting, measure_verify
 from treespark.engine.target import TargetRunner
 from treespark.kernels.linear import F_LINEAR, ProductPlan
 from treespark.spec.params import SamplingParams
@@ -291,3 +291,12 @@ def test_the_step_cost_table_times_the_graphed_forward_over_the_null_block(mimic
     assert engine.graphs.shapes == {BucketShape(b, k, 2) for b in (1, 2) for k in (1, 4, 16)}
     bs = engine.kv.block_size
     assert not engine.kv.target.k[:, bs:].any() and engine.kv.target.k[:, :bs].any()   # the null block alone
+
+
+def test_the_step_cost_table_times_the_graphed_block_pass(mimic16):
+    """The drafting costs come from engine steps, which draft through the padded pass."""
+    with pytest.warns(UserWarning):
+        engine = _engine(mimic16, Budget(0.0, 8, 3), True)
+    verify = measure_verify(engine, (1,), (1, 4, 9), deadline=time.perf_counter() - 1, context=16)
+    base, row, node, _ = measure_drafting(engine, verify, deadline=time.perf_counter() - 1)
+    assert {s.rows for s in engine.draft_graphs.shapes} == {1} and min(base, row, node) >= 0.0

@@ -31,6 +31,10 @@ the graphs never run concurrently); later calls only copy and replay. Elsewhere 
 is nothing to capture and the same padded forward over the same static buffers runs
 eagerly: what the CPU tests check. A shape above the largest bucket, and every other
 forward (prefill, the cost measurements over dense stores), runs eagerly unpadded.
+
+The buckets and that capture machinery (``Buckets``, ``BucketGraphs``) are shared with
+the drafter's graphed block pass (``treespark.engine.draft_graphs``), whose graphs an
+engine captures into the same pool.
 """
 
 from __future__ import annotations
@@ -138,7 +142,9 @@ class BucketGraphs(Generic[Inputs, Outputs]):
     replayed after (``capture``; default: on CUDA), or run eagerly over the same buffers.
 
     ``pool``: the memory pool the graphs are captured into (default: a new one; the
-    graphed passes of one engine share one, as they never run concurrently).
+    graphed passes of one engine share one, as they never run concurrently). A graph's
+    outputs live in the pool, where another graph's intermediates may lie: they are
+    valid until the next replay of any graph of the pool.
     ``captures``: how many buckets have been captured so far; ``shapes``: the buckets
     used so far."""
 
@@ -214,7 +220,8 @@ class GraphedForward(BucketGraphs[StaticInputs, tuple[torch.Tensor, torch.Tensor
                 logits_into: torch.Tensor | None = None,  # as ``TargetRunner.run``
                 ) -> ForwardOutput:
         """Logits [B, K, V] (fresh) and taps [B, K, ...]; the taps are a view of the
-        bucket's output buffer on CUDA, valid until the next call."""
+        bucket's output buffer on CUDA, valid until the next replay of a graph of its
+        pool (the engine's next drafter pass)."""
         b, k = tokens.shape
         nb = blocks_for(mask.shape[-1], self.block_size)
         shape = self.buckets.shape(b, k, nb)
