@@ -221,6 +221,9 @@ def test_the_null_block_never_reaches_a_real_rows_draft(pairs):
         out.append(_block(pair, scene, graphed))
     assert torch.isfinite(out[1]).all()
     assert torch.equal(out[0], out[1])
+    # the padding row too reads only its own block: finite over the garbage (the whole padded pass)
+    (shape,) = graphed.shapes
+    assert shape.rows == 4 and torch.isfinite(graphed.body(graphed._inputs(shape, DraftInputs.empty))).all()
 
 
 def test_a_smaller_draft_fill_resets_the_padding_a_larger_one_left():
