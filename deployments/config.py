@@ -214,11 +214,12 @@ class AppArgs(_Strict):
     # (EngineConfig.compile_backend), e.g. "inductor": for GPUs, where the eager forward is
     # launch-bound; compiling takes tens of seconds at startup. None: eager
     compile_backend: str | None = None
-    # the verify forward and the drafter's block pass replayed from CUDA graphs, padded to
-    # buckets (powers of two) (EngineConfig.cuda_graphs): for GPUs; each bucket is captured
-    # on its first step. Off CUDA nothing is captured and the padded passes run eagerly,
-    # with one warning
+    # the verify forward replayed from CUDA graphs, padded to buckets (powers of two)
+    # (EngineConfig.cuda_graphs): for GPUs; each bucket is captured on its first step. Off
+    # CUDA nothing is captured and the padded forward runs eagerly, with one warning
     cuda_graphs: bool = False
+    # the drafter's block pass too (EngineConfig.cuda_graphs_draft; needs cuda_graphs)
+    cuda_graphs_draft: bool = False
     default_max_tokens: int = Field(256, ge=1)  # chat requests without max_tokens
     device: str | None = None
     engine_factory: str = "deployments.replica.engine_factory:build_engine"  # "module:callable(AppArgs) -> EngineBundle", run on the engine thread

@@ -242,8 +242,8 @@ def test_a_block_pass_above_the_largest_bucket_runs_the_plain_pass(pairs):
 
 
 def _engine(pair, budget, graphs: bool, rows: int = 4) -> Engine:
-    return Engine(pair, EngineConfig(max_batch_size=rows, max_context=128, prefill_chunk=64, cuda_graphs=graphs),
-                  budget=budget, products=PLAN)
+    return Engine(pair, EngineConfig(max_batch_size=rows, max_context=128, prefill_chunk=64, cuda_graphs=graphs,
+                                     cuda_graphs_draft=graphs), budget=budget, products=PLAN)
 
 
 def test_cuda_graphs_off_cuda_warns_once_and_runs_padded(mimic16):

@@ -120,12 +120,15 @@ class EngineConfig:
     # compile. None: eager
     compile_backend: str | None = None
     # the verify forward replayed from CUDA graphs, its rows, tokens a row and block-table
-    # columns each padded to a power of two or the largest (engine/graphs.py), and the
-    # drafter's block pass, its rows and context block-table columns padded the same way
-    # (engine/draft_graphs.py); prefill and shapes above the largest bucket run eagerly. Off
-    # CUDA nothing is captured: the same padded passes run eagerly (what the CPU tests
-    # check), slower than False, with one warning
+    # columns each padded to a power of two or the largest (engine/graphs.py); prefill and
+    # shapes above the largest bucket run eagerly. Off CUDA nothing is captured: the same
+    # padded forward runs eagerly (what the CPU tests check), slower than False, with one
+    # warning
     cuda_graphs: bool = False
+    # also the drafter's block pass, its rows and context block-table columns padded the
+    # same way (engine/draft_graphs.py), in the same memory pool; needs cuda_graphs. Its own
+    # switch until a GPU has captured it (treespark device-check's graphs forwards run it)
+    cuda_graphs_draft: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_context", "prefill_chunk", "block_size", "max_num_batched_tokens"):
@@ -137,6 +140,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.max_tree_nodes must be >= 0")
         if self.cuda_graphs and self.attention is not AttentionPath.GROUPED:
             raise ValueError("EngineConfig.cuda_graphs replays the grouped attention path: set attention=GROUPED")
+        if self.cuda_graphs_draft and not self.cuda_graphs:
+            raise ValueError("EngineConfig.cuda_graphs_draft needs cuda_graphs")
 
 
 class Engine:
@@ -180,10 +185,12 @@ class Engine:
         if cfg.cuda_graphs:
             if self.device.type != "cuda":
                 warnings.warn(f"EngineConfig.cuda_graphs on {self.device}: nothing to capture; the verify forward "
-                              "and the drafter's block pass run padded to their buckets, eagerly (slower than "
-                              "cuda_graphs=False)", stacklevel=2)
+                              "(and with cuda_graphs_draft the drafter's block pass) runs padded to its buckets, "
+                              "eagerly (slower than cuda_graphs=False)", stacklevel=2)
             self.graphs = GraphedForward(self.runner, self.kv.target, bs, Buckets.up_to(
                 cfg.max_batch_size, cfg.max_tree_nodes + 1, blocks_for(cfg.max_context + cfg.max_tree_nodes + 1, bs)))
+        if cfg.cuda_graphs_draft:
+            assert self.graphs is not None
             self.draft_graphs = GraphedDraft(self.drafter, self.kv.drafter, bs, draft_buckets(
                 cfg.max_batch_size, dc.block_size, cfg.max_context, bs), pool=self.graphs.pool)
         self.budget = budget or Budget.adaptive()
@@ -359,9 +366,9 @@ class Engine:
     def graph_captures(self) -> int | None:
         """CUDA graphs captured so far, the verify forward's and the block pass's (None:
         ``cuda_graphs`` off)."""
-        if self.graphs is None or self.draft_graphs is None:
+        if self.graphs is None:
             return None
-        return self.graphs.captures + self.draft_graphs.captures
+        return self.graphs.captures + (0 if self.draft_graphs is None else self.draft_graphs.captures)
 
     def sync(self) -> None:
         """Wait for the device (CUDA): stage times then measure device work, not the
