@@ -218,6 +218,8 @@ class AppArgs(_Strict):
     # (EngineConfig.cuda_graphs): for GPUs; each bucket is captured on its first step. Off
     # CUDA nothing is captured and the padded forward runs eagerly, with one warning
     cuda_graphs: bool = False
+    # the drafter's block pass too (EngineConfig.cuda_graphs_draft; needs cuda_graphs)
+    cuda_graphs_draft: bool = False
     default_max_tokens: int = Field(256, ge=1)  # chat requests without max_tokens
     device: str | None = None
     engine_factory: str = "deployments.replica.engine_factory:build_engine"  # "module:callable(AppArgs) -> EngineBundle", run on the engine thread

@@ -40,7 +40,7 @@ def build_engine(args: AppArgs) -> EngineBundle:
                                         max_tree_nodes=args.max_tree_nodes,
                                         kv_memory_fraction=args.kv_memory_fraction,
                                         prefix_caching=args.prefix_caching, compile_backend=args.compile_backend,
-                                        cuda_graphs=args.cuda_graphs))
+                                        cuda_graphs=args.cuda_graphs, cuda_graphs_draft=args.cuda_graphs_draft))
     tok = pair.tokenizer if pair.tokenizer is not None else ByteTokenizer(engine.vocab_size)
     step_costs = None
     if args.policy.kind == "perstep":

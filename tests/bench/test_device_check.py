@@ -46,6 +46,7 @@ def test_cpu_mode_passes_and_reports_every_section(cpu_run):
     # and more operators around it (the drafter, the walk)
     plain, tree = result["launches"]["plain"], result["launches"]["tree of 32"]
     assert plain["forwards"] == tree["forwards"] == 1 and 0 < plain["per_forward"] <= plain["per_step"]
+    assert plain["drafts"] == 0 and tree["drafts"] == 1 and 0 < tree["per_draft"] < tree["per_step"]
     assert tree["per_step"] > plain["per_step"] and tree["unit"] == "operators called"
     # the greedy trees equal plain decoding in float32, token for token
     assert all(g["matched"] == g["of"] for g in result["greedy"].values())
@@ -123,6 +124,7 @@ def test_bfloat16_and_a_traced_graphed_forward_as_on_a_gpu_pass_on_cpu(tmp_path)
     names = {c["check"] for c in result["checks"]}
     assert "greedy tree of 32 = plain decoding (aot_eager+graphs)" in names
     assert "graphed vs eager verify forward: argmax agreement (aot_eager+graphs)" in names
+    assert "graphed vs eager drafter block: argmax agreement (aot_eager+graphs)" in names
     assert set(result["launches"]) == {"plain, aot_eager+graphs", "tree of 32, aot_eager+graphs"}
     assert all(x["captures"] == 0 for x in result["launches"].values())  # nothing is captured on CPU
     assert "forward | T | batch" in (tmp_path / "device-check.md").read_text()

@@ -179,11 +179,13 @@ def render(r: dict[str, Any]) -> str:
     if r.get("launches"):
         lines += ["", "## Launches per step", "",
                   "One engine step at batch 1, T = 0, under `torch.profiler`: on CUDA the kernels the host "
-                  "launched (in the step and inside the target forward) and the attention kernels by name; "
-                  "on CPU the operators called.", "",
-                  markdown_table(["policy", "counted", "per step", "per target forward", "attention kernels"],
+                  "launched (in the step, inside the target forward and inside the drafter's block pass) and "
+                  "the attention kernels by name; on CPU the operators called.", "",
+                  markdown_table(["policy", "counted", "per step", "per target forward", "per drafter pass",
+                                  "attention kernels"],
                                  [[name + (f" ({x['captures']} captured in the step)" if x.get("captures") else ""),
                                    x["unit"], str(x["per_step"]), f"{x['per_forward']:.0f}",
+                                   f"{x['per_draft']:.0f}" if x.get("drafts") else "-",
                                    _cell(", ".join(x["attention_kernels"]) or "none seen")]
                                   for name, x in r["launches"].items()])]
     lines += ["", "## Correctness", "", markdown_table(

@@ -18,7 +18,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from treespark.bench.attention import paged_scene, random_trees
+from treespark.bench.attention import PagedScene, paged_scene, random_trees
 from treespark.bench.device_pair import (
     EAGER,
     POLICIES,
@@ -27,7 +27,9 @@ from treespark.bench.device_pair import (
     products_for,
     random_prompts,
 )
+from treespark.engine.attend import PagedContext
 from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.draft_graphs import GraphedDraft, draft_buckets
 from treespark.engine.graphs import Buckets, GraphedForward
 from treespark.engine.kv import KVStore, StoreShape
 from treespark.engine.target import TargetRunner
@@ -163,6 +165,33 @@ def check_graph_logits(pair: ModelPair, runner: TargetRunner, checks: Checks, se
                f"{max(diffs):.3g} (2 batches of one bucket, {graphed.captures} captured)", f"<= {tol:.3g}")
     _argmax_check(checks, f"graphed vs eager verify forward: argmax agreement{mode}", torch.cat(refs),
                   torch.cat(gots), max(diffs), exact)
+    check_graph_draft(pair, scene, checks, seed, mode)
+
+
+def check_graph_draft(pair: ModelPair, scene: PagedScene, checks: Checks, seed: int, mode: str) -> None:
+    """The drafter's block pass replayed from CUDA graphs (on CPU: padded, eager) against
+    its own pass over the scene's drafter store: two batches of one bucket (3 rows, 5
+    context blocks; the second a replay on new anchors and lengths)."""
+    d, store, bs = pair.drafter, scene.kv.drafter, scene.kv.block_size
+    device, blk = scene.table.device, d.config.block_size
+    exact = store.k.dtype == torch.float32
+    rng = np.random.default_rng(seed + 2)
+    graphed = GraphedDraft(d, store, bs, draft_buckets(4, blk, 128, bs))
+    refs, gots = [], []
+    for lengths in (scene.lengths, [30, 3, 64]):
+        anchors = torch.tensor(rng.integers(d.config.vocab_size, size=len(lengths)).tolist(), device=device)
+        lens = torch.tensor(lengths, device=device)
+        context = PagedContext(store, scene.table, bs, max(lengths))
+        refs.append(d.block_logits(anchors, context, lens).flatten(0, 1))
+        gots.append(graphed.block_logits(anchors, context, lens).flatten(0, 1))
+    ref, got = torch.cat(refs), torch.cat(gots)
+    finite = bool(torch.isfinite(got).all())
+    diff, scale = float((got - ref).abs().max()), float(ref.abs().max())
+    tol = 1e-3 * max(scale, 1.0) if exact else 0.05 * max(scale, 1.0)
+    checks.add(f"graphed drafter block: logits finite{mode}", finite, str(finite), "True")
+    checks.add(f"graphed vs eager drafter block: max |logit diff|{mode}", diff <= tol,
+               f"{diff:.3g} (2 batches of one bucket, {graphed.captures} captured)", f"<= {tol:.3g}")
+    _argmax_check(checks, f"graphed vs eager drafter block: argmax agreement{mode}", ref, got, diff, exact)
 
 
 def _argmax_check(checks: Checks, name: str, ref: torch.Tensor, got: torch.Tensor, diff: float, exact: bool) -> None:

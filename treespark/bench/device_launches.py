@@ -1,12 +1,13 @@
 """What one engine step launches (the device check's preflight): on CUDA the kernels
-the host launches in a step and inside its target forward, and the attention kernels
+the host launches in a step, inside its target forward and inside its drafter pass, and the attention kernels
 by name; on CPU the operators called (``treespark.bench.ops.top_level_ops``).
 
-One full engine step runs under ``torch.profiler`` with the target forward marked by a
-``record_function`` range; a launch counts toward the forward when the host call that
-made it starts inside that range. A forward replayed from a CUDA graph counts its input
-copies, its one graph launch and its LM head; a bucket captured inside the profiled step
-is reported (``captures``), since its warm-up and capture launch the whole forward."""
+One full engine step runs under ``torch.profiler`` with the target forward and the
+drafter's block pass each marked by a ``record_function`` range; a launch counts toward
+one when the host call that made it starts inside its range. A pass replayed from a
+CUDA graph counts its input copies, its one graph launch and its LM head; a bucket
+captured inside the profiled step is reported (``captures``), since its warm-up and
+capture launch the whole pass."""
 
 from __future__ import annotations
 
@@ -21,48 +22,61 @@ from treespark.engine.core import Engine, EngineConfig
 from treespark.models.pair import ModelPair
 from treespark.spec.params import SamplingParams
 
-VERIFY = "treespark.verify"
+VERIFY, DRAFT = "treespark.verify", "treespark.draft"
 # the CUDA runtime and driver calls that put one kernel (or one graph) on a stream
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cudaGraphLaunch")
 ATTENTION_NAMES = ("flash", "fmha", "efficient", "attention", "cudnn", "sdpa", "softmax")
 
 
 def profile_step(engine: Engine) -> dict[str, Any]:
-    """Profile one ``engine.step()``: launches (CUDA) or operators (CPU) per step and per
-    target forward, and the attention kernels' names on CUDA."""
+    """Profile one ``engine.step()``: launches (CUDA) or operators (CPU) per step, per
+    target forward and per drafter block pass, and the attention kernels' names on CUDA."""
     cuda = engine.device.type == "cuda"
-    forward = engine.graphs if engine.graphs is not None else engine.runner  # whose forward verifies
-    inner = forward.forward
-    captured = None if engine.graphs is None else engine.graphs.captures
-
-    def marked(*args, **kwargs):
-        with record_function(VERIFY):
-            return inner(*args, **kwargs)
-
-    forward.forward = marked
+    marked = ((engine.graphs if engine.graphs is not None else engine.runner, "forward", VERIFY),  # whose forward verifies
+              (engine.draft_graphs if engine.draft_graphs is not None else engine.drafter, "block_logits", DRAFT))
+    captured = engine.graph_captures
+    for obj, method, name in marked:
+        setattr(obj, method, _marked(getattr(obj, method), name))
     try:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             engine.step()
             engine.sync()
     finally:
-        del forward.forward  # the class's method again
+        for obj, method, _ in marked:
+            delattr(obj, method)  # the class's method again
     events = list(prof.events())
-    # the host's range only: on CUDA the profiler also reports the range on the device's
-    # timeline (a "gpu_user_annotation" of the same name), which lags the host
-    spans = [(e.time_range.start, e.time_range.end) for e in events
-             if e.name == VERIFY and not str(e.device_type).endswith("CUDA")]
     if cuda:
         launches = [e for e in events if e.name.startswith(LAUNCH_CALLS)]
         kernels = [e for e in events if str(e.device_type).endswith("CUDA")]
         attention = sorted({e.name[:80] for e in kernels if any(s in e.name.lower() for s in ATTENTION_NAMES)})
     else:
         launches, kernels, attention = top_level_ops(events), [], ["cpu"]
-    in_verify = sum(any(a <= e.time_range.start < b for a, b in spans) for e in launches)
+    verify, draft = (_spans(events, name) for name in (VERIFY, DRAFT))
     return {"unit": "kernel launches" if cuda else "operators called", "per_step": len(launches),
-            "per_forward": in_verify / max(len(spans), 1), "forwards": len(spans),
+            "per_forward": _inside(launches, verify) / max(len(verify), 1), "forwards": len(verify),
+            "per_draft": _inside(launches, draft) / max(len(draft), 1), "drafts": len(draft),
             "device_events": len(kernels) if cuda else None, "attention_kernels": attention,
-            "captures": None if engine.graphs is None else engine.graphs.captures - captured}
+            "captures": None if captured is None else engine.graph_captures - captured}
+
+
+def _marked(inner, name: str):
+    def marked(*args, **kwargs):
+        with record_function(name):
+            return inner(*args, **kwargs)
+    return marked
+
+
+def _spans(events, name: str) -> list[tuple[int, int]]:
+    """The host's ranges of ``name``: on CUDA the profiler also reports each range on the
+    device's timeline (a "gpu_user_annotation" of the same name), which lags the host."""
+    return [(e.time_range.start, e.time_range.end) for e in events
+            if e.name == name and not str(e.device_type).endswith("CUDA")]
+
+
+def _inside(launches, spans: list[tuple[int, int]]) -> int:
+    """The launches whose host call starts inside one of ``spans``."""
+    return sum(any(a <= e.time_range.start < b for a, b in spans) for e in launches)
 
 
 def step_launches(pair: ModelPair, device: torch.device, seed: int, prompt_len: int = 64,

@@ -55,7 +55,8 @@ class Forward:
 
     @property
     def engine_args(self) -> dict[str, Any]:
-        return {"compile_backend": self.compile_backend, "cuda_graphs": self.cuda_graphs}
+        return {"compile_backend": self.compile_backend, "cuda_graphs": self.cuda_graphs,
+                "cuda_graphs_draft": self.cuda_graphs}  # the check replays both passes
 
 
 EAGER = Forward()

@@ -23,14 +23,15 @@ from treespark.spec.params import SamplingParams, StepStats
 # -- 3. throughput -----------------------------------------------------------------------
 class StageClock:
     """Times the verify forward and the drafter backbone inside engine steps: CUDA events
-    on GPU, perf_counter on CPU (wrapping the two calls on this engine's objects; the
-    verify forward is the CUDA graphs' where the engine replays them)."""
+    on GPU, perf_counter on CPU (wrapping the two calls on this engine's objects; each is
+    the CUDA graphs' where the engine replays them)."""
 
     def __init__(self, engine: Engine) -> None:
         self.cuda = engine.device.type == "cuda"
         self.spans: dict[str, list] = {"verify": [], "backbone": []}
         self._wrap(engine.graphs if engine.graphs is not None else engine.runner, "forward", "verify")
-        self._wrap(engine.drafter, "block_logits", "backbone")
+        self._wrap(engine.draft_graphs if engine.draft_graphs is not None else engine.drafter, "block_logits",
+                   "backbone")
 
     def _wrap(self, obj: Any, method: str, name: str) -> None:
         inner = getattr(obj, method)
@@ -64,8 +65,8 @@ def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float
                  prompt_len: int | None = None, forward: Forward = EAGER) -> dict[str, Any]:
     """Prefill ``batch`` requests, then time ``timed_steps`` decode steps that all run the
     full batch (max_tokens leaves every request running through the window), with
-    ``forward``'s target forward (``captures``: CUDA-graph buckets captured inside the
-    timed steps, None without graphs)."""
+    ``forward``'s target forward (``captures``: CUDA-graph buckets, the verify forward's
+    and the block pass's, captured inside the timed steps, None without graphs)."""
     plen = prompt_len or cfg.prompt_len
     blk = pair.drafter.config.block_size
     chunk = min(plen, 2048)
@@ -85,7 +86,7 @@ def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float
     for _ in range(cfg.warm_steps):
         engine.step()
     clock = StageClock(engine)
-    captured = None if engine.graphs is None else engine.graphs.captures
+    captured = engine.graph_captures
     stats: list[StepStats] = []
     engine.on_step = stats.append
     rows = []
@@ -119,7 +120,7 @@ def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float
     return {**med, "tokens_per_s": emitted / sum(r["step"] for r in rows),
             "syncs": max((r["syncs"] or 0) for r in rows) if device.type == "cuda" else None,
             "copies": max(r["copies"] for r in rows),
-            "captures": None if engine.graphs is None else engine.graphs.captures - captured,
+            "captures": None if captured is None else engine.graph_captures - captured,
             "peak_gib": (torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None}
 
 

@@ -199,14 +199,16 @@ def chunk_attention(path: AttentionPath, kv: PagedKV, slots: torch.Tensor, posit
 class PagedContext:
     """The drafter's cached context over its paged store (a ``ContextKV``): each layer read
     as whole blocks of the batch's block table, up to the longest row's context plus
-    what the caller asks room for."""
+    what the caller asks room for; with ``tokens`` None, every column of the table (the
+    graphed block pass's static table, as wide as its bucket)."""
 
     store: PagedStore
     table: torch.Tensor   # [B, nb] block ids
     block_size: int
-    tokens: int           # the longest row's context
+    tokens: int | None    # the longest row's context; None: the table holds it and the room
 
     def read(self, layer: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
-        table = table_columns(self.table, blocks_for(self.tokens + extra, self.block_size))
+        table = self.table if self.tokens is None else \
+            table_columns(self.table, blocks_for(self.tokens + extra, self.block_size))
         return (gather_blocks(self.store.k[layer], table, self.block_size),
                 gather_blocks(self.store.v[layer], table, self.block_size))

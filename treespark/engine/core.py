@@ -13,9 +13,10 @@ Each ``step()``:
    starve, and at most the budget, so running requests keep their pace), the chunks
    packed into one row with no padding (``treespark.engine.prefill``); a request's
    last chunk samples its first token at the request's own temperature;
-2. draft: ONE drafter backbone pass for every running request, then every tree grown
-   in depth waves, one batched device call per wave (``treespark.spec.drafting``, the rule
-   in ``treespark.spec.select``);
+2. draft: ONE drafter backbone pass for every running request (with ``cuda_graphs``,
+   padded to a bucket and replayed from its CUDA graph, ``treespark.engine.draft_graphs``),
+   then every tree grown in depth waves, one batched device call per wave
+   (``treespark.spec.drafting``, the rule in ``treespark.spec.select``);
 3. verify: ONE target forward over all trees (padded; each row sees its committed
    context and its tree ancestors; with ``cuda_graphs``, padded further to a bucket and
    replayed from that bucket's CUDA graph, ``treespark.engine.graphs``), then on the
@@ -64,6 +65,7 @@ import torch
 from treespark.engine.accept import accept
 from treespark.engine.attend import PagedContext
 from treespark.engine.commit import commit_plan
+from treespark.engine.draft_graphs import GraphedDraft, draft_buckets
 from treespark.engine.graphs import Buckets, GraphedForward
 from treespark.engine.kv import (
     PagedKV,
@@ -118,10 +120,15 @@ class EngineConfig:
     # compile. None: eager
     compile_backend: str | None = None
     # the verify forward replayed from CUDA graphs, its rows, tokens a row and block-table
-    # columns each padded to a power of two or the largest (engine/graphs.py); prefill and shapes
-    # above the largest bucket run eagerly. Off CUDA nothing is captured: the same padded
-    # forward runs eagerly (what the CPU tests check), slower than False, with one warning
+    # columns each padded to a power of two or the largest (engine/graphs.py); prefill and
+    # shapes above the largest bucket run eagerly. Off CUDA nothing is captured: the same
+    # padded forward runs eagerly (what the CPU tests check), slower than False, with one
+    # warning
     cuda_graphs: bool = False
+    # also the drafter's block pass, its rows and context block-table columns padded the
+    # same way (engine/draft_graphs.py), in the same memory pool; needs cuda_graphs. Its own
+    # switch until a GPU has captured it (treespark device-check's graphs forwards run it)
+    cuda_graphs_draft: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_context", "prefill_chunk", "block_size", "max_num_batched_tokens"):
@@ -133,6 +140,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.max_tree_nodes must be >= 0")
         if self.cuda_graphs and self.attention is not AttentionPath.GROUPED:
             raise ValueError("EngineConfig.cuda_graphs replays the grouped attention path: set attention=GROUPED")
+        if self.cuda_graphs_draft and not self.cuda_graphs:
+            raise ValueError("EngineConfig.cuda_graphs_draft needs cuda_graphs")
 
 
 class Engine:
@@ -169,14 +178,21 @@ class Engine:
         # + the null block (padding reads and writes it)
         self.kv = PagedKV(*shapes, num_blocks=blocks + 1, block_size=bs, device=self.device,
                           dtype=self.runner.dtype, caching=cfg.prefix_caching)
-        # the verify forward: the runner's, or replayed from CUDA graphs by bucket
+        # the verify forward and the drafter's block pass: the runner's and the drafter's,
+        # or replayed from CUDA graphs by bucket (into one memory pool)
         self.graphs: GraphedForward | None = None
+        self.draft_graphs: GraphedDraft | None = None
         if cfg.cuda_graphs:
             if self.device.type != "cuda":
                 warnings.warn(f"EngineConfig.cuda_graphs on {self.device}: nothing to capture; the verify forward "
-                              "runs padded to its buckets, eagerly (slower than cuda_graphs=False)", stacklevel=2)
+                              "(and with cuda_graphs_draft the drafter's block pass) runs padded to its buckets, "
+                              "eagerly (slower than cuda_graphs=False)", stacklevel=2)
             self.graphs = GraphedForward(self.runner, self.kv.target, bs, Buckets.up_to(
                 cfg.max_batch_size, cfg.max_tree_nodes + 1, blocks_for(cfg.max_context + cfg.max_tree_nodes + 1, bs)))
+        if cfg.cuda_graphs_draft:
+            assert self.graphs is not None
+            self.draft_graphs = GraphedDraft(self.drafter, self.kv.drafter, bs, draft_buckets(
+                cfg.max_batch_size, dc.block_size, cfg.max_context, bs), pool=self.graphs.pool)
         self.budget = budget or Budget.adaptive()
         self.calibration = calibration or pair.calibration
         self.transfers = HostTransfers(self.device)
@@ -346,6 +362,14 @@ class Engine:
                 self.on_step(stats)
         return outputs
 
+    @property
+    def graph_captures(self) -> int | None:
+        """CUDA graphs captured so far, the verify forward's and the block pass's (None:
+        ``cuda_graphs`` off)."""
+        if self.graphs is None:
+            return None
+        return self.graphs.captures + (0 if self.draft_graphs is None else self.draft_graphs.captures)
+
     def sync(self) -> None:
         """Wait for the device (CUDA): stage times then measure device work, not the
         launches. One host sync; a no-op on CPU."""
@@ -365,7 +389,8 @@ class Engine:
         base = None
         if any(not b.is_off and row.depth_limit > 0 for b, row in zip(budgets, rows, strict=True)):
             context = PagedContext(self.kv.drafter, table, self.kv.block_size, max(lengths))
-            base = self.drafter.block_logits(anchors, context, lengths_d)
+            drafter = self.drafter if self.draft_graphs is None else self.draft_graphs
+            base = drafter.block_logits(anchors, context, lengths_d)
         return self.waves.draft(base, rows)
 
     def _verify_forward(self, batch: list[Request], trees: list[DraftTree], lengths: list[int],

@@ -31,11 +31,17 @@ the graphs never run concurrently); later calls only copy and replay. Elsewhere 
 is nothing to capture and the same padded forward over the same static buffers runs
 eagerly: what the CPU tests check. A shape above the largest bucket, and every other
 forward (prefill, the cost measurements over dense stores), runs eagerly unpadded.
+
+The buckets and that capture machinery (``Buckets``, ``BucketGraphs``) are shared with
+the drafter's graphed block pass (``treespark.engine.draft_graphs``), whose graphs an
+engine captures into the same pool.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -45,6 +51,8 @@ from treespark.engine.target import ForwardOutput, TargetRunner
 from treespark.kernels.attention import AttentionPath
 
 WARMUP_CALLS = 2  # eager calls on a side stream before a bucket's capture
+Inputs = TypeVar("Inputs")  # a graphed pass's static inputs
+Outputs = TypeVar("Outputs")  # ... and its outputs
 
 
 def bucket_sizes(limit: int) -> tuple[int, ...]:
@@ -122,36 +130,85 @@ class StaticInputs:
 
 
 @dataclass
-class _Bucket:
-    inputs: StaticInputs
+class _Bucket(Generic[Inputs, Outputs]):
+    inputs: Inputs
     graph: torch.cuda.CUDAGraph | None = None
-    outputs: tuple[torch.Tensor, torch.Tensor] | None = None   # the captured forward's (x, taps)
+    outputs: Outputs | None = None   # the captured body's
 
 
-class GraphedForward:
-    """``TargetRunner.forward`` for verification (a paged store, the grouped attention
-    path, logits at every token), its shape padded to a bucket and replayed from a CUDA
-    graph (``capture``; default: on CUDA), or run padded and eager (no capture).
+class BucketGraphs(Generic[Inputs, Outputs]):
+    """The machinery both graphed passes share: a padded pass ``body`` over each bucket's
+    static inputs, captured on CUDA into a graph on the bucket's first run and
+    replayed after (``capture``; default: on CUDA), or run eagerly over the same buffers.
 
+    ``pool``: the memory pool the graphs are captured into (default: a new one; the
+    graphed passes of one engine share one, as they never run concurrently). A graph's
+    outputs live in the pool, where another graph's intermediates may lie: they are
+    valid until the next replay of any graph of the pool.
     ``captures``: how many buckets have been captured so far; ``shapes``: the buckets
     used so far."""
 
-    def __init__(self, runner: TargetRunner, store: PagedStore, block_size: int, buckets: Buckets,
-                 capture: bool | None = None) -> None:
-        if runner.attention is not AttentionPath.GROUPED:
-            raise ValueError("CUDA graphs replay the grouped attention path, not "
-                             f"{runner.attention.value!r}")
-        self.runner, self.store, self.block_size, self.buckets = runner, store, block_size, buckets
-        self.capture = runner.device.type == "cuda" if capture is None else capture
-        if self.capture and runner.device.type != "cuda":
-            raise ValueError(f"CUDA graphs capture on a CUDA device, not {runner.device}")
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self._buckets: dict[BucketShape, _Bucket] = {}
+    def __init__(self, device: torch.device, capture: bool | None = None, pool: tuple[int, int] | None = None) -> None:
+        self.device = device
+        self.capture = device.type == "cuda" if capture is None else capture
+        if self.capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs capture on a CUDA device, not {device}")
+        self.pool = pool if pool is not None or not self.capture else torch.cuda.graph_pool_handle()
+        self._buckets: dict[BucketShape, _Bucket[Inputs, Outputs]] = {}
         self.captures = 0
 
     @property
     def shapes(self) -> set[BucketShape]:
         return set(self._buckets)
+
+    def body(self, inputs: Inputs) -> Outputs:
+        """The padded pass over a bucket's static inputs: what is captured."""
+        raise NotImplementedError
+
+    def _inputs(self, shape: BucketShape, empty: Callable[[], Inputs]) -> Inputs:
+        """The static inputs of ``shape``'s bucket (``empty()`` on its first use)."""
+        entry = self._buckets.get(shape)
+        if entry is None:
+            entry = self._buckets[shape] = _Bucket(empty())
+        return entry.inputs
+
+    def _run(self, shape: BucketShape) -> Outputs:
+        """``body`` over the bucket's static inputs (filled already): replayed from its
+        graph, captured first if this is the bucket's first run; or run eagerly."""
+        entry = self._buckets[shape]
+        if not self.capture:
+            return self.body(entry.inputs)
+        if entry.graph is None:
+            # warm up on a side stream, then capture; the warm-up calls and the first
+            # replay compute the same values from the same inputs
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_CALLS):
+                    self.body(entry.inputs)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                entry.outputs = self.body(entry.inputs)
+            entry.graph = graph
+            self.captures += 1
+        entry.graph.replay()
+        assert entry.outputs is not None
+        return entry.outputs
+
+
+class GraphedForward(BucketGraphs[StaticInputs, tuple[torch.Tensor, torch.Tensor]]):
+    """``TargetRunner.forward`` for verification (a paged store, the grouped attention
+    path, logits at every token), its shape padded to a bucket and replayed from a CUDA
+    graph (``capture``; default: on CUDA), or run padded and eager (no capture)."""
+
+    def __init__(self, runner: TargetRunner, store: PagedStore, block_size: int, buckets: Buckets,
+                 capture: bool | None = None, pool: tuple[int, int] | None = None) -> None:
+        if runner.attention is not AttentionPath.GROUPED:
+            raise ValueError("CUDA graphs replay the grouped attention path, not "
+                             f"{runner.attention.value!r}")
+        super().__init__(runner.device, capture, pool)
+        self.runner, self.store, self.block_size, self.buckets = runner, store, block_size, buckets
 
     @torch.no_grad()
     def forward(self,
@@ -163,44 +220,21 @@ class GraphedForward:
                 logits_into: torch.Tensor | None = None,  # as ``TargetRunner.run``
                 ) -> ForwardOutput:
         """Logits [B, K, V] (fresh) and taps [B, K, ...]; the taps are a view of the
-        bucket's output buffer on CUDA, valid until the next call."""
+        bucket's output buffer on CUDA, valid until the next replay of a graph of its
+        pool (the engine's next drafter pass)."""
         b, k = tokens.shape
         nb = blocks_for(mask.shape[-1], self.block_size)
         shape = self.buckets.shape(b, k, nb)
         if shape is None:
             return self.runner.forward(tokens, positions, write_pos, self.store, rows, mask, logits_into=logits_into)
-        entry = self._buckets.get(shape)
-        if entry is None:
-            entry = self._buckets[shape] = _Bucket(StaticInputs.empty(shape, self.block_size, tokens.device))
-        entry.inputs.fill(tokens, positions, torch.gather(rows.slots, 1, write_pos),
-                          table_columns(rows.table, nb), mask)
-        x, taps = self._run(entry)
+        inputs = self._inputs(shape, lambda: StaticInputs.empty(shape, self.block_size, tokens.device))
+        inputs.fill(tokens, positions, torch.gather(rows.slots, 1, write_pos), table_columns(rows.table, nb), mask)
+        x, taps = self._run(shape)
         return ForwardOutput(logits=self.runner.logits(x[:b, :k], "all", logits_into), taps=taps[:b, :k])
 
-    def _layers(self, s: StaticInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The padded forward's decoder layers over the static buffers: what is captured."""
+    def body(self, inputs: StaticInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded forward's decoder layers over the static buffers."""
         r = self.runner
-        attend = table_attention(self.store, s.table, self.block_size, s.mask, s.slots,
+        attend = table_attention(self.store, inputs.table, self.block_size, inputs.mask, inputs.slots,
                                  groups=r.groups, dtype=r.dtype, scale=r.scaling)
-        return r.layers(s.tokens, s.positions, attend)
-
-    def _run(self, entry: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.capture:
-            return self._layers(entry.inputs)
-        if entry.graph is None:
-            # warm up on a side stream, then capture; the warm-up calls and the first
-            # replay compute the same keys and values from the same inputs
-            side = torch.cuda.Stream(self.runner.device)
-            side.wait_stream(torch.cuda.current_stream(self.runner.device))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_CALLS):
-                    self._layers(entry.inputs)
-            torch.cuda.current_stream(self.runner.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                entry.outputs = self._layers(entry.inputs)
-            entry.graph = graph
-            self.captures += 1
-        entry.graph.replay()
-        assert entry.outputs is not None
-        return entry.outputs
+        return r.layers(inputs.tokens, inputs.positions, attend)

@@ -11,7 +11,9 @@ per-step allocation (``treespark.engine.step_alloc``) prices every step on.
      forwards, ``treespark.engine.cost_measure.time_forward``; cells past the budget or above
      ``max_step_tokens`` are extrapolated along k);
    * drafting and host costs, from real engine steps on a few synthetic requests under
-     fixed budgets: ``draft_s = base + row * bs + node * nodes`` by least squares, and
+     fixed budgets (the drafting the engine serves with: with ``cuda_graphs``, the block
+     pass replayed from its graphs; steps that captured one are left out):
+     ``draft_s = base + row * bs + node * nodes`` by least squares, and
      the host seconds per verified draft node beyond the forward (the slope of
      ``verify_s - T`` on the nodes);
 3. stores it (a ``filelock`` guards the cache file: two replicas starting together on
@@ -41,7 +43,7 @@ from treespark.spec.budget import Budget
 from treespark.spec.params import SamplingParams, StepStats
 
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "step-costs"
-VERSION = 3
+VERSION = 4  # raised whenever what a table measures changes: an older cached one is measured again
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
            "params": [n_target, n_drafter], "vocab": engine.vocab_size, "grid": grid,
            "max_batch": engine.config.max_batch_size,
            "products": engine.runner.products_described, "attention": engine.config.attention.value,
-           "compile": engine.config.compile_backend, "graphs": engine.config.cuda_graphs}
+           "compile": engine.config.compile_backend, "graphs": engine.config.cuda_graphs,
+           "draft_graphs": engine.config.cuda_graphs_draft}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -161,10 +164,13 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float,
                      seed: int = 0) -> tuple[float, float, float, float]:
     """(draft_base_s, draft_row_s, draft_node_s, host_node_s) from engine steps on
     synthetic requests (random prompts) under plain, chain and tree budgets, more rows
-    while ``deadline`` allows."""
-    steps: list[StepStats] = []
+    while ``deadline`` allows. The steps draft and verify as the engine serves (with
+    ``cuda_graphs``, from the replayed passes); a step that captured a CUDA graph (its
+    warm-up and capture: once per bucket) is left out."""
+    steps: list[tuple[StepStats, int | None]] = []   # each with the graphs captured by its end
+    before = engine.graph_captures
     prev_hook, prev_alloc = engine.on_step, engine.allocator
-    engine.on_step, engine.allocator = steps.append, None
+    engine.on_step, engine.allocator = lambda s: steps.append((s, engine.graph_captures)), None
     g = torch.Generator().manual_seed(seed)
     try:
         rows = sorted({1, min(4, engine.config.max_batch_size), engine.config.max_batch_size})
@@ -181,7 +187,8 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float,
                     engine.step()
     finally:
         engine.on_step, engine.allocator = prev_hook, prev_alloc
-    decode = [s for s in steps if s.prefill_tokens == 0]
+    ends = [before] + [c for _, c in steps]
+    decode = [s for (s, c), start in zip(steps, ends, strict=False) if s.prefill_tokens == 0 and c == start]
     drafting = [s for s in decode if s.draft_waves > 0]
     base = row = node = 0.0
     if len(drafting) >= 3:

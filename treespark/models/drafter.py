@@ -347,10 +347,17 @@ class DSparkDrafter(nn.Module):
         context: ContextKV,        # the rows' cached context keys and values, read a layer at a time
         ctx_len: torch.Tensor,     # [B] committed positions of each row
     ) -> torch.Tensor:
-        """Base logits U: [B, block_size, Vd]; row k is for depth k + 1. Each layer reads
-        its context keys and values as one copy with room for the block, writes the
-        block's own there (positions ``ctx_len ..``) and attends over it: no
-        concatenation, and no copy of every layer at once."""
+        """Base logits U: [B, block_size, Vd]; row k is for depth k + 1: ``block_head``
+        of ``block_hidden``."""
+        return self.block_head(self.block_hidden(anchors, context, ctx_len))
+
+    @torch.no_grad()
+    def block_hidden(self, anchors: torch.Tensor, context: ContextKV, ctx_len: torch.Tensor) -> torch.Tensor:
+        """The block's last hidden states [B, block_size, h] (``block_logits``' arguments).
+        Each layer reads its context keys and values as one copy with room for the block,
+        writes the block's own there (positions ``ctx_len ..``) and attends over it: no
+        concatenation, and no copy of every layer at once. Nothing is read to the host and
+        no shape depends on the values: what ``treespark.engine.draft_graphs`` captures."""
         b, blk = anchors.shape[0], self.config.block_size
         dev = anchors.device
         positions = ctx_len[:, None] + torch.arange(blk, device=dev)          # [B, blk]
@@ -364,6 +371,12 @@ class DSparkDrafter(nn.Module):
                 seen = torch.arange(k.shape[2], device=dev)[None] < (ctx_len + blk)[:, None]   # [B, C]
                 bias = attention_bias(seen[:, None, None].expand(b, 1, blk, -1), groups, x.dtype, k.shape[2])
             x = layer.forward_cached(x, cos, sin, k, v, positions, bias)
+        return x
+
+    @torch.no_grad()
+    def block_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states [..., h] -> base logits [..., Vd] in float32 (the final norm and
+        the LM head)."""
         return self.head(self.norm(x)).float()
 
     @torch.no_grad()
