@@ -110,22 +110,22 @@ def test_a_section_that_raises_fails_the_check_and_the_rest_still_run(tmp_path, 
     assert json.loads((tmp_path / "device-check.json").read_text())["errors"].keys() == {"loader"}
 
 
-def test_bfloat16_and_a_traced_graphed_forward_as_on_a_gpu_pass_on_cpu(tmp_path):
-    # the GPU's dtype and a compiled forward (traced: aot_eager) padded to CUDA-graph buckets
-    # (on CPU run eagerly) through every section, at the smallest sizes (the eager forward's
-    # sections run in the float32 tests above)
+def test_bfloat16_and_a_graphed_forward_as_on_a_gpu_pass_on_cpu(tmp_path):
+    # the GPU's dtype and the forward padded to CUDA-graph buckets (on CPU run eagerly)
+    # through every section, at the smallest sizes (the eager forward's sections run in the
+    # float32 tests above; compiled forwards' correctness: tests/engine/test_compiled.py)
     cfg = replace(CheckConfig.cpu(), batch_sizes=(2,), temperatures=(1.0,), timed_steps=2, warm_steps=1,
                   greedy_prompts=2, greedy_tokens=8, long_context=((1, 64),), policy_profile_s=0.5,
-                  forwards=(Forward("aot_eager", cuda_graphs=True),))
+                  forwards=(Forward(cuda_graphs=True),))
     result = device_check(cfg, tmp_path, device="cpu", log=lambda m: None, dtype=torch.bfloat16)
     assert result["preflight"]["dtype"] == "torch.bfloat16"
     assert result["ok"], (result["errors"], [c for c in result["checks"] if not c["ok"]])
-    assert {r["forward"] for r in result["throughput"]} == {"aot_eager+graphs"}
+    assert {r["forward"] for r in result["throughput"]} == {"graphs"}
     names = {c["check"] for c in result["checks"]}
-    assert "greedy tree of 32 = plain decoding (aot_eager+graphs)" in names
-    assert "graphed vs eager verify forward: argmax agreement (aot_eager+graphs)" in names
-    assert "graphed vs eager drafter block: argmax agreement (aot_eager+graphs)" in names
-    assert set(result["launches"]) == {"plain, aot_eager+graphs", "tree of 32, aot_eager+graphs"}
+    assert "greedy tree of 32 = plain decoding (graphs)" in names
+    assert "graphed vs eager verify forward: argmax agreement (graphs)" in names
+    assert "graphed vs eager drafter block: argmax agreement (graphs)" in names
+    assert set(result["launches"]) == {"plain, graphs", "tree of 32, graphs"}
     assert all(x["captures"] == 0 for x in result["launches"].values())  # nothing is captured on CPU
     assert "forward | T | batch" in (tmp_path / "device-check.md").read_text()
 

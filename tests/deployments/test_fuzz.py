@@ -81,7 +81,7 @@ def check(status: int, body: bytes, what) -> None:
         assert set(err) == {"message", "type", "param", "code"}, (what, body[:500])
 
 
-FUZZ = settings(max_examples=600, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
 
@@ -108,8 +108,8 @@ def test_fuzz_inprocess_no_5xx(local_api):
 
     run()
     print("statuses:", dict(sorted(seen.items())))
-    assert sum(seen.values()) >= 500 and not any(s >= 500 for s in seen)
-    assert seen.get(200, 0) >= 50 and sum(v for s, v in seen.items() if 400 <= s < 500) >= 100  # both sides exercised
+    assert sum(seen.values()) >= 250 and not any(s >= 500 for s in seen)
+    assert seen.get(200, 0) >= 25 and sum(v for s, v in seen.items() if 400 <= s < 500) >= 50  # both sides exercised
     engine = local_api.core.bundle.engine
     assert engine.kv_rows_in_use == 0 and engine.num_running == 0 and engine.num_waiting == 0
 

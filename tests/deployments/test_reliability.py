@@ -253,13 +253,13 @@ def test_kill_controller_under_load(url):
 
 def test_fuzz_served_app(url):
     """The property of ``test_fuzz`` through the whole served stack: proxy, API replica,
-    handles, engine replicas. 500 generated requests, none answered 5xx."""
+    handles, engine replicas. 250 generated requests, none answered 5xx."""
     from hypothesis import given, settings
     from test_fuzz import FUZZ, check, requests_
 
     seen: dict[int, int] = {}
 
-    @settings(FUZZ, max_examples=500)
+    @settings(FUZZ, max_examples=250)
     @given(requests_)
     def run(req):
         method, path, body = req
@@ -272,7 +272,7 @@ def test_fuzz_served_app(url):
 
     run()
     print("served fuzz statuses:", dict(sorted(seen.items())))
-    assert sum(seen.values()) >= 500 and not any(s >= 500 for s in seen) and seen.get(200, 0) >= 30
+    assert sum(seen.values()) >= 200 and not any(s >= 500 for s in seen) and seen.get(200, 0) >= 15
     wait_for(lambda: idle(url), timeout=20, interval=0.25)
 
 
