@@ -9,6 +9,7 @@ distribution over V^D is compared to the target's own joint distribution.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -41,7 +42,7 @@ class ReplaySampler:
         return choice
 
     def categorical(self, probs):
-        return self._next([(int(i), float(probs[i])) for i in range(len(probs)) if probs[i] > 0])
+        return self._next([(i, p) for i, p in enumerate(probs.tolist()) if p > 0])
 
     def bernoulli(self, p):
         return self._next([(o, w) for o, w in ((True, p), (False, 1.0 - p)) if w > 0])
@@ -60,6 +61,11 @@ def draft_paths(tree) -> list[tuple[int, ...]]:
 
 
 def logits_for(prefix: tuple[int, ...], salt: int) -> torch.Tensor:
+    return _logits(prefix, salt).clone()
+
+
+@functools.cache
+def _logits(prefix: tuple[int, ...], salt: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(hash((salt, prefix)) % (2**31))
     return torch.randn(V, generator=g, dtype=torch.float64) * 1.5
 
@@ -82,6 +88,11 @@ class MarginalProposal(TableProposal):
 
 
 def target_dist(path: tuple[int, ...], temperature: float) -> torch.Tensor:
+    return _target_dist(tuple(path), temperature).clone()
+
+
+@functools.cache
+def _target_dist(path: tuple[int, ...], temperature: float) -> torch.Tensor:
     return target_probs(logits_for(path, salt=0), temperature)
 
 
