@@ -43,6 +43,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="acceptance: only the drafter's goal rows (first-token, tuned chain, adaptive at a low price)")
     b.add_argument("--base", help="serving: also measure this checkout (the 'before' rows)")
     b.add_argument("--burst-prompt", type=int, default=1500, help="serving: the burst's prompt length")
+    b.add_argument("--burst-budgets", type=int, nargs="+",
+                   help="serving: only the burst, at each of these token budgets a step (TTFT against ITL)")
     b.add_argument("--out", help="also write the markdown table here")
     b.set_defaults(func=run_bench)
 
@@ -70,8 +72,11 @@ def run_bench(args: argparse.Namespace) -> None:
         write_out(attention_benchmark(), args.out)
         return
     if args.what == "serving":  # random pairs, each measured in a subprocess (and the --base checkout's)
-        from treespark.bench.serving import serving_benchmark
+        from treespark.bench.serving import burst_frontier, serving_benchmark
 
+        if args.burst_budgets:
+            write_out(burst_frontier(tuple(args.burst_budgets), prompt=args.burst_prompt), args.out)
+            return
         write_out(serving_benchmark(base=Path(args.base) if args.base else None, burst_prompt=args.burst_prompt),
                args.out)
         return

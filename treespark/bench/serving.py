@@ -65,9 +65,9 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     return int(max(np.cumsum([n for _, n in events]).max(initial=0), 0))
 
 
-def _run(engine, requests, *, until_first: bool = False) -> tuple[dict[str, float], int, list[float]]:
+def _run(engine, requests, *, until_first: bool = False) -> tuple[dict[str, float], int, list[float], int]:
     """Add every request at once, step to the end; (CPU seconds to each first token, peak
-    requests holding KV, CPU seconds between a request's later tokens)."""
+    requests holding KV, CPU seconds between a request's later tokens, steps taken)."""
     from treespark.spec.params import SamplingParams
 
     t0 = time.process_time()
@@ -76,9 +76,10 @@ def _run(engine, requests, *, until_first: bool = False) -> tuple[dict[str, floa
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     gaps: list[float] = []
-    peak = 0
+    peak = steps = 0
     while engine.has_unfinished():
         outs = engine.step()
+        steps += 1
         now = time.process_time() - t0
         for out in outs:
             if not out.new_token_ids:
@@ -92,10 +93,12 @@ def _run(engine, requests, *, until_first: bool = False) -> tuple[dict[str, floa
         if until_first and len(first) == len(requests):
             for rid, _, _ in requests:
                 engine.abort(rid)
-    return first, peak, gaps
+    return first, peak, gaps, steps
 
 
 def _p95(values: list[float]) -> float:
+    if not values:
+        return float("nan")
     ordered = sorted(values)
     return ordered[int(0.95 * (len(ordered) - 1) + 0.5)]
 
@@ -153,8 +156,9 @@ def measure(pair_name: str, part: str, burst_prompt: int = 1500) -> dict:
     out: dict = {"pair": pair_name}
     if part == "timing":
         # TTFT of a burst of 16 long prompts, and the decoding requests' gaps meanwhile
+        # (written out, not ``burst``: an older checkout's engine has no token budget)
         engine = Engine(pair, EngineConfig(max_batch_size=16, max_context=burst_prompt + 64), budget=Budget.off())
-        first, _, gaps = _run(engine, [(f"b{i}", tokens(burst_prompt), 8) for i in range(16)], until_first=True)
+        first, _, gaps, _ = _run(engine, [(f"b{i}", tokens(burst_prompt), 8) for i in range(16)], until_first=True)
         out["ttft_p50"], out["ttft_p95"] = statistics.median(first.values()), _p95(list(first.values()))
         out["itl_p95"] = _p95(gaps)
         if pair_name == "qwen3":
@@ -170,7 +174,7 @@ def measure(pair_name: str, part: str, burst_prompt: int = 1500) -> dict:
     budget = 8 * (2048 + 64 + 1) * per_token
     engine = Engine(pair, EngineConfig(max_batch_size=128, max_context=2048, kv_budget_bytes=budget),
                     budget=Budget.off())
-    _, out["held"], _ = _run(engine, [(f"c{i}", tokens(200), 100) for i in range(64)])
+    _, out["held"], _, _ = _run(engine, [(f"c{i}", tokens(200), 100) for i in range(64)])
     out["preempted"] = getattr(engine, "preemptions", 0)  # (a dense engine queues instead)
     out["kv_budget_mib"] = budget / 2**20
     # prefix cache: 4 conversations x 4 turns over one shared system prompt
@@ -193,6 +197,53 @@ def measure(pair_name: str, part: str, burst_prompt: int = 1500) -> dict:
     out["computed_per_received"] = computed / received
     out["prompt_tokens"] = received
     return out
+
+
+def burst(pair, tokens: Callable[[int], list[int]], *, budget: int = 512, prompt: int = 1500,
+          requests: int = 16) -> dict:
+    """The burst on a fresh engine whose steps carry at most ``budget`` tokens
+    (``EngineConfig.max_num_batched_tokens``; chunks of up to 256 a request): TTFT p50 and
+    p95 and the decoding requests' ITL p95, CPU seconds; the steps until every request's
+    first token, and how many had one."""
+    from treespark import Budget
+    from treespark.engine.core import Engine, EngineConfig
+
+    engine = Engine(pair, EngineConfig(max_batch_size=requests, max_context=prompt + 64,
+                                       max_num_batched_tokens=budget), budget=Budget.off())
+    first, _, gaps, steps = _run(engine, [(f"b{i}", tokens(prompt), 8) for i in range(requests)],
+                                 until_first=True)
+    return {"ttft_p50": statistics.median(first.values()), "ttft_p95": _p95(list(first.values())),
+            "itl_p95": _p95(gaps), "steps": steps, "answered": len(first)}
+
+
+def burst_frontier(budgets: tuple[int, ...], *, pair_name: str = "qwen3", prompt: int = 1500,
+                   rounds: int = 3) -> str:
+    """The burst at each token budget a step, the budgets taking turns ``rounds`` times
+    (one thread, this process): medians, and each against the smallest budget. The
+    budget trades TTFT (fewer, larger prefill steps) against the running requests' ITL
+    (each step carries more prompt tokens)."""
+    import torch
+
+    from treespark.bench.common import markdown_table
+
+    torch.set_num_threads(1)
+    pair = _pair(pair_name)
+    vocab = pair.target.config.vocab_size
+    runs: dict[int, list[dict]] = {b: [] for b in budgets}
+    for r in range(rounds):
+        for b in budgets:
+            g = torch.Generator().manual_seed(r)   # the same prompts for every budget in a round
+            runs[b].append(burst(pair, lambda n, g=g: torch.randint(0, vocab, (n,), generator=g).tolist(),
+                                 budget=b, prompt=prompt))
+    med = {b: {k: statistics.median(x[k] for x in runs[b]) for k in runs[b][0]} for b in budgets}
+    ref = med[min(budgets)]
+    rows = [[str(b), f"{m['ttft_p50']:.2f} / {m['ttft_p95']:.2f}", f"{1e3 * m['itl_p95']:.0f}",
+             f"{m['ttft_p50'] / ref['ttft_p50']:.2f} / {m['ttft_p95'] / ref['ttft_p95']:.2f}",
+             f"{m['itl_p95'] / ref['itl_p95']:.2f}"] for b, m in med.items()]
+    return (markdown_table(["tokens a step", "TTFT p50 / p95 CPU s", "ITL p95 CPU ms",
+                            f"TTFT p50 / p95 vs {min(budgets)}", f"ITL p95 vs {min(budgets)}"], rows)
+            + f"\n\n16 x {prompt}-token prompts arriving together, 8 tokens each, plain decoding, on the {pair_name} "
+              f"random pair; 1 thread; medians of {rounds} rounds, the budgets in turn within each round.\n")
 
 
 def _measure_at(checkout: Path | None, pair: str, part: str, burst_prompt: int) -> dict:
