@@ -168,6 +168,11 @@ def tree_batch(trees: list[DraftTree], lengths: list[int], device: torch.device,
     upload = upload or (lambda x, dtype: torch.as_tensor(x, dtype=dtype).to(device))
     n = len(trees)
     kmax = max(t.num_nodes for t in trees)
+    if kmax == 1:  # every row verifies its root alone (plain decoding): one upload, no tree mask
+        ints = upload(np.asarray([[t.tokens[0] for t in trees], lengths], dtype=np.int64).T, torch.long)  # [B, 2]
+        tokens_d, lens_d = ints[:, :1], ints[:, 1:]
+        cols = torch.arange(max(lengths) + 1, device=device)[None, None, :]   # [1, 1, T]
+        return TreeBatch(tokens_d, lens_d, lens_d, (cols <= lens_d[:, :, None])[:, None])
     tokens, parents, depths, sizes = padded_arrays(trees, kmax)
     tree_mask = ancestor_masks(parents, int(depths.max()))
     pad = np.arange(kmax)[None, :] >= sizes[:, None]                     # [B, K] padding nodes
