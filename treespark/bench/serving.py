@@ -156,11 +156,8 @@ def measure(pair_name: str, part: str, burst_prompt: int = 1500) -> dict:
     out: dict = {"pair": pair_name}
     if part == "timing":
         # TTFT of a burst of 16 long prompts, and the decoding requests' gaps meanwhile
-        # (written out, not ``burst``: an older checkout's engine has no token budget)
-        engine = Engine(pair, EngineConfig(max_batch_size=16, max_context=burst_prompt + 64), budget=Budget.off())
-        first, _, gaps, _ = _run(engine, [(f"b{i}", tokens(burst_prompt), 8) for i in range(16)], until_first=True)
-        out["ttft_p50"], out["ttft_p95"] = statistics.median(first.values()), _p95(list(first.values()))
-        out["itl_p95"] = _p95(gaps)
+        b = burst(pair, tokens, prompt=burst_prompt)
+        out.update(ttft_p50=b["ttft_p50"], ttft_p95=b["ttft_p95"], itl_p95=b["itl_p95"])
         if pair_name == "qwen3":
             out.update(long_context(pair, tokens))
         return out
@@ -199,17 +196,19 @@ def measure(pair_name: str, part: str, burst_prompt: int = 1500) -> dict:
     return out
 
 
-def burst(pair, tokens: Callable[[int], list[int]], *, budget: int = 512, prompt: int = 1500,
+def burst(pair, tokens: Callable[[int], list[int]], *, budget: int | None = None, prompt: int = 1500,
           requests: int = 16) -> dict:
     """The burst on a fresh engine whose steps carry at most ``budget`` tokens
-    (``EngineConfig.max_num_batched_tokens``; chunks of up to 256 a request): TTFT p50 and
+    (``EngineConfig.max_num_batched_tokens``; chunks of up to 256 a request; None: the
+    engine's default, and the only choice of an older checkout's): TTFT p50 and
     p95 and the decoding requests' ITL p95, CPU seconds; the steps until every request's
     first token, and how many had one."""
     from treespark import Budget
     from treespark.engine.core import Engine, EngineConfig
 
-    engine = Engine(pair, EngineConfig(max_batch_size=requests, max_context=prompt + 64,
-                                       max_num_batched_tokens=budget), budget=Budget.off())
+    per_step = {} if budget is None else {"max_num_batched_tokens": budget}
+    engine = Engine(pair, EngineConfig(max_batch_size=requests, max_context=prompt + 64, **per_step),
+                    budget=Budget.off())
     first, _, gaps, steps = _run(engine, [(f"b{i}", tokens(prompt), 8) for i in range(requests)],
                                  until_first=True)
     return {"ttft_p50": statistics.median(first.values()), "ttft_p95": _p95(list(first.values())),
