@@ -93,6 +93,13 @@ def test_padded_forward_gives_the_plain_forward_on_real_rows(pairs, family):
     assert bool(scene.kv.target.k[:, :BS].abs().sum() > 0)  # the padding's keys went there
 
 
+def _fill_null_block(store) -> None:
+    """Large random keys and values in the null block (block 0) of ``store``, every layer."""
+    g = torch.Generator().manual_seed(9)
+    for t in (store.k, store.v):
+        t[:, :BS] = 50.0 * torch.randn(t[:, :BS].shape, generator=g)
+
+
 def test_the_null_block_never_reaches_a_real_row(pairs):
     """Garbage in the null block (block 0: padding's slots and table columns) changes no
     real row's logits, bit for bit."""
@@ -101,9 +108,7 @@ def test_the_null_block_never_reaches_a_real_row(pairs):
     for garbage in (False, True):
         runner, scene = _scene(pair)
         if garbage:
-            g = torch.Generator().manual_seed(9)
-            for t in (scene.kv.target.k, scene.kv.target.v):
-                t[:, :BS] = 50.0 * torch.randn(t[:, :BS].shape, generator=g)
+            _fill_null_block(scene.kv.target)
         graphed = GraphedForward(runner, scene.kv.target, BS, BUCKETS, capture=False)
         out.append(_forward(runner, scene, graphed)[0])
     assert torch.isfinite(out[1]).all()
@@ -214,9 +219,7 @@ def test_the_null_block_never_reaches_a_real_rows_draft(pairs):
     for garbage in (False, True):
         _, scene = _scene(pair)
         if garbage:
-            g = torch.Generator().manual_seed(9)
-            for t in (scene.kv.drafter.k, scene.kv.drafter.v):
-                t[:, :BS] = 50.0 * torch.randn(t[:, :BS].shape, generator=g)
+            _fill_null_block(scene.kv.drafter)
         graphed = GraphedDraft(pair.drafter, scene.kv.drafter, BS, DRAFT_BUCKETS, capture=False)
         out.append(_block(pair, scene, graphed))
     assert torch.isfinite(out[1]).all()
