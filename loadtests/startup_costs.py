@@ -19,7 +19,8 @@ def main() -> None:
     import torch
 
     import treespark
-    from treespark.engine.core import Engine, EngineConfig
+    from treespark.engine.config import EngineConfig
+    from treespark.engine.core import Engine
     from treespark.engine.step_costs import startup_step_costs
 
     torch.set_num_threads(args.threads)

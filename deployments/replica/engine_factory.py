@@ -30,7 +30,8 @@ class EngineBundle:
 def build_engine(args: AppArgs) -> EngineBundle:
     """The default ``engine_factory``: the real engine on the configured model pair
     (the pair decides the device)."""
-    from treespark.engine.core import Engine, EngineConfig
+    from treespark.engine.config import EngineConfig
+    from treespark.engine.core import Engine
     from treespark.models.pair import pair_by_name
     from treespark.spec.params import SamplingParams
 

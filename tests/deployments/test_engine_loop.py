@@ -182,7 +182,8 @@ BUILT_ON: list[str] = []
 
 def test_the_engine_and_the_fake_satisfy_the_served_engine_protocol():
     from treespark import random_pair
-    from treespark.engine.core import Engine, EngineConfig
+    from treespark.engine.config import EngineConfig
+    from treespark.engine.core import Engine
 
     engine = Engine(random_pair(64, 0), EngineConfig(max_batch_size=2, max_context=32))
     assert isinstance(engine, ServedEngine) and engine.kv_usage == 0

@@ -10,7 +10,8 @@ import torch
 
 from treespark import Budget, random_pair
 from treespark.bench.attention import draft, paged_scene, verify
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.engine.kv import StoreShape
 from treespark.engine.target import TargetRunner
 from treespark.kernels.attention import AttentionPath

@@ -12,7 +12,8 @@ import pytest
 from tests.engine.test_engine import prompts, run
 from tests.spec.test_sampled import PROMPT, chi2_pvalue, exact_marginals, seeded_samples
 from treespark import Budget, generate
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.spec.params import SamplingParams
 
 

@@ -8,7 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from treespark import Budget, generate, random_pair
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.spec.params import SamplingParams
 from treespark.spec.select import TOP_M
 

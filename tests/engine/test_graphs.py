@@ -18,7 +18,8 @@ from tests.engine.test_transfers import Watch
 from treespark import Budget, generate, random_pair
 from treespark.bench.attention import paged_scene, random_trees
 from treespark.engine.attend import PagedContext
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.engine.draft_graphs import DraftInputs, GraphedDraft, draft_buckets
 from treespark.engine.graphs import Buckets, BucketShape, GraphedForward, StaticInputs
 from treespark.engine.kv import StoreShape

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from treespark import Budget
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.engine.kv import BlockPool, block_hashes, blocks_for, bytes_per_token
 from treespark.spec.params import SamplingParams
 

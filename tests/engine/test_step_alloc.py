@@ -22,7 +22,8 @@ from tests.spec.test_exact import (
 )
 from treespark import Budget
 from treespark.engine import step_alloc
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.engine.step_alloc import StepAllocator
 from treespark.pricing.allocate import DraftPlan, StepCosts, allocate, best_prefix
 from treespark.pricing.costmodel import CostModel

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.engine.step_costs import StepCostTable, fingerprint, startup_step_costs
 from treespark.kernels.linear import F_LINEAR, SMALL, ProductPlan
 from treespark.spec.params import SamplingParams

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from treespark import Budget, random_pair
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.spec.params import SamplingParams
 
 TRANSFER = str(Path("treespark") / "kernels" / "transfer.py")

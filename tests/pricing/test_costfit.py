@@ -156,7 +156,8 @@ def test_prediction_splits_the_table():
 def test_the_engine_feeds_the_fit_and_prices_on_the_corrected_table(mimic16):
     """Every decode step reaches the fit; ``costs`` becomes the corrected table every
     ``refit_every`` steps, while ``table`` stays as measured; greedy output is unchanged."""
-    from treespark.engine.core import Engine, EngineConfig
+    from treespark.engine.config import EngineConfig
+    from treespark.engine.core import Engine
     from treespark.engine.step_alloc import StepAllocator
     from treespark.spec.budget import Budget
     from treespark.spec.params import SamplingParams

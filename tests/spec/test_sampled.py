@@ -7,7 +7,8 @@ import torch
 from scipy.stats import chisquare
 
 from treespark import Budget, generate
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.spec.params import SamplingParams
 
 PROMPT = [3, 1, 4]

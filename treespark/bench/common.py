@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.engine.step_alloc import StepAllocator
 from treespark.engine.step_costs import StepCostTable
 from treespark.models.pair import ModelPair

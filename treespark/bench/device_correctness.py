@@ -28,7 +28,8 @@ from treespark.bench.device_pair import (
     random_prompts,
 )
 from treespark.engine.attend import PagedContext
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.engine.draft_graphs import GraphedDraft, draft_buckets
 from treespark.engine.graphs import Buckets, GraphedForward
 from treespark.engine.kv import KVStore, StoreShape

@@ -18,7 +18,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from treespark.bench.device_pair import EAGER, POLICIES, Forward, products_for, random_prompts
 from treespark.bench.ops import top_level_ops
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.models.pair import ModelPair
 from treespark.spec.params import SamplingParams
 

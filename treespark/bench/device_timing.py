@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from treespark.bench.device_pair import EAGER, CheckConfig, Forward, products_for, random_prompts
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.engine.step_alloc import StepAllocator
 from treespark.engine.step_costs import startup_step_costs
 from treespark.models.pair import ModelPair

@@ -15,7 +15,8 @@ import statistics
 import time
 
 from treespark.bench.common import markdown_table
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.models.pair import random_pair
 from treespark.spec.budget import Budget
 from treespark.spec.params import SamplingParams, StepStats

@@ -109,7 +109,8 @@ def long_context(pair, tokens: Callable[[int], list[int]], *, batch: int = 8, co
     trees (theta 0: every drafted node is verified): medians of the verify stage (wall
     ms, ``StepStats.verify_s``) and of the step's CPU ms, and one step's peak MiB."""
     from treespark import Budget
-    from treespark.engine.core import Engine, EngineConfig
+    from treespark.engine.config import EngineConfig
+    from treespark.engine.core import Engine
     from treespark.spec.params import SamplingParams
 
     # plain decoding while the prompts are prefilled (the first requests decode meanwhile,
@@ -141,7 +142,8 @@ def measure(pair_name: str, part: str, burst_prompt: int = 1500) -> dict:
     import torch
 
     from treespark import Budget
-    from treespark.engine.core import Engine, EngineConfig
+    from treespark.engine.config import EngineConfig
+    from treespark.engine.core import Engine
     from treespark.engine.kv import StoreShape, bytes_per_token
     from treespark.spec.params import SamplingParams
 
@@ -204,7 +206,8 @@ def burst(pair, tokens: Callable[[int], list[int]], *, budget: int | None = None
     p95 and the decoding requests' ITL p95, CPU seconds; the steps until every request's
     first token, and how many had one."""
     from treespark import Budget
-    from treespark.engine.core import Engine, EngineConfig
+    from treespark.engine.config import EngineConfig
+    from treespark.engine.core import Engine
 
     per_step = {} if budget is None else {"max_num_batched_tokens": budget}
     engine = Engine(pair, EngineConfig(max_batch_size=requests, max_context=prompt + 64, **per_step),

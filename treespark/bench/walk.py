@@ -18,7 +18,8 @@ import torch
 import treespark.engine.accept as accept_module
 from treespark.bench.common import markdown_table
 from treespark.bench.rounds import HOST_BUDGET
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.kernels.compile import compiled
 from treespark.models.pair import random_pair
 from treespark.spec.params import SamplingParams

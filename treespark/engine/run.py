@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from treespark.engine.core import Engine, EngineConfig
+from treespark.engine.config import EngineConfig
+from treespark.engine.core import Engine
 from treespark.engine.step_alloc import StepAllocator
 from treespark.models.pair import ModelPair
 from treespark.spec.budget import Budget

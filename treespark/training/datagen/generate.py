@@ -127,7 +127,8 @@ def make_shard_captured(pair: ModelPair, cfg: GenConfig, sources: Sources, shard
 
 def _make_shard(pair: ModelPair, cfg: GenConfig, sources: Sources, shard: int,
                 on_tokens: Progress | None, top_k: int | None) -> tuple[list[Sample], list[Capture] | None]:
-    from treespark.engine.core import Engine, EngineConfig
+    from treespark.engine.config import EngineConfig
+    from treespark.engine.core import Engine
 
     tok = pair.tokenizer
     assert tok is not None, "make_shard needs a pair with a tokenizer"
