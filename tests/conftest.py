@@ -33,7 +33,8 @@ def make_mimic_pair(vocab_size: int = 16, seed: int = 0, block_size: int = 4,
         # the bigram part of the target: logits of a lone token, no context at all
         e = t.model.embed_tokens.weight
         bigram = t.lm_head(t.model.norm(e))                         # [V, V]
-    from treespark.models.drafter import DSparkConfig, DSparkDrafter
+    from treespark.models.drafter import DSparkDrafter
+    from treespark.models.drafter_config import DSparkConfig
 
     cfg = DSparkConfig(**{**d.config.__dict__, "markov_rank": vocab_size})
     drafter = DSparkDrafter(cfg)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from treespark.kernels.attention import DenseKV
 from treespark.models.checkpoint import DrafterCheckpointError, load_drafter, save_drafter
-from treespark.models.drafter import DSparkConfig
+from treespark.models.drafter_config import DSparkConfig
 
 # A public-style config (deepseek-ai/dspark_qwen3_4b_block7 shape, scaled down).
 CONFIG = {

@@ -11,7 +11,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from treespark.kernels.linear import F_LINEAR, ProductPlan
-from treespark.models.drafter import DSparkConfig, DSparkDrafter
+from treespark.models.drafter import DSparkDrafter
+from treespark.models.drafter_config import DSparkConfig
 from treespark.models.pair import ModelPair, init_weights
 from treespark.spec.budget import Budget
 

@@ -34,7 +34,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from treespark.models.drafter import DSparkConfig, DSparkDrafter, attach_from_target
+from treespark.models.drafter import DSparkDrafter, attach_from_target
+from treespark.models.drafter_config import DSparkConfig
 from treespark.models.errors import DrafterCheckpointError, ModelLoadError
 
 __all__ = ["DrafterCheckpointError", "ModelLoadError", "load_drafter", "read_config", "resolve_checkpoint",

@@ -20,7 +20,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from treespark.models.drafter import DSparkConfig, DSparkDrafter
+from treespark.models.drafter import DSparkDrafter
+from treespark.models.drafter_config import DSparkConfig
 from treespark.spec.calibration import Calibration, calibration_for
 
 

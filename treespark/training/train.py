@@ -27,7 +27,8 @@ from tqdm import tqdm
 from treespark.engine.kv import KVStore
 from treespark.engine.target import TargetRunner
 from treespark.models.checkpoint import save_drafter
-from treespark.models.drafter import DSparkConfig, DSparkDrafter, attach_from_target
+from treespark.models.drafter import DSparkDrafter, attach_from_target
+from treespark.models.drafter_config import DSparkConfig
 
 
 @dataclass(frozen=True)
