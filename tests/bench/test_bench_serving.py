@@ -1,10 +1,11 @@
-"""``treespark bench serving``'s burst: the token budget a step paces the prefill."""
+"""``treespark bench serving``: the burst (the token budget a step paces the prefill) and
+the decode goodput a side measures."""
 
 from __future__ import annotations
 
 import torch
 
-from treespark.bench.serving import burst
+from treespark.bench.serving import burst, goodput
 
 
 def test_a_larger_token_budget_admits_the_burst_in_fewer_steps(mimic16):
@@ -20,3 +21,9 @@ def test_a_larger_token_budget_admits_the_burst_in_fewer_steps(mimic16):
     # step; at 1,024, four chunks a step (two steps)
     assert small["steps"] >= 1200 // 256 + 1 and large["steps"] <= small["steps"] // 2
     assert small["itl_p95"] > 0 and large["ttft_p50"] > 0
+
+
+def test_goodput_times_every_decoder_at_every_batch_size(mimic16):
+    rates = goodput(mimic16, (1, 2), max_tokens=4)
+    assert sorted(rates) == ["1/adaptive", "1/plain", "2/adaptive", "2/plain"]
+    assert all(r > 0 for r in rates.values())

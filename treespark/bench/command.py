@@ -43,6 +43,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="acceptance: only the drafter's goal rows (first-token, tuned chain, adaptive at a low price)")
     b.add_argument("--base", help="serving: also measure this checkout (the 'before' rows)")
     b.add_argument("--burst-prompt", type=int, default=1500, help="serving: the burst's prompt length")
+    b.add_argument("--goodput", action="store_true",
+                   help="serving: only decode goodput at --batch-sizes, plain and adaptive, before (--base) and after")
     b.add_argument("--burst-budgets", type=int, nargs="+",
                    help="serving: only the burst, at each of these token budgets a step (TTFT against ITL)")
     b.add_argument("--out", help="also write the markdown table here")
@@ -72,8 +74,11 @@ def run_bench(args: argparse.Namespace) -> None:
         write_out(attention_benchmark(), args.out)
         return
     if args.what == "serving":  # random pairs, each measured in a subprocess (and the --base checkout's)
-        from treespark.bench.serving import burst_frontier, serving_benchmark
+        from treespark.bench.serving import burst_frontier, goodput_benchmark, serving_benchmark
 
+        if args.goodput:
+            write_out(goodput_benchmark(Path(args.base) if args.base else None, tuple(args.batch_sizes)), args.out)
+            return
         if args.burst_budgets:
             write_out(burst_frontier(tuple(args.burst_budgets), prompt=args.burst_prompt), args.out)
             return

@@ -23,6 +23,10 @@ Four measurements, each on a fresh engine:
   prefix-cache hit rate (tokens) and the prefill positions computed per prompt token
   received.
 
+``--goodput`` instead: decode goodput (tokens/s, plain decoding and the adaptive tree,
+T = 0) at a few batch sizes on the default pair and the qwen3 random pair, before and
+after: the KV memory and the scheduler must not slow the decoding they serve.
+
 Only the engine's public interface is used, so the same measurement runs against an
 older checkout (``--base``, run in a subprocess with that checkout first on the path);
 an engine without the prefix-cache counters computes every prompt token. The timed
@@ -41,14 +45,32 @@ from collections.abc import Callable
 from pathlib import Path
 
 PAIRS = ("qwen3", "llama")
+GOODPUT_PAIRS = ("default", "qwen3")
+GOODPUT_DECODERS = ("plain", "adaptive")
 
 
 def _pair(name: str):
     from treespark import random_pair
 
+    if name == "default":
+        from treespark.models.pair import pair_by_name
+
+        return pair_by_name("default")
     if name == "qwen3":
         return random_pair(151_936, 0, block_size=5, markov_rank=16, family="qwen3")
     return random_pair(512, 0)
+
+
+def _engine_classes():
+    """(Engine, EngineConfig) of whichever checkout is on the path (an older one defines
+    both in ``treespark.engine.core``)."""
+    from treespark.engine.core import Engine
+
+    try:
+        from treespark.engine.config import EngineConfig
+    except ImportError:
+        from treespark.engine.core import EngineConfig
+    return Engine, EngineConfig
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:
@@ -109,8 +131,7 @@ def long_context(pair, tokens: Callable[[int], list[int]], *, batch: int = 8, co
     trees (theta 0: every drafted node is verified): medians of the verify stage (wall
     ms, ``StepStats.verify_s``) and of the step's CPU ms, and one step's peak MiB."""
     from treespark import Budget
-    from treespark.engine.config import EngineConfig
-    from treespark.engine.core import Engine
+    Engine, EngineConfig = _engine_classes()
     from treespark.spec.params import SamplingParams
 
     # plain decoding while the prompts are prefilled (the first requests decode meanwhile,
@@ -136,14 +157,14 @@ def long_context(pair, tokens: Callable[[int], list[int]], *, batch: int = 8, co
             "long_peak_mib": peak / 2**20, "long_batch": batch, "long_context": context, "long_nodes": nodes}
 
 
-def measure(pair_name: str, part: str, burst_prompt: int = 1500) -> dict:
+def measure(pair_name: str, part: str, burst_prompt: int = 1500, batch_sizes: tuple[int, ...] = (1, 4, 16)) -> dict:
     """One side's figures: ``part`` "counts" (held at once, prefix cache: the same in
-    every run) or "timing" (the burst, and for qwen3 the long-context steps)."""
+    every run), "timing" (the burst, and for qwen3 the long-context steps) or "goodput"
+    (decode tokens/s at ``batch_sizes``)."""
     import torch
 
     from treespark import Budget
-    from treespark.engine.config import EngineConfig
-    from treespark.engine.core import Engine
+    Engine, EngineConfig = _engine_classes()
     from treespark.engine.kv import StoreShape, bytes_per_token
     from treespark.spec.params import SamplingParams
 
@@ -156,6 +177,9 @@ def measure(pair_name: str, part: str, burst_prompt: int = 1500) -> dict:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
     out: dict = {"pair": pair_name}
+    if part == "goodput":
+        out.update(goodput(pair, batch_sizes))
+        return out
     if part == "timing":
         # TTFT of a burst of 16 long prompts, and the decoding requests' gaps meanwhile
         b = burst(pair, tokens, prompt=burst_prompt)
@@ -198,6 +222,22 @@ def measure(pair_name: str, part: str, burst_prompt: int = 1500) -> dict:
     return out
 
 
+def goodput(pair, batch_sizes: tuple[int, ...], *, max_tokens: int = 48) -> dict[str, float]:
+    """Decode tokens/s (wall clock) of plain decoding and the adaptive tree at each batch
+    size: one batch of ``bs`` held-out prompts (random ones for a random pair), T = 0,
+    after one warm-up request per decoder; keys ``"{bs}/{decoder}"``."""
+    from treespark import Budget
+    from treespark.engine.run import run_engine
+    from treespark.models.prompts import pair_prompts
+
+    budgets = {"plain": Budget.off(), "adaptive": Budget.adaptive()}
+    for b in budgets.values():
+        run_engine(pair, pair_prompts(pair, 1), b, max_tokens=8, batch_size=1)
+    return {f"{bs}/{name}": run_engine(pair, pair_prompts(pair, bs), budgets[name], max_tokens=max_tokens,
+                                       batch_size=bs).tokens_per_s
+            for bs in batch_sizes for name in GOODPUT_DECODERS}
+
+
 def burst(pair, tokens: Callable[[int], list[int]], *, budget: int | None = None, prompt: int = 1500,
           requests: int = 16) -> dict:
     """The burst on a fresh engine whose steps carry at most ``budget`` tokens
@@ -206,8 +246,7 @@ def burst(pair, tokens: Callable[[int], list[int]], *, budget: int | None = None
     p95 and the decoding requests' ITL p95, CPU seconds; the steps until every request's
     first token, and how many had one."""
     from treespark import Budget
-    from treespark.engine.config import EngineConfig
-    from treespark.engine.core import Engine
+    Engine, EngineConfig = _engine_classes()
 
     per_step = {} if budget is None else {"max_num_batched_tokens": budget}
     engine = Engine(pair, EngineConfig(max_batch_size=requests, max_context=prompt + 64, **per_step),
@@ -248,13 +287,14 @@ def burst_frontier(budgets: tuple[int, ...], *, pair_name: str = "qwen3", prompt
               f"random pair; 1 thread; medians of {rounds} rounds, the budgets in turn within each round.\n")
 
 
-def _measure_at(checkout: Path | None, pair: str, part: str, burst_prompt: int) -> dict:
+def _measure_at(checkout: Path | None, pair: str, part: str, burst_prompt: int = 1500,
+                batch_sizes: tuple[int, ...] = (1, 4, 16)) -> dict:
     """``measure`` in a subprocess whose ``treespark`` is the one of ``checkout`` (None:
-    this one)."""
+    this one); this file runs it, whichever checkout it is measuring."""
     root = checkout or Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", pair, "--part", part,
-           "--burst-prompt", str(burst_prompt)]
+           "--burst-prompt", str(burst_prompt), "--batch-sizes", *map(str, batch_sizes)]
     res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -272,6 +312,40 @@ def _timings(base: Path | None, pair: str, burst_prompt: int, rounds: int) -> di
         for label in (list(sides) if r % 2 == 0 else list(reversed(sides))):
             runs[label].append(_measure_at(sides[label], pair, "timing", burst_prompt))
     return {label: {k: statistics.median(m[k] for m in ms) for k in TIMED if k in ms[0]} for label, ms in runs.items()}
+
+
+def goodput_benchmark(base: Path | None, batch_sizes: tuple[int, ...] = (1, 4, 16),
+                      pairs: tuple[str, ...] = GOODPUT_PAIRS, rounds: int = 3) -> str:
+    """Decode goodput of this checkout (after) and of ``base`` (before), the sides in
+    turn over ``rounds`` rounds (each side a fresh subprocess a round, 1 thread): the
+    medians, and after / before."""
+    from treespark.bench.common import markdown_table
+
+    sides = {"before": base, "after": None} if base is not None else {"after": None}
+    rows = []
+    for pair in pairs:
+        runs: dict[str, list[dict]] = {label: [] for label in sides}
+        for r in range(rounds):
+            for label in (list(sides) if r % 2 == 0 else list(reversed(sides))):
+                runs[label].append(_measure_at(sides[label], pair, "goodput", batch_sizes=batch_sizes))
+        med = {label: {k: statistics.median(m[k] for m in ms) for k in ms[0] if k != "pair"}
+               for label, ms in runs.items()}
+        for bs in batch_sizes:
+            cells = []
+            for name in GOODPUT_DECODERS:
+                key = f"{bs}/{name}"
+                cell = " / ".join(f"{med[label][key]:.1f}" for label in sides)
+                if base is not None:
+                    cell += f" ({med['after'][key] / med['before'][key]:.2f}x)"
+                cells.append(cell)
+            rows.append([pair, str(bs), *cells])
+    head = " / ".join(sides) + (" (after / before)" if base is not None else "")
+    return (markdown_table(["pair", "batch", *(f"{n} tok/s, {head}" for n in GOODPUT_DECODERS)], rows)
+            + f"\n\nOne batch of held-out prompts (random ones on the random pair), 48 tokens each, T = 0, "
+              f"1 thread, wall clock; the median of {rounds} rounds, the sides in turn, each a fresh process. "
+              "default: SmolLM2-135M with the shipped drafter; qwen3: `random_pair(151936, 0, block_size=5, "
+              "markov_rank=16, family=\"qwen3\")` (its drafter accepts almost nothing: the adaptive row is "
+              "the cost of drafting).\n")
 
 
 def serving_benchmark(pairs: tuple[str, ...] = PAIRS, *, base: Path | None = None,
@@ -319,8 +393,9 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--measure", required=True, choices=PAIRS)
-    ap.add_argument("--part", required=True, choices=["counts", "timing"])
+    ap.add_argument("--measure", required=True, choices=sorted({*PAIRS, *GOODPUT_PAIRS}))
+    ap.add_argument("--part", required=True, choices=["counts", "timing", "goodput"])
     ap.add_argument("--burst-prompt", type=int, default=1500)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     a = ap.parse_args()
-    print(json.dumps(measure(a.measure, a.part, a.burst_prompt)))
+    print(json.dumps(measure(a.measure, a.part, a.burst_prompt, tuple(a.batch_sizes))))
