@@ -4,7 +4,8 @@ Each user is a closed loop (no think time): concurrency = users. Requests stream
 default; Locust times only the response headers of a stream, so each request also
 reports its time to first token (``TTFT``) and end-to-end latency (``E2E``) through
 ``events.request`` and, with ``--records``, appends one JSON line per request
-(start, end, TTFT, completion tokens, status) for the experiment runner.
+(start, end, TTFT, completion tokens, status, the prompt's index in the split and the
+text answered) for the experiment runner.
 
 The load shape comes from ``--shape`` (see ``loadtests.shapes``). Run it on its own
 (``import locust`` must precede ``requests``/``ray`` in a process, for gevent):
@@ -75,10 +76,12 @@ class CompletionUser(HttpUser):
             r = self.client.get("/v1/models", name="/v1/models")
             self.model = r.json()["data"][0]["id"]
 
-    def _body(self) -> dict:
+    def _body(self) -> tuple[dict, int]:
+        """The request's body, and its prompt's index in the split."""
         opts = self.environment.parsed_options
         i = next(_counter)
-        prompt = _PROMPTS[i % len(_PROMPTS)] if _PROMPTS else "Hello"
+        index = i % len(_PROMPTS) if _PROMPTS else -1
+        prompt = _PROMPTS[index] if _PROMPTS else "Hello"
         body = {"model": self.model, "max_tokens": opts.max_tokens,
                 "temperature": opts.temperature, "seed": i, "ignore_eos": not opts.eos}
         if opts.chat:
@@ -87,7 +90,7 @@ class CompletionUser(HttpUser):
             body["prompt"] = prompt
         if not opts.no_stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
-        return body
+        return body, index
 
     def _fire(self, name: str, seconds: float, tokens: int, exc=None) -> None:
         events.request.fire(request_type="STREAM", name=name, response_time=seconds * 1e3,
@@ -99,22 +102,28 @@ class CompletionUser(HttpUser):
 
     @task
     def complete(self) -> None:
-        body = self._body()
+        body, index = self._body()
         t0 = time.time()
         if body.get("stream"):
-            self._stream(body, t0)
+            self._stream(body, t0, index)
             return
         with self.client.post(self.path, json=body, name=self.path,
                               catch_response=True) as r:
             t1 = time.time()
             ok = r.status_code == 200
-            tokens = r.json().get("usage", {}).get("completion_tokens", 0) if ok else 0
-            if not ok:
+            tokens, text = 0, ""
+            if ok:
+                out = r.json()
+                tokens = out.get("usage", {}).get("completion_tokens", 0)
+                choice = out["choices"][0]
+                text = choice.get("text") or choice.get("message", {}).get("content") or ""
+            else:
                 r.failure(f"HTTP {r.status_code}")
-            _record(t0=t0, t1=t1, ttft=None, tokens=tokens, ok=ok, status=r.status_code)
+            _record(t0=t0, t1=t1, ttft=None, tokens=tokens, ok=ok, status=r.status_code, prompt=index, text=text)
 
-    def _stream(self, body: dict, t0: float) -> None:
+    def _stream(self, body: dict, t0: float, index: int) -> None:
         ttft, tokens, err = None, 0, None
+        pieces: list[str] = []
         with self.client.post(self.path, json=body, name=f"{self.path} [headers]",
                               stream=True, catch_response=True) as r:
             status = r.status_code
@@ -134,8 +143,11 @@ class CompletionUser(HttpUser):
                             err = RuntimeError(ev["error"].get("message", "stream error"))
                             break
                         choice = ev["choices"][0] if ev.get("choices") else {}
-                        if ttft is None and (choice.get("text") or choice.get("delta", {}).get("content")):
-                            ttft = time.time() - t0
+                        piece = choice.get("text") or choice.get("delta", {}).get("content")
+                        if piece:
+                            pieces.append(piece)
+                            if ttft is None:
+                                ttft = time.time() - t0
                         if ev.get("usage"):
                             tokens = int(ev["usage"]["completion_tokens"])
                 except Exception as e:  # noqa: BLE001 - a broken stream is a failed request
@@ -148,4 +160,5 @@ class CompletionUser(HttpUser):
         if ttft is not None:
             self._fire("TTFT", ttft, 0)
         self._fire("E2E", t1 - t0, tokens, err)
-        _record(t0=t0, t1=t1, ttft=ttft, tokens=tokens, ok=err is None, status=status)
+        _record(t0=t0, t1=t1, ttft=ttft, tokens=tokens, ok=err is None, status=status, prompt=index,
+                text="".join(pieces))

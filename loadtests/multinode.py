@@ -1,7 +1,7 @@
 """Multi-node experiments on a local Ray cluster (``loadtests.cluster``: a head and two
-worker nodes on this machine), under Locust load, on the tiny random pair (the default
-model is too heavy for several replicas on a 2-core machine; the serving path is the
-same).
+worker nodes on this machine), under Locust load, on the tiny random pair (``--pair
+default``: the default pair and the served default policy, one thread a replica; slow on a
+2-core machine, the serving path is the same).
 
 * ``fault``: streaming and non-streaming users at a constant load; a worker node is
   killed (SIGKILL to its raylet and processes) partway. Counts what was sent, answered
@@ -10,7 +10,9 @@ same).
   event and the pause a resumed stream's client saw (``ingress_report``); how long the
   controller took to drop the dead replica, when the replacement registered and got its
   first budget, and checks that nothing hung (every request answered within the client's
-  patience; Locust ends within its stop timeout).
+  patience; Locust ends within its stop timeout). The users decode greedily, so every
+  answer, resumed or not, must equal the answer to the same prompt sent again once the
+  load is over (``greedy_check``: one reference request per prompt, on the healed cluster).
 * ``ramp``: a Locust ramp up and down drives Serve autoscaling 1 -> 3 -> 1 replicas
   across the workers; records each new replica's time to its first controller budget,
   each replica's price (theta) and the goodput over time, and every failed request.
@@ -55,7 +57,7 @@ from loadtests.common import (
 )
 from loadtests.shapes import parse_shape, users_at
 
-MODEL = "treespark-random"
+MODEL = {"random": "treespark-random", "default": "treespark-smollm2"}
 HEARTBEAT_TIMEOUT_S = 2.0
 
 
@@ -67,12 +69,15 @@ LADDER = PolicyArgs(kind="ladder", thresholds=[1.0, 2.0, 4.0], budgets=[
     BudgetArgs(theta=0.25, node_cap=4, branch_cap=1), BudgetArgs(theta=1.0, node_cap=0, branch_cap=1)])
 
 
-def app_args(replica: ReplicaArgs, retries: int) -> AppArgs:
+def app_args(replica: ReplicaArgs, retries: int, pair: str = "random") -> AppArgs:
+    """The random pair under ``LADDER``, or the default pair under the served default policy."""
+    controller = ControllerArgs(name="treespark-multinode", heartbeat_s=0.25, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    limits = LimitArgs(replica_retries=retries)
+    if pair == "default":
+        return AppArgs(model="default", max_batch_size=8, max_context=1024, replica=replica, limits=limits,
+                       controller=controller)
     return AppArgs(model="random", vocab_size=512, max_batch_size=8, max_context=512,
-                   replica=replica, limits=LimitArgs(replica_retries=retries),
-                   controller=ControllerArgs(name="treespark-multinode", heartbeat_s=0.25,
-                                             heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S),
-                   policy=LADDER)
+                   replica=replica, limits=limits, controller=controller, policy=LADDER)
 
 
 def replica_rows(st: dict, t: float) -> list[dict]:
@@ -163,9 +168,10 @@ def session_dir() -> Path:
     return Path(ray._private.worker.global_worker.node.get_session_dir_path())
 
 
-def start_locust(url: str, shape: str, prefix: Path, stream: bool, max_tokens: int, stop_timeout_s: int) -> subprocess.Popen:
+def start_locust(url: str, shape: str, prefix: Path, stream: bool, max_tokens: int, stop_timeout_s: int,
+                 model: str = MODEL["random"]) -> subprocess.Popen:
     Path(f"{prefix}-records.jsonl").unlink(missing_ok=True)
-    cmd = locust_command(url, shape, prefix, LoadArgs(max_tokens=max_tokens, stream=stream, model=MODEL),
+    cmd = locust_command(url, shape, prefix, LoadArgs(max_tokens=max_tokens, stream=stream, model=model),
                          stop_timeout_s=stop_timeout_s)
     return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=open(f"{prefix}-locust.log", "w"),  # noqa: SIM115
                             stderr=subprocess.STDOUT)
@@ -191,18 +197,45 @@ def wait_replicas(url: str, n: int, timeout_s: float) -> dict:
     raise TimeoutError(f"{n} replicas not registered within {timeout_s} s")
 
 
+def reference_texts(url: str, model: str, prompts: set[int], max_tokens: int) -> dict[int, str]:
+    """Each of ``prompts`` (indices into the held-out split, as the Locust users sent them)
+    answered once more, greedily, not streamed: what every answer to it must equal."""
+    import requests
+
+    from treespark.models.prompts import load_prompts
+
+    texts = [p.text for p in load_prompts("heldout")]
+    out = {}
+    for i in sorted(prompts):
+        body = {"model": model, "prompt": texts[i], "max_tokens": max_tokens, "temperature": 0.0, "seed": 0,
+                "ignore_eos": True}
+        r = requests.post(f"{url}/v1/completions", json=body, timeout=300)
+        r.raise_for_status()
+        out[i] = r.json()["choices"][0]["text"]
+    return out
+
+
+def greedy_check(records: list[dict], reference: dict[int, str]) -> dict:
+    """The answered greedy requests whose text differs from their prompt's reference."""
+    checked = [r for r in records if r["ok"] and r.get("prompt", -1) in reference]
+    differ = [r for r in checked if r["text"] != reference[r["prompt"]]]
+    return {"checked": len(checked), "differ": len(differ),
+            "differ_prompts": sorted({r["prompt"] for r in differ})[:20]}
+
+
 # -- fault ------------------------------------------------------------------------------------------
 
 def fault(a: argparse.Namespace) -> dict:
     from deployments.app import build_app
 
     args = app_args(ReplicaArgs(num_cpus=0.5, torch_threads=1, num_replicas=2, resources={WORKER_RESOURCE: 1}),
-                    retries=a.retries)
+                    retries=a.retries, pair=a.pair)
+    model = MODEL[a.pair]
     work = a.work / "fault"
     work.mkdir(parents=True, exist_ok=True)
     spec = ClusterSpec(workers=2, http_port=a.port, gcs_port=a.gcs_port, agent_port_base=a.gcs_port + 10)
     with local_cluster(spec, lambda: build_app(args)) as cl:
-        before = wait_replicas(cl.url, 2, 120)
+        before = wait_replicas(cl.url, 2, a.startup_timeout)
         counters_before = get_ingress_counters(cl.url)
         victim = before["replicas"][sorted(before["replicas"])[0]]["node_id"]
         lost = [rid for rid, r in before["replicas"].items() if r["node_id"] == victim]
@@ -210,8 +243,8 @@ def fault(a: argparse.Namespace) -> dict:
             f"t = {a.kill_at} s")
         poller = StatusPoller(cl.url, 0.1, replica_rows).start()
         shape = f"const:{a.users}:{a.duration}"
-        procs = {kind: start_locust(cl.url, shape, work / kind, kind == "stream", a.max_tokens, a.stop_timeout)
-                 for kind in ("stream", "plain")}
+        procs = {kind: start_locust(cl.url, shape, work / kind, kind == "stream", a.max_tokens, a.stop_timeout,
+                                    model) for kind in ("stream", "plain")}
         time.sleep(max(a.kill_at - (time.time() - poller.t0), 0))
         t_kill = cl.kill_worker(victim) - poller.t0
         rcs = {k: p.wait(a.duration + a.stop_timeout + 120) for k, p in procs.items()}
@@ -221,14 +254,18 @@ def fault(a: argparse.Namespace) -> dict:
         ingress = ingress_report(counters_before, get_ingress_counters(cl.url))
         scaling = serve_scaling(session_dir(), poller.t0)
         after = get_status(cl.url)
-    return fault_summary(a, poller, work, t_kill, t_end, lost, victim, ingress, rcs, after, scaling)
+        recs = {k: read_records(work / f"{k}-records.jsonl") for k in ("stream", "plain")}
+        sent = {r["prompt"] for rs in recs.values() for r in rs if r.get("prompt", -1) >= 0}
+        log(f"load over; {len(sent)} prompts answered once more for the greedy check")
+        reference = reference_texts(cl.url, model, sent, a.max_tokens)
+    return fault_summary(a, poller, work, t_kill, t_end, lost, victim, ingress, rcs, after, scaling, recs, reference)
 
 
 def fault_summary(a, poller: StatusPoller, work: Path, t_kill: float, t_end: float, lost: list[str], victim: str,
-                  ingress: dict, rcs: dict, after: dict | None, scaling: list[dict]) -> dict:
+                  ingress: dict, rcs: dict, after: dict | None, scaling: list[dict], recs: dict[str, list[dict]],
+                  reference: dict[int, str]) -> dict:
     rows = poller.rows
     t0 = poller.t0
-    recs = {k: read_records(work / f"{k}-records.jsonl") for k in ("stream", "plain")}
     seen_before = {r["replica"] for r in rows if r["t"] < t_kill}
     drop = next((r["t"] for r in rows if r["t"] > t_kill and not any(
         x["replica"] in lost for x in rows if x["t"] == r["t"])), None)
@@ -255,9 +292,10 @@ def fault_summary(a, poller: StatusPoller, work: Path, t_kill: float, t_end: flo
             "failed_statuses": sorted({r["status"] for r in failed}),
             "max_latency_s": round(max((r["t1"] - r["t0"] for r in rs), default=0), 2),
             "sent_during_fault": sum(1 for r in rs if r["t0"] - t0 <= t_kill <= r["t1"] - t0),
+            "greedy_check": greedy_check(rs, reference),
         }
     summary = {
-        "users_per_kind": a.users, "duration_s": a.duration, "max_tokens": a.max_tokens, "kill_at_s": round(t_kill, 2),
+        "pair": a.pair, "users_per_kind": a.users, "duration_s": a.duration, "max_tokens": a.max_tokens, "kill_at_s": round(t_kill, 2),
         "replica_retries": a.retries, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
         "killed_node": victim[:8], "lost_replicas": lost,
         "controller_dropped_after_s": None if drop is None else round(drop - t_kill, 2),
@@ -377,6 +415,10 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--duration", type=int, default=60)
     f.add_argument("--kill-at", type=float, default=20.0)
     f.add_argument("--retries", type=int, default=2, help="limits.replica_retries")
+    f.add_argument("--pair", default="random", choices=sorted(MODEL),
+                   help="default: the default pair under the served default policy")
+    f.add_argument("--startup-timeout", type=float, default=120.0,
+                   help="seconds for both replicas to register (the default pair's measure their step costs)")
     r = sub.choices["ramp"]
     r.add_argument("--shape", default="ramp:1,3,6:25")
     r.add_argument("--target", type=float, default=2.0, help="target_ongoing_requests per replica")

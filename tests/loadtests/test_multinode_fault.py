@@ -7,7 +7,14 @@ import json
 import types
 
 from deployments.metrics import IngressMetrics, render
-from loadtests.multinode import fault_summary, ingress_counters, ingress_report, replica_rows
+from loadtests.common import read_records
+from loadtests.multinode import (
+    fault_summary,
+    greedy_check,
+    ingress_counters,
+    ingress_report,
+    replica_rows,
+)
 
 
 def exposition(m: IngressMetrics) -> str:
@@ -43,17 +50,29 @@ def test_fault_summary_reports_resumed_and_failed_streams(tmp_path):
     for kind in ("stream", "plain"):
         with (work / f"{kind}-records.jsonl").open("w") as f:
             for i in range(40):
+                # prompt 3's streamed answer at t0 + 30 (after the kill) came out otherwise
+                text = "wrong" if kind == "stream" and i == 30 else f"answer {i % 5}"
                 f.write(json.dumps({"t0": t0 + i, "t1": t0 + i + 1.5, "ttft": 0.1, "tokens": 32, "ok": True,
-                                    "status": 200}) + "\n")
+                                    "status": 200, "prompt": i % 5, "text": text}) + "\n")
     poller = types.SimpleNamespace(rows=rows, t0=t0)
-    a = argparse.Namespace(users=2, duration=40, max_tokens=32, retries=2, out=tmp_path / "out")
+    a = argparse.Namespace(pair="random", users=2, duration=40, max_tokens=32, retries=2, out=tmp_path / "out")
+    recs = {k: read_records(work / f"{k}-records.jsonl") for k in ("stream", "plain")}
+    reference = {i: f"answer {i}" for i in range(5)}
     ingress = {"api_retries": 3, "streams_resumed": 2, "streams_failed": 0, "streams_failed_by_code": {},
                "resumed_stream_added_latency_s": 0.8}
     summary = fault_summary(a, poller, work, 29.5, 40.0, ["a"], "node-a", ingress, {"stream": 0, "plain": 0},
-                            after, [])
+                            after, [], recs, reference)
     written = json.loads((a.out / "fault-summary.json").read_text())
     assert written == json.loads(json.dumps(summary))
     assert written["streams_resumed"] == 2 and written["streams_failed"] == 0
     assert written["resumed_stream_added_latency_s"] == 0.8 and written["api_retries"] == 3
     assert written["requests"]["stream"]["failed"] == 0 and not written["hung"]
+    assert written["requests"]["stream"]["greedy_check"] == {"checked": 40, "differ": 1, "differ_prompts": [0]}
+    assert written["requests"]["plain"]["greedy_check"] == {"checked": 40, "differ": 0, "differ_prompts": []}
     assert (a.out / "fault.png").stat().st_size > 0
+
+
+def test_greedy_check_skips_failed_requests_and_prompts_without_a_reference():
+    recs = [{"ok": True, "prompt": 1, "text": "x"}, {"ok": False, "prompt": 1, "text": ""},
+            {"ok": True, "prompt": -1, "text": "Hello?"}, {"ok": True, "prompt": 2, "text": "y"}]
+    assert greedy_check(recs, {1: "x", 2: "z"}) == {"checked": 2, "differ": 1, "differ_prompts": [2]}
