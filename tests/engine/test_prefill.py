@@ -116,3 +116,54 @@ def test_packed_prefill_is_the_padded_forward(pairs, family, path):
             torch.testing.assert_close(getattr(kv_packed.target, store)[:, slots],
                                        getattr(kv_padded.target, store)[:, slots], atol=1e-5, rtol=1e-5)
         offset += m
+
+
+def test_chunks_ride_in_the_decode_steps_verify_forward(mimic16):
+    """While requests decode, a step's prefill chunks go through the verify forward (one
+    target forward a step), and every request's output is what it is alone: greedy rows
+    equal plain decoding, a seeded sampled row its own output alone, a first token's
+    logprobs included; a long prompt prefills over several such steps."""
+    from treespark import Budget, generate
+    from treespark.engine.config import EngineConfig
+    from treespark.engine.core import Engine
+
+    g = torch.Generator().manual_seed(3)
+    long = torch.randint(0, 16, (70,), generator=g).tolist()
+    short = [torch.randint(0, 16, (n,), generator=g).tolist() for n in (5, 9)]
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, seed=4, logprobs=2)
+
+    def serve(arrivals: dict[int, list]) -> tuple[dict, dict, list[int]]:
+        engine = Engine(mimic16, EngineConfig(max_batch_size=4, max_context=160, prefill_chunk=16,
+                                              max_num_batched_tokens=24), budget=Budget(0.0, 6, 2))
+        calls = []
+        layers = engine.runner.layers
+
+        def counted(tokens, positions, attend):
+            calls.append(tokens.shape[1])
+            return layers(tokens, positions, attend)
+
+        engine.runner.layers = counted
+        out: dict[str, list[int]] = {}
+        lps: dict[str, list] = {}
+        per_step, step = [], 0
+        while engine.has_unfinished() or any(s >= step for s in arrivals):
+            for rid, prompt, params in arrivals.get(step, []):
+                engine.add_request(rid, prompt, params)
+            before = len(calls)
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+                lps.setdefault(o.request_id, []).extend(o.logprobs or ())
+            per_step.append(len(calls) - before)
+            step += 1
+        return out, lps, per_step
+
+    arrivals = {0: [("a", short[0], SamplingParams(max_tokens=20)), ("s", short[1], sampled)],
+                2: [("long", long, SamplingParams(max_tokens=6))]}
+    out, lps, per_step = serve(arrivals)
+    assert max(per_step) == 1, "a step runs one target forward, its chunks inside the verify forward"
+    assert out["long"] == generate(mimic16, long, max_new_tokens=6, budget=Budget.off()).token_ids
+    assert out["a"] == generate(mimic16, short[0], max_new_tokens=20, budget=Budget.off()).token_ids
+    alone, alone_lps, _ = serve({0: [("s", short[1], sampled)]})
+    assert out["s"] == alone["s"] and len(out["s"]) == 12
+    assert [lp.token_id for lp in lps["s"]] == out["s"]
+    assert [round(lp.logprob, 5) for lp in lps["s"]] == [round(lp.logprob, 5) for lp in alone_lps["s"]]

@@ -7,7 +7,9 @@ new keys and values through it, then attends through it. Two kinds:
 * ``StoreAttention``: a batch of rows padded to one width, each row its own context
   (the verify forward over draft trees; the dense forwards that measure and train);
 * ``ChunkAttention``: a prefill's prompt chunks packed into one row with no padding,
-  each chunk attending only its own request's blocks up to its own last position.
+  each chunk attending only its own request's blocks up to its own last position;
+* ``MixedAttention``: both in one forward (a decode step's trees, then the step's
+  prefill chunks, as one row), each part writing and attending as it would alone.
 
 The maths and the kernels each path reaches are ``treespark.kernels.attention``. Here
 is only what knows the stores: which keys a forward reads (the dense store's rows, or
@@ -176,6 +178,36 @@ class ChunkAttention:
         outs = [_attend(self.path, self.store, c.rows, layer, q[:, :, c.offset:c.offset + c.size], c.mask, c.bias,
                         c.table, self.scale, c.rows.block_size) for c in self.chunks]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+@dataclass(frozen=True)
+class MixedAttention:
+    """A verify forward's trees and a prefill's chunks in ONE forward: its tokens are one
+    row ``[1, B K + N]``, the B trees' K (padded) tokens each first, row after row, then
+    the N packed chunk tokens. Each layer's keys, values and queries are split there; the
+    trees write and attend through ``trees`` ([B, ., K, .]), the chunks through ``chunks``
+    ([1, ., N, .]), and their outputs go back into the one row. The weights stream once
+    for both, where two forwards stream them twice."""
+
+    trees: StoreAttention
+    chunks: ChunkAttention
+    rows: int    # B
+    width: int   # K
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [1, h, B K + N, d] -> the trees' [B, h, K, d] and the chunks' [1, h, N, d] (views)."""
+        n = self.rows * self.width
+        return x[0, :, :n].unflatten(1, (self.rows, self.width)).transpose(0, 1), x[:, :, n:]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        (kt, kc), (vt, vc) = self._split(k), self._split(v)
+        self.trees.write(layer, kt, vt)
+        self.chunks.write(layer, kc, vc)
+
+    def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        qt, qc = self._split(q)
+        trees = self.trees(layer, qt)                                        # [B, H, K, hd]
+        return torch.cat([trees.transpose(0, 1).flatten(1, 2)[None], self.chunks(layer, qc)], dim=2)
 
 
 def chunk_attention(path: AttentionPath, kv: PagedKV, slots: torch.Tensor, positions: torch.Tensor,

@@ -7,26 +7,31 @@ Each ``step()``:
    back at the front of the queue to be recomputed); then waiting requests are
    admitted while their prompts' blocks and one tree fit, each reusing the longest
    prefix of cached blocks (``treespark.engine.kv``);
-1. prefill: the step's token budget (``max_num_batched_tokens``) goes to the running
-   rows' trees first, then to prefill chunks of the admitted requests, oldest first,
-   all in ONE prefill forward (at least one chunk per step, so new arrivals never
-   starve, and at most the budget, so running requests keep their pace), the chunks
-   packed into one row with no padding (``treespark.engine.prefill``); a request's
-   last chunk samples its first token at the request's own temperature;
+1. prefill chunks: the step's token budget (``max_num_batched_tokens``) goes to the
+   running rows' trees first, then to prefill chunks of the admitted requests, oldest
+   first (at least one chunk per step, so new arrivals never starve, and at most the
+   budget, so running requests keep their pace), the chunks packed into one row with no
+   padding (``treespark.engine.prefill``). With requests decoding, the chunks ride in
+   step 3's verify forward (``treespark.engine.attend.MixedAttention``: the weights
+   stream once for both); with none, they run in a forward of their own. A request's
+   last chunk samples its first token at the request's own temperature, and the request
+   decodes from the next step on;
 2. draft: ONE drafter backbone pass for every running request (with ``cuda_graphs``,
    padded to a bucket and replayed from its CUDA graph, ``treespark.engine.draft_graphs``),
    then every tree grown in depth waves, one batched device call per wave
    (``treespark.spec.drafting``, the rule in ``treespark.spec.select``);
 3. verify: ONE target forward over all trees (padded; each row sees its committed
-   context and its tree ancestors; with ``cuda_graphs``, padded further to a bucket and
-   replayed from that bucket's CUDA graph, ``treespark.engine.graphs``), then on the
+   context and its tree ancestors; with ``cuda_graphs`` and no prefill chunks, padded
+   further to a bucket and replayed from that bucket's CUDA graph,
+   ``treespark.engine.graphs``) and the step's prefill chunks, then on the
    device the argmax at every node (T = 0) or the recursive rejection walk (T > 0,
    ``treespark.spec.walk``); one copy brings the accepted paths to the host
    (``treespark.spec.verify`` builds the results);
 4. commit: move the accepted nodes' KV entries next to the committed context (inside
    the request's blocks), feed their tapped hidden states to the drafter's context
    cache, key the blocks that became full for the prefix cache, and retire finished
-   requests (their blocks are freed at once; nothing is copied).
+   requests (their blocks are freed at once; nothing is copied); then the prefill
+   chunks' tapped states go to the drafter's context and their first tokens out.
 
 Preemption is by recomputation and exact: the preempted request keeps its output and
 its sampler, recomputes the KV of its prompt and output (mostly from the prefix cache),
@@ -62,7 +67,7 @@ import numpy as np
 import torch
 
 from treespark.engine.accept import accept
-from treespark.engine.attend import PagedContext
+from treespark.engine.attend import MixedAttention, PagedContext, store_attention
 from treespark.engine.commit import commit_plan
 from treespark.engine.config import EngineConfig
 from treespark.engine.draft_graphs import GraphedDraft, draft_buckets
@@ -74,7 +79,7 @@ from treespark.engine.kv import (
     bytes_per_token,
     pool_blocks,
 )
-from treespark.engine.prefill import Prefill, write_context
+from treespark.engine.prefill import Emit, Prefill, PrefillInputs, write_context
 from treespark.engine.request import Request, check_request, clip_emitted
 from treespark.engine.scheduler import Scheduler
 from treespark.engine.step_alloc import StepAllocator
@@ -254,13 +259,15 @@ class Engine:
         self.transfers.new_step()
         outputs, self._aborted = self._aborted, []
         self.sched.reserve_trees()
-        prefill_tokens = self.prefill.step(self.sched.schedule_prefill(),
-                                           lambda req, token, lps: self._emit(req, [token], outputs, is_prefill=True,
-                                                                              logprobs=lps))
-        if self.sched.running:
-            self.sched.reserve_trees()  # a request whose prefill ended joins this step's batch
-        if self.sched.running:
-            outputs += self._decode_step(t0, prefill_tokens)
+        chunks = self.sched.schedule_prefill()
+
+        def first(req: Request, token: int, lps: list[TokenLogprob] | None) -> bool:
+            return self._emit(req, [token], outputs, is_prefill=True, logprobs=lps)
+
+        if self.sched.running:   # the chunks ride in the verify forward
+            outputs += self._decode_step(t0, self.prefill.prepare(chunks) if chunks else None, first)
+        else:
+            self.prefill.step(chunks, first)
         return outputs
 
     def _row_budget(self, req: Request) -> Budget:
@@ -268,7 +275,10 @@ class Engine:
         cap = min(b.node_cap, self.config.max_tree_nodes)
         return b if cap == b.node_cap else Budget(b.theta, cap, b.branch_cap)
 
-    def _decode_step(self, t0: float, prefill_tokens: int) -> list[RequestOutput]:
+    def _decode_step(self, t0: float, pre: PrefillInputs | None, first: Emit) -> list[RequestOutput]:
+        """Draft, verify (``pre``'s chunks in the same forward), accept and commit the
+        running requests' trees; then the chunks' requests (``Prefill.finish``, ``first``
+        emitting a first token)."""
         batch = list(self.sched.running)
         lengths = [r.computed for r in batch]
         t_draft = time.perf_counter()
@@ -293,12 +303,13 @@ class Engine:
                                          [r.budget is None for r in batch], drafted, self.budget.theta)
             policy_s = self.allocator.policy_s
         t_verify = time.perf_counter()
-        logits, taps = self._verify_forward(batch, drafted.trees, lengths, table_d)
+        logits, taps, chunk_out = self._verify_forward(batch, drafted.trees, lengths, table_d, pre)
         results = accept(batch, drafted, logits, self.transfers, self._d2t, self._walk_level)
         asked = [Emitted(i, [0, *r.path], list(r.tokens), req.params.logprobs)
                  for i, (req, r) in enumerate(zip(batch, results, strict=True)) if req.params.logprobs is not None]
         lps = dict(zip((e.row for e in asked), step_logprobs(logits, asked, self.transfers), strict=True))
         outputs = self._commit(batch, drafted.trees, results, taps, lengths, lps)
+        prefill_tokens = 0 if pre is None else self.prefill.finish(pre, *chunk_out, first)
         if self.measure_stages:
             self.sync()
         t_end = time.perf_counter()
@@ -345,20 +356,40 @@ class Engine:
         return self.waves.draft(base, rows)
 
     def _verify_forward(self, batch: list[Request], trees: list[DraftTree], lengths: list[int],
-                        table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One target forward over every tree: logits [B, K, V] and taps, on the device."""
+                        table: torch.Tensor, pre: PrefillInputs | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
+        """One target forward over every tree, and ``pre``'s prefill chunks with them:
+        the trees' logits [B, K, V] and taps [B, K, taps], and the chunks' taps [N, taps]
+        and first-token logits [F, 1, V] (None: none end a prompt), on the device."""
         b = tree_batch(trees, lengths, self.device, self.transfers.upload)
         rows = self.kv.rows(table, b.mask.shape[-1])
-        need = b.tokens.numel() * self.vocab_size
+        n, k = b.tokens.shape
+        firsts = 0 if pre is None else len(pre.batch.firsts)
+        need = (n * k + firsts) * self.vocab_size
         if self.device.type == "cpu" and self._logits.numel() < need:
             self._logits = torch.empty(need, dtype=torch.float32)
+        if pre is not None:   # eager, padded to nothing: a CUDA graph holds a verify forward alone
+            runner = self.runner
+            mixed = MixedAttention(store_attention(runner.attention, self.kv.target, rows, b.write_pos, b.mask,
+                                                   groups=runner.groups, dtype=runner.dtype, scale=runner.scaling),
+                                   pre.attend, n, k)
+            heads = torch.arange(n * k, device=self.device)
+            if firsts:
+                heads = torch.cat([heads, pre.last + n * k])
+            out = runner.run(torch.cat([b.tokens.flatten(), pre.tokens])[None],
+                             torch.cat([b.positions.flatten(), pre.positions])[None], mixed, logits_for=heads,
+                             logits_into=self._logits)
+            assert out.logits is not None
+            taps = out.taps[0]
+            return (out.logits[:n * k].view(n, k, -1), taps[:n * k].view(n, k, -1),
+                    (taps[n * k:], out.logits[n * k:] if firsts else None))
         if self.graphs is not None:
             out = self.graphs.forward(b.tokens, b.positions, b.write_pos, rows, b.mask, logits_into=self._logits)
         else:
             out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, rows, b.mask,
                                       logits_into=self._logits)
         assert out.logits is not None
-        return out.logits, out.taps
+        return out.logits, out.taps, (out.taps[:0], None)
 
     def _commit(self, batch: list[Request], trees: list[DraftTree], results: list[VerifyResult],
                 taps: torch.Tensor, lengths: list[int],

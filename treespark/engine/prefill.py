@@ -1,4 +1,6 @@
-"""Prefill: a step's prompt chunks in one target forward, packed with no padding.
+"""Prefill: a step's prompt chunks in one target forward, packed with no padding: a
+forward of their own when nothing is decoding, else inside the decode step's verify
+forward (``treespark.engine.attend.MixedAttention``).
 
 The scheduler hands a step its chunks (``Scheduler.schedule_prefill``: request, tokens),
 oldest first. They run as ONE row of N tokens, the chunks one after another
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 from treespark.engine.accept import sample_firsts
-from treespark.engine.attend import chunk_attention
+from treespark.engine.attend import ChunkAttention, chunk_attention
 from treespark.engine.kv import PagedKV, PagedStore, blocks_for
 from treespark.engine.request import Request
 from treespark.engine.scheduler import Scheduler
@@ -97,6 +99,25 @@ def write_context(drafter: DSparkDrafter, store: PagedStore, pos: torch.Tensor, 
 Emit = Callable[[Request, int, list[TokenLogprob] | None], bool]
 
 
+@dataclass(frozen=True)
+class PrefillInputs:
+    """A step's chunks on the device, ready for a forward of their own (``Prefill.step``)
+    or to ride in a decode step's verify forward (``treespark.engine.core``)."""
+
+    reqs: list[Request]
+    batch: PrefillBatch
+    tokens: torch.Tensor      # [N]
+    positions: torch.Tensor   # [N]
+    slots: torch.Tensor       # [N]
+    attend: ChunkAttention
+    last: torch.Tensor        # [F] the index of each first-token chunk's last token
+
+    @property
+    def logits_for(self) -> torch.Tensor | str:
+        """What the forward's LM head computes for the chunks: their first tokens' rows."""
+        return self.last if self.batch.firsts else "none"
+
+
 class Prefill:
     """Runs a step's prefill chunks and moves the requests whose prompts end to running."""
 
@@ -105,36 +126,46 @@ class Prefill:
         self.runner, self.drafter, self.kv, self.sched, self.transfers = runner, drafter, kv, sched, transfers
         self.computed = 0  # prompt positions computed by prefill forwards
 
-    def step(self, chunks: list[tuple[Request, int]], emit: Emit) -> int:
-        """One forward over ``chunks``; each request's prompt that ends here joins the
-        running requests, and emits its first token through ``emit``. The tokens computed."""
-        if not chunks:
-            return 0
-        reqs = [r for r, _ in chunks]
+    def prepare(self, chunks: list[tuple[Request, int]]) -> PrefillInputs:
+        """``chunks`` packed and uploaded (one upload: tokens, positions, slots, block
+        tables, the first tokens' indices), their attention built."""
         batch = prefill_batch(chunks, self.kv)
         n, r = batch.tokens.shape[0], len(chunks)
-        # one upload: tokens, positions, slots, block tables, the first tokens' indices
         ints = self.transfers.upload(np.concatenate([batch.tokens, batch.positions, batch.slots,
                                                      batch.tables.ravel(), np.asarray(batch.last, dtype=np.int64)]),
                                      torch.long)
         tokens, pos, slots = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
         at = 3 * n + batch.tables.size
-        tables, last = ints[3 * n:at].view(r, -1), ints[at:]
-        attend = chunk_attention(self.runner.attention, self.kv, slots, pos, tables, list(batch.spans),
-                                 groups=self.runner.groups, dtype=self.runner.dtype, scale=self.runner.scaling)
-        out = self.runner.run(tokens[None], pos[None], attend, logits_for=last if batch.firsts else "none")
-        taps = out.taps[0]                                                               # [N, taps]
-        write_context(self.drafter, self.kv.drafter, pos, slots, taps)
+        attend = chunk_attention(self.runner.attention, self.kv, slots, pos, ints[3 * n:at].view(r, -1),
+                                 list(batch.spans), groups=self.runner.groups, dtype=self.runner.dtype,
+                                 scale=self.runner.scaling)
+        return PrefillInputs([req for req, _ in chunks], batch, tokens, pos, slots, attend, ints[at:])
+
+    def step(self, chunks: list[tuple[Request, int]], emit: Emit) -> int:
+        """One forward over ``chunks`` alone (``finish`` after it). The tokens computed."""
+        if not chunks:
+            return 0
+        pre = self.prepare(chunks)
+        out = self.runner.run(pre.tokens[None], pre.positions[None], pre.attend, logits_for=pre.logits_for)
+        return self.finish(pre, out.taps[0], out.logits, emit)
+
+    def finish(self, pre: PrefillInputs, taps: torch.Tensor, logits: torch.Tensor | None, emit: Emit) -> int:
+        """After the forward that computed ``pre``'s chunks (``taps`` [N, taps], ``logits``
+        [F, 1, V] at ``pre.last``): their tapped states to the drafter's context, each
+        request's prompt that ends here joins the running requests (from the next step
+        on) and emits its first token through ``emit``. The tokens computed."""
+        batch, reqs = pre.batch, pre.reqs
+        write_context(self.drafter, self.kv.drafter, pre.positions, pre.slots, taps)
         firsts: dict[int, int] = {}
         lps: dict[int, list[TokenLogprob]] = {}
         if batch.firsts:
-            assert out.logits is not None                                                 # [F, 1, V]
-            firsts = dict(zip(batch.firsts, sample_firsts([reqs[i] for i in batch.firsts], out.logits[:, 0],
+            assert logits is not None                                                     # [F, 1, V]
+            firsts = dict(zip(batch.firsts, sample_firsts([reqs[i] for i in batch.firsts], logits[:, 0],
                                                            self.transfers), strict=True))
             asked = [Emitted(j, [0], [firsts[i]], reqs[i].params.logprobs) for j, i in enumerate(batch.firsts)
                      if reqs[i].params.logprobs is not None]
             lps = {batch.firsts[e.row]: lp
-                   for e, lp in zip(asked, step_logprobs(out.logits, asked, self.transfers), strict=True)}
+                   for e, lp in zip(asked, step_logprobs(logits, asked, self.transfers), strict=True)}
         for i, req in enumerate(reqs):
             offset, m, start = batch.spans[i]
             if req.taps is not None:  # (a recomputed request has its earlier positions' already)
@@ -149,5 +180,6 @@ class Prefill:
             self.sched.running.append(req)
             if i in firsts and emit(req, firsts[i], lps.get(i)):
                 self.sched.release(req)
+        n = batch.tokens.shape[0]
         self.computed += n
         return n

@@ -72,8 +72,8 @@ class StepAllocator:
     def observe(self, stats: StepStats) -> None:
         """One decode step done: its measured stage seconds against the table's
         prediction (``fit``), and ``costs`` corrected every ``refit_every`` steps."""
-        if self.fit is None or self.table is None:
-            return
+        if self.fit is None or self.table is None or stats.prefill_tokens:
+            return    # (a step with prefill chunks in its verify forward is not a decode step's cost)
         t0 = time.thread_time()
         drafted = stats.draft_waves > 0
         pred = predict_step(self.table, stats.batch_size, self._drafted_nodes if drafted else 0, drafted,
