@@ -110,6 +110,19 @@ def test_the_keyed_draw_over_many_seeds_follows_the_target(temperature, top_p):
     assert chi2(x, target_probs(LOGITS, 1.3 * temperature, top_p)) < 1e-6
 
 
+def test_two_positions_of_one_seed_draw_independently():
+    """x_3 from fixed logits, then x_4 from a table of logits indexed by x_3 (a bigram
+    model), over 200,000 seeds: the joint law of (x_3, x_4) is the model's."""
+    n, v = 200_000, 16
+    g = torch.Generator().manual_seed(0)
+    first, table = torch.randn(v, generator=g) * 1.5, torch.randn(v, v, generator=g) * 1.5
+    seeds, t, rows = torch.arange(n), torch.ones(n, dtype=torch.float64), torch.arange(n)
+    x3 = keyed_argmax(first.expand(n, -1), t, None, position_keys(seeds, 0 * seeds, 3 + 0 * seeds), rows)
+    x4 = keyed_argmax(table[x3], t, None, position_keys(seeds, 0 * seeds, 4 + 0 * seeds), rows)
+    joint = torch.softmax(first.double(), -1)[:, None] * torch.softmax(table.double(), -1)
+    assert chi2(x3 * v + x4, joint.flatten()) > 1e-3
+
+
 def test_gumbel_top_k_draws_without_replacement():
     """The first two of Gumbel-top-2 over many seeds: P(a, b) = q_a q_b / (1 - q_a)."""
     n, v = 20_000, 5
