@@ -48,6 +48,7 @@ _M2_LOW = 0x846CA68B - (1 << 31)
 _STREAMS = (0x243F6A88, 0x85A308D3)  # the two keys' starting words (pi's first hex digits)
 _CELLS = 2.0 ** -53
 CACHE_ELEMENTS = 1 << 18   # elements of one CPU slice's [rows, slice] tensors (2 MiB of int64)
+DEVICE_ELEMENTS = 1 << 26  # on an accelerator (512 MiB of float64: 441 nodes of a 151,936 vocabulary)
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -115,10 +116,10 @@ def _vocab_slices(rows: int, vocab: int, device: torch.device) -> list[slice]:
     CPU, slices whose [rows, slice] tensors fit the cache (the hash is a chain of cheap
     elementwise ops, memory-bound op by op: the noise of a [56, 49,152] block took 374 ms
     whole and 49 ms in slices of 4,096 tokens, on a shared two-core EPYC); on an
-    accelerator, one slice (each slice costs its kernel launches)."""
-    if device.type != "cpu":
-        return [slice(0, vocab)]
-    width = max(CACHE_ELEMENTS // max(rows, 1), 512)
+    accelerator, as few slices as keep each float64 [rows, slice] tensor within
+    ``DEVICE_ELEMENTS`` (each slice costs its kernel launches; one at most batches)."""
+    budget = CACHE_ELEMENTS if device.type == "cpu" else DEVICE_ELEMENTS
+    width = max(budget // max(rows, 1), 512)
     return [slice(s, min(s + width, vocab)) for s in range(0, vocab, width)]
 
 
