@@ -8,10 +8,13 @@ reader already has, and that replica continues the generation after them
 The reader sees one ``start``, the deltas without gap or repeat, and one ``end``, whose
 usage counts every token once.
 
-What the continuation generates is what the first replica would have: at T = 0 the same
-tokens (greedy decoding is a function of the prefix), at T > 0 a draw from the target's
-distribution given the prefix (the first replica's draws depended on its draft trees
-too, so no replica could repeat them; ``docs/stream-resume.md``).
+What the continuation generates is what the first replica would have: at T = 0, and at
+T > 0 for a request whose client sent a seed (``reproducible``: its tokens are keyed by
+(seed, index), ``treespark.spec.gumbel``), the same tokens, a function of the prefix and
+the seed; for another sampled request a draw from the target's distribution given the
+prefix (its draws depended on its draft trees, so no replica could repeat them;
+``docs/stream-resume.md``). The re-issued request keeps the first one's parameters, its
+seed and switch included.
 
 A replica *failed* under a call when
 

@@ -34,8 +34,10 @@ class SamplingRequest(_Req):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64,  # what torch.Generator.manual_seed takes
-                             description="Makes sampling reproducible; choice i > 0 of `n` samples with a seed "
-                                         "derived from this one.")
+                             description="Makes sampling reproducible: the same prompt, parameters and seed give "
+                                         "the same tokens whatever the load, and a stream resumed after a replica "
+                                         "failure goes on with the tokens it would have had; choice i > 0 of `n` "
+                                         "samples with a seed derived from this one.")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

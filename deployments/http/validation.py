@@ -119,15 +119,23 @@ async def parse(request: Request, schema: type[SamplingRequest], args: AppArgs) 
 
 
 def engine_request(req: SamplingRequest) -> dict[str, Any] | JSONResponse:
-    """What the engine replica's ``generate`` takes, under a fresh request id."""
+    """What the engine replica's ``generate`` takes, under a fresh request id. A sampled
+    request that brings a seed is ``reproducible``: its tokens are a function of the
+    prompt, the parameters and the seed alone (``treespark.spec.gumbel``), whatever the
+    replica's load, and a stream resumed on another replica after a failure goes on with
+    the very tokens the first would have sent. One without a seed is verified by the
+    rejection walk, which accepts more draft tokens (the API gives it a seed too, not
+    echoed, so that its draws are replayed where they can be: ``Api._engine_request``)."""
+    # below 1e-5 sampling is greedy in all but name, and a denormal temperature is 0 in
+    # float32 (the engine would divide by it): greedy, as vLLM does
+    temperature = req.temperature if req.temperature >= 1e-5 else 0.0
     out: dict[str, Any] = {
         "request_id": uuid.uuid4().hex,
         "max_tokens": req.max_tokens,
-        # below 1e-5 sampling is greedy in all but name, and a denormal temperature is 0 in
-        # float32 (the engine would divide by it): greedy, as vLLM does
-        "temperature": req.temperature if req.temperature >= 1e-5 else 0.0,
+        "temperature": temperature,
         "top_p": req.top_p,
         "seed": req.seed,
+        "reproducible": req.seed is not None and temperature > 0,
         "stop": req.stop_list(),
         "stop_token_ids": list(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos,

@@ -183,6 +183,7 @@ class ReplicaCore:
                 max_tokens=left,
                 stop_token_ids=stop_ids,
                 seed=req.get("seed"),
+                reproducible=bool(req.get("reproducible", False)),
                 logprobs=req.get("logprobs"),
             )
         except ValueError as err:

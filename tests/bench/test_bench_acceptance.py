@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from treespark import random_pair
-from treespark.bench.acceptance import acceptance_benchmark, goals_benchmark
+from treespark.bench.acceptance import acceptance_benchmark, goals_benchmark, reproducible_benchmark
 
 
 def _rows(table: str) -> dict[str, str]:
@@ -23,6 +23,18 @@ def test_acceptance_table_rows_and_sampling_seed():
     assert any(name.startswith("tuned chain (k=") for name in a)
     assert a == again          # the same seed draws the same tokens
     assert a != other          # another seed draws others
+
+
+def test_reproducible_rows_beside_the_walks():
+    """One walk row and one reproducible row at each T > 0 (none at T = 0); the walk's
+    row is the full table's adaptive default; the reproducible tokens are plain decoding's."""
+    pair = random_pair(64, 0, block_size=3)
+    kw = dict(n_prompts=3, max_tokens=12, log=lambda *a: None)
+    rows = [line.split(" | ") for line in reproducible_benchmark(pair, temperatures=(0.0, 1.0), **kw).splitlines()[2:]]
+    assert [(c[0].strip("| "), c[1]) for c in rows] == [("1", "rejection walk"), ("1", "reproducible (Gumbel coupling)")]
+    assert rows[0][4] == "1.000" and rows[1][5].strip(" |") == "yes"
+    full = _rows(acceptance_benchmark(pair, temperatures=(1.0,), chain_lengths=[1], **kw))
+    assert full["adaptive (theta 0.08, default)"] == rows[0][2]
 
 
 def test_goal_rows_are_the_full_tables():

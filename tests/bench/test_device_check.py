@@ -37,6 +37,7 @@ def test_cpu_mode_passes_and_reports_every_section(cpu_run):
     assert json.loads((out / "device-check.json").read_text())["ok"] is True
     names = {c["check"] for c in result["checks"]}
     assert any("greedy tree of 32" in n for n in names) and any("loader" in n for n in names)
+    assert "keyed noise and draws: device = CPU, bit for bit" in names
     cfg = CheckConfig.cpu()
     rows = result["throughput"]
     assert len(rows) == len(cfg.temperatures) * len(cfg.batch_sizes) * 4  # plain, chain, tree, served

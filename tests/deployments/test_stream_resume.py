@@ -3,8 +3,9 @@ in-process: the API over two replica cores behind a stand-in handle whose first 
 with Ray's ``ActorDiedError`` after a few events. The second replica continues after the
 tokens sent; the client reads one unbroken stream equal to an uninterrupted one (stop
 strings across the cut included); the counters in ``/metrics`` say what happened. Then
-the same on the real engine (tiny random pair): a greedy stream resumes token for token,
-a sampled one continues the sent tokens to full length."""
+the same on the real engine (tiny random pair): a greedy stream and a reproducible
+sampled one resume token for token, another sampled one continues the sent tokens to
+full length."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from serving.inprocess import LocalApi, LocalReplicaHandle, _Gen
 from serving.policies import LADDER
 from test_metrics import parse, value
 
-from deployments.config import AppArgs, LimitArgs
+from deployments.config import AppArgs, BudgetArgs, LimitArgs, PolicyArgs
 from deployments.http.resume import ResumableCall
 from deployments.metrics import IngressMetrics
 from deployments.replica.core import ReplicaCore
@@ -167,11 +168,15 @@ def test_a_replica_whose_engine_loop_stops_hands_its_streams_over(api):
     assert counters(a)["resumes"] == 1 and second.counters["requests"] == 1
 
 
-def test_the_other_replica_continues_after_the_tokens_sent(api):
+@pytest.mark.parametrize("seed", [None, 9])
+def test_the_other_replica_continues_after_the_tokens_sent(api, seed):
+    """... with the first's seed and switch: a client's seed keeps the stream reproducible."""
     a = api({0: 3})   # start, then 2 deltas, then the replica dies
-    events = a.post("/v1/completions", stream_body()).sse()
+    events = a.post("/v1/completions", stream_body(**({} if seed is None else {"seed": seed}))).sse()
     first, second = a.api.replica.requests
     assert "resume_ids" not in first
+    assert second["seed"] == first["seed"] is not None and second["reproducible"] is first["reproducible"] is (
+        seed is not None)
     sent = [ord(c) for c in text_of(events)][: len(second["resume_ids"])]
     assert second["resume_ids"] == sent and 0 < len(sent) < 40   # the byte tokenizer: one token a character
     assert len(text_of(events)) == 40 and events[-2]["usage"]["completion_tokens"] == 40
@@ -233,10 +238,13 @@ def test_sampled_requests_get_a_seed_that_is_not_echoed(api):
     a.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "temperature": 0.8, "seed": 5})
     a.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "temperature": 0})
     a.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "temperature": 0.8, "n": 2})
+    a.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "temperature": 0.8, "seed": 6, "n": 2})
     seeds = [q["seed"] for q in a.api.replica.requests]
     assert isinstance(seeds[0], int) and 0 <= seeds[0] < 2**63
     assert seeds[1] == 5 and seeds[2] is None                 # a given seed stays; greedy needs none
     assert isinstance(seeds[3], int) and seeds[4] != seeds[3]  # choice 1 derives its own from choice 0's
+    # a client's seed makes a sampled request reproducible (and its every choice); ours does not
+    assert [q["reproducible"] for q in a.api.replica.requests] == [False, True, False, False, False, True, True]
 
 
 # -- the real engine (tiny random pair), no Ray -------------------------------------------------------------
@@ -256,17 +264,20 @@ def _collect(call: ResumableCall, loop: asyncio.AbstractEventLoop) -> tuple[list
     return loop.run_until_complete(run())
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_real_engine_continues_the_stream(temperature):
+@pytest.mark.parametrize(("temperature", "reproducible"), [(0.0, False), (1.0, False), (1.0, True)])
+def test_real_engine_continues_the_stream(temperature, reproducible):
     # both replicas under the same fixed ladder, so that the first replica's part of the
-    # cut stream is the uninterrupted stream's own (at T > 0 a request's tokens depend on its
-    # draft trees: docs/stream-resume.md)
+    # cut stream is the uninterrupted stream's own (a seeded request that is not
+    # reproducible draws tokens that depend on its draft trees: docs/stream-resume.md); a
+    # reproducible one has the second replica draft chains of 2 instead
     args = AppArgs(model="random", vocab_size=512, max_batch_size=2, max_context=256, policy=LADDER)
-    cores = [ReplicaCore(args, f"r{i}", connect=None) for i in range(2)]
+    chains = args.model_copy(update={"policy": PolicyArgs(kind="fixed", budget=BudgetArgs(
+        theta=0.0, node_cap=2, branch_cap=1))})
+    cores = [ReplicaCore(args if i == 0 or not reproducible else chains, f"r{i}", connect=None) for i in range(2)]
     loop = asyncio.new_event_loop()
     try:
         req = {"request_id": "x", "prompt": "Hello", "max_tokens": 48, "temperature": temperature, "seed": 1234,
-               "ignore_eos": True}
+               "ignore_eos": True, "reproducible": reproducible}
 
         def opener(die: dict[int, int]):
             calls = []
@@ -287,8 +298,10 @@ def test_real_engine_continues_the_stream(temperature):
         sent = calls[1]["resume_ids"]
         assert len(calls) == 2 and len(whole[0]) == 48 and len(resumed[0]) == 48 and 0 < len(sent) < 48
         assert resumed[0][: len(sent)] == sent == whole[0][: len(sent)]
-        if temperature == 0:   # greedy decoding is a function of the prefix
+        if temperature == 0 or reproducible:   # greedy and reproducible tokens are a function of the prefix
             assert resumed[0] == whole[0] and resumed[1] == whole[1]
+        else:   # (the check has teeth: a fresh draw after the cut)
+            assert resumed[0] != whole[0]
         assert resumed[2]["usage"]["completion_tokens"] == 48
         assert {s[0]: s[2] for s in m.snapshot()}["treespark:stream_resumes_total"] == 1
     finally:

@@ -3,8 +3,8 @@
 On CUDA, ``torch.tensor(..., device=cuda)`` and a CPU tensor's ``.to(cuda)`` are
 blocking copies, and ``.cpu()`` / ``.to("cpu")`` a sync. On CPU none of them costs
 anything, so this test watches the calls themselves: during every step of a mixed
-batch (greedy and sampled rows, top-p, logprobs, captured taps, requests joining and
-finishing), each call that makes or moves a tensor from host data must come from the
+batch (greedy, walked and reproducible sampled rows, top-p, logprobs, captured taps,
+requests joining and finishing), each call that makes or moves a tensor from host data must come from the
 transfer module, and the engine's own counts must equal what was watched."""
 
 from __future__ import annotations
@@ -81,12 +81,13 @@ class Watch:
 
 def test_every_host_device_copy_of_a_step_goes_through_the_transfer_module():
     pair = random_pair(256, 0, block_size=4, markov_rank=8, family="qwen3")
-    engine = Engine(pair, EngineConfig(max_batch_size=4, max_context=96), budget=Budget(0.0, 8, 3))
+    engine = Engine(pair, EngineConfig(max_batch_size=5, max_context=96), budget=Budget(0.0, 8, 3))
     stats = []
     engine.on_step = stats.append
     params = [SamplingParams(max_tokens=10), SamplingParams(temperature=1.0, max_tokens=14, seed=1),
               SamplingParams(temperature=0.7, top_p=0.8, max_tokens=9, seed=2, logprobs=2),
-              SamplingParams(max_tokens=12, logprobs=1)]
+              SamplingParams(max_tokens=12, logprobs=1),
+              SamplingParams(temperature=0.9, top_p=0.9, max_tokens=11, seed=3, reproducible=True)]
     for i, p in enumerate(params):
         engine.add_request(f"r{i}", [3 + i, 1, 4, 1, 5], p, capture_taps=i == 1)
     resident = [*pair.target.parameters(), *pair.target.buffers(), *pair.drafter.parameters(),
@@ -99,7 +100,7 @@ def test_every_host_device_copy_of_a_step_goes_through_the_transfer_module():
         steps += 1
         assert not w.outside, w.outside
     decode = [s for s in stats if s.draft_waves > 0]
-    assert decode and any(s.batch_size >= 3 for s in decode)
+    assert decode and any(s.batch_size >= 4 for s in decode)
     # the engine's counts are the watched ones (a step's stats cover its decode part and its prefill)
     assert sum(s.host_uploads for s in stats) <= sum(w.uploads for w in watched)
     assert sum(s.host_syncs for s in stats) <= sum(w.fetches for w in watched)
@@ -107,9 +108,10 @@ def test_every_host_device_copy_of_a_step_goes_through_the_transfer_module():
         # one per wave, verification, the logprobs asked; a prefill's first token and its
         # logprobs; a finished request's captured taps (``treespark.engine.core``)
         assert s.host_syncs <= s.draft_waves + 5, s
-        # decode: the backbone, one per wave, two for the trees, two for the walk, the commit,
-        # the logprobs; a prefill: its tokens, a sampled first token, its logprobs
-        assert s.host_uploads <= s.draft_waves + 10, s
+        # decode: the backbone, one per wave, two for the trees, two for the walk, one for the
+        # reproducible rows, the commit, the logprobs; a prefill: its tokens, the sampled
+        # first tokens, their logprobs
+        assert s.host_uploads <= s.draft_waves + 11, s
 
 
 def test_the_watch_sees_a_copy_made_elsewhere(monkeypatch):

@@ -102,3 +102,28 @@ def goals_benchmark(pair: ModelPair, *, n_prompts: int = 12, max_tokens: int = 4
                  [f"{t:g}", f"tuned chain (k={best})", f"{chains[best][0]:.3f}", f"{chains[best][1]:.1f}"],
                  [f"{t:g}", f"adaptive (theta {theta:g})", f"{tree[0]:.3f}", f"{tree[1]:.1f}"]]
     return markdown_table(["T", "policy", "tau (tokens/forward)", "mean tree size"], rows)
+
+
+def reproducible_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int = 32,
+                           temperatures: tuple[float, ...] = (1.0,), seed: int = 0, log=print) -> str:
+    """tau of the default adaptive budget at each T > 0 of ``temperatures``, side by side:
+    seeded requests verified by the rejection walk, and reproducible ones (Gumbel-max
+    keyed by position, ``SamplingParams.reproducible``), on the same held-out prompts and
+    seeds; and whether the reproducible tokens are plain decoding's (they must be)."""
+    prompts = pair_prompts(pair, n_prompts)
+    rows = []
+    for t in (x for x in temperatures if x > 0):
+        def run(budget: Budget, reproducible: bool, t: float = t):
+            r = run_engine(pair, prompts, budget, max_tokens=max_tokens, batch_size=8, temperature=t, seed=seed,
+                           reproducible=reproducible)
+            log(f"T={t} {budget} reproducible={reproducible}: tau {r.tau:.3f}")
+            return r
+
+        walk, keyed = run(Budget.adaptive(), False), run(Budget.adaptive(), True)
+        same = keyed.token_ids == run(Budget.off(), True).token_ids
+        for name, r, equal in (("rejection walk", walk, "-"), ("reproducible (Gumbel coupling)", keyed,
+                                                               "yes" if same else "NO")):
+            rows.append([f"{t:g}", name, f"{r.tau:.3f}", f"{r.drafted / max(r.rounds, 1):.1f}",
+                         f"{r.tau / walk.tau:.3f}", equal])
+    return markdown_table(["T", "verification (adaptive budget)", "tau (tokens/forward)", "mean tree size",
+                           "vs walk", "tokens = plain decoding's"], rows)

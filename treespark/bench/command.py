@@ -39,6 +39,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "host syncs and uploads per step)")
     b.add_argument("--steps", type=int, default=3, help="rounds --host, walk: timed steps per cell")
     b.add_argument("--drafter", help="the default target with this drafter directory (its calibration.json)")
+    b.add_argument("--reproducible", action="store_true",
+                   help="acceptance: only the adaptive budget at each T > 0, the rejection walk against "
+                        "reproducible (position-keyed Gumbel) requests")
     b.add_argument("--goals", action="store_true",
                    help="acceptance: only the drafter's goal rows (first-token, tuned chain, adaptive at a low price)")
     b.add_argument("--base", help="serving: also measure this checkout (the 'before' rows)")
@@ -97,6 +100,12 @@ def run_bench(args: argparse.Namespace) -> None:
         write_out(goals_benchmark(pair, n_prompts=args.prompts, max_tokens=args.max_tokens,
                                chain_lengths=tuple(args.chains or (1, 2, 3, 4, 5)), seed=args.seed,
                                temperatures=tuple(args.temperatures)), args.out)
+        return
+    if args.what == "acceptance" and args.reproducible:
+        from treespark.bench.acceptance import reproducible_benchmark
+
+        write_out(reproducible_benchmark(pair, n_prompts=args.prompts, max_tokens=args.max_tokens, seed=args.seed,
+                                         temperatures=tuple(args.temperatures)), args.out)
         return
     if args.what == "engine":
         from treespark.bench.engine_bench import engine_benchmark

@@ -48,6 +48,7 @@ from treespark.bench.device_correctness import (
     Checks,
     Inject,
     check_greedy,
+    check_keyed_noise,
     check_loader,
     check_logits,
     preflight,
@@ -117,6 +118,7 @@ def device_check(config: CheckConfig, out_dir: str | Path, *, device: str | None
 
     section("greedy", greedy)
     section("loader", lambda: check_loader(pair, dev, config, checks))
+    section("keyed noise", lambda: check_keyed_noise(dev, pair.vocab_size, checks, config.seed))
     for r in checks.rows:
         log(f"{'ok  ' if r['ok'] else 'FAIL'} {r['check']}: {r['value']} ({r['bound']})")
 

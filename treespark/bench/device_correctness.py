@@ -39,6 +39,7 @@ from treespark.models.checkpoint import INDEX_NAME, load_drafter
 from treespark.models.drafter import DSparkDrafter
 from treespark.models.pair import ModelPair, init_weights
 from treespark.spec.budget import Budget
+from treespark.spec.gumbel import keyed_argmax, keyed_uniforms, position_keys
 from treespark.spec.params import SamplingParams
 from treespark.spec.tree import tree_batch
 
@@ -253,6 +254,30 @@ def check_greedy(pair: ModelPair, device: torch.device, cfg: CheckConfig, checks
                    f"{same}/{len(prompts)} identical; first divergence {first}; worst margin {worst:.3g}",
                    f"divergences only at near-ties (|margin| <= {tie})")
     return report
+
+
+def check_keyed_noise(device: torch.device, vocab: int, checks: Checks, seed: int) -> dict[str, Any]:
+    """The position-keyed noise of reproducible requests (``treespark.spec.gumbel``) on the
+    device against the CPU's, bit for bit: 64 (seed, index) keys over the whole vocabulary,
+    and the keyed draw from the same logits."""
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(0, 2**32, (64, 2), generator=g)
+    index = torch.randint(0, 2**20, (64,), generator=g)
+    logits = torch.randn(64, vocab, generator=g) * 4
+    t = torch.full((64,), 0.8, dtype=torch.float64)
+    out = {}
+    for dev in (torch.device("cpu"), device):
+        keys = position_keys(words[:, 0].to(dev), words[:, 1].to(dev), index.to(dev))
+        u = keyed_uniforms(keys, torch.arange(vocab, device=dev)).cpu()
+        x = keyed_argmax(logits.to(dev), t.to(dev), None, keys, torch.arange(64, device=dev)).cpu()
+        out[dev.type] = (u, x)
+    (u_cpu, x_cpu), (u_dev, x_dev) = out["cpu"], out[device.type]
+    same = torch.equal(u_cpu, u_dev) and torch.equal(x_cpu, x_dev)
+    differ = int((u_cpu != u_dev).sum())
+    checks.add("keyed noise and draws: device = CPU, bit for bit", same,
+               f"{differ} of {u_cpu.numel()} uniforms differ; draws {'equal' if torch.equal(x_cpu, x_dev) else 'differ'}",
+               "0 differ, draws equal")
+    return {"uniforms": u_cpu.numel(), "differ": differ}
 
 
 def write_public_checkpoint(drafter: DSparkDrafter, directory: Path, shards: int = 2) -> None:

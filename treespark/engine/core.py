@@ -24,9 +24,10 @@ Each ``step()``:
    context and its tree ancestors; with ``cuda_graphs`` and no prefill chunks, padded
    further to a bucket and replayed from that bucket's CUDA graph,
    ``treespark.engine.graphs``) and the step's prefill chunks, then on the
-   device the argmax at every node (T = 0) or the recursive rejection walk (T > 0,
-   ``treespark.spec.walk``); one copy brings the accepted paths to the host
-   (``treespark.spec.verify`` builds the results);
+   device the argmax at every node (T = 0), the Gumbel-max draw keyed by position at
+   every node (reproducible T > 0 rows, ``treespark.spec.gumbel``) or the recursive
+   rejection walk (other T > 0 rows, ``treespark.spec.walk``); one copy brings the
+   accepted paths to the host (``treespark.spec.verify`` builds the results);
 4. commit: move the accepted nodes' KV entries next to the committed context (inside
    the request's blocks), feed their tapped hidden states to the drafter's context
    cache, key the blocks that became full for the prefix cache, and retire finished
@@ -48,11 +49,12 @@ one copy when it finishes. No copy to the host grows with the vocabulary
 (``StepStats.host_syncs`` / ``host_elements``). Host to device, each non-blocking from a
 pinned buffer on CUDA (``StepStats.host_uploads``): one for the batch's block tables,
 anchors and lengths (the drafter's context gather and the target's forward share it),
-one per wave, two for the trees, two for the T > 0 walk, one for the commit (slot
-mapping of the moves and of the drafter context), one for logprobs; the step's prefill
-one (tokens, positions, block tables, slot mapping), a sampled first token one more,
-logprobs one more. The step never waits for the device otherwise: ``measure_stages``
-adds two waits (CUDA) so that the stage times are device times.
+one per wave, two for the trees, two for the T > 0 walk, one for reproducible rows,
+one for the commit (slot mapping of the moves and of the drafter context), one for
+logprobs; the step's prefill one (tokens, positions, block tables, slot mapping), sampled
+first tokens one more, logprobs one more. The step never waits for the device
+otherwise: ``measure_stages`` adds two waits (CUDA) so that the stage times are device
+times.
 
 The engine is synchronous and not thread-safe: one thread owns it.
 """
@@ -92,6 +94,7 @@ from treespark.models.pair import ModelPair
 from treespark.spec.budget import Budget
 from treespark.spec.calibration import Calibration
 from treespark.spec.drafting import RoundDraft, RowDraft, WaveDrafter
+from treespark.spec.gumbel import PositionKey
 from treespark.spec.logprobs import Emitted, TokenLogprob, step_logprobs
 from treespark.spec.params import RequestOutput, RoundStats, SamplingParams, StepStats
 from treespark.spec.sampling import TorchSampler
@@ -346,7 +349,8 @@ class Engine:
         block = self.drafter.config.block_size
         rows = [RowDraft(root=r.root, budget=b, depth_limit=min(block, r.params.max_tokens - len(r.output) - 1),
                          temperature=self.calibration.draft_temperature(r.params.temperature),
-                         calibration=self.calibration.at(r.params.temperature), sampler=r.sampler)
+                         calibration=self.calibration.at(r.params.temperature), sampler=r.sampler,
+                         key=PositionKey.of(r.params.seed, r.next_index) if r.params.keyed else None)
                 for r, b in zip(batch, budgets, strict=True)]
         base = None
         if any(not b.is_off and row.depth_limit > 0 for b, row in zip(budgets, rows, strict=True)):

@@ -33,6 +33,11 @@ class Request:
     taps: list[torch.Tensor] | None = None
 
     @property
+    def next_index(self) -> int:
+        """The absolute index of the next token to emit: the prompt's and the output's so far."""
+        return len(self.prompt) + len(self.output)
+
+    @property
     def prefill_len(self) -> int:
         """The positions to prefill before decoding: the prompt, or after a preemption
         the prompt and every emitted token but the last (the root of the next tree)."""

@@ -39,15 +39,18 @@ def generate(
     budget: Budget | None = None,
     top_p: float = 1.0,
     stop_token_ids: tuple[int, ...] = (),
+    reproducible: bool = False,
 ) -> Generation:
     """Decode ``max_new_tokens`` after ``prompt_ids`` with speculative draft trees.
 
     ``budget=None`` is the default adaptive tree; ``Budget.chain(k)`` a chain and
     ``Budget.off()`` plain decoding. The output has exactly the target's distribution
-    (greedy: the target's tokens). Raises ValueError on bad input.
+    (greedy: the target's tokens); ``reproducible`` (T > 0, with a seed): the tokens are
+    a function of the prompt and the seed alone, the same under every budget
+    (``SamplingParams.reproducible``). Raises ValueError on bad input.
     """
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                            stop_token_ids=stop_token_ids, seed=seed)
+                            stop_token_ids=stop_token_ids, seed=seed, reproducible=reproducible)
     if budget is not None and not isinstance(budget, Budget):
         raise ValueError(f"budget must be a treespark.Budget or None, got {type(budget).__name__}")
     n = len(prompt_ids) if hasattr(prompt_ids, "__len__") else 0
@@ -90,11 +93,11 @@ class RunResult:
 
 
 def run_engine(pair: ModelPair, prompts: list[list[int]], budget: Budget, *, max_tokens: int,
-               batch_size: int, temperature: float = 0.0, seed: int = 0,
+               batch_size: int, temperature: float = 0.0, seed: int = 0, reproducible: bool = False,
                allocator: StepAllocator | None = None, progress: bool = False) -> RunResult:
     """Serve every prompt through one engine (batch_size rows) and time it; prompt ``i``
-    samples with seed ``seed + i``. With ``allocator``, every step is priced by it (the
-    served per-step policy)."""
+    samples with seed ``seed + i`` (``reproducible``: ``SamplingParams.reproducible``).
+    With ``allocator``, every step is priced by it (the served per-step policy)."""
     longest = max(len(p) for p in prompts)
     engine = Engine(pair, EngineConfig(max_batch_size=batch_size, max_context=longest + max_tokens),
                     budget=budget)
@@ -103,7 +106,7 @@ def run_engine(pair: ModelPair, prompts: list[list[int]], budget: Budget, *, max
     engine.on_step = stats.append
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(
-            temperature=temperature, max_tokens=max_tokens, seed=seed + i,
+            temperature=temperature, max_tokens=max_tokens, seed=seed + i, reproducible=reproducible,
             stop_token_ids=pair.stop_token_ids))
     answers: list[list[int]] = [[] for _ in prompts]
     rounds = accepted = drafted = steps = 0

@@ -17,7 +17,8 @@ def step_stats(batch: Sequence[Request], drafted: RoundDraft, results: Sequence[
                prefill_tokens: int, host: tuple[int, int, int, int], policy_s: float) -> StepStats:
     """``times``: the step's start, drafting start, verify start and end (perf_counter);
     ``host``: (syncs, elements copied to the host, uploads, elements uploaded). Calibration records are split by
-    regime: T = 0 rows' and T > 0 rows'."""
+    regime: T = 0 rows' and T > 0 rows' verified by the rejection walk (a reproducible row's
+    acceptance follows another coupling, so its records would bias the walk's map: none)."""
     t0, t_draft, t_verify, t_end = times
     trees = drafted.trees
     return StepStats(
@@ -35,7 +36,7 @@ def step_stats(batch: Sequence[Request], drafted: RoundDraft, results: Sequence[
         calibration_records=tuple(x for req, r in zip(batch, results, strict=True)
                                   if req.params.temperature == 0 for x in r.records),
         sampled_records=tuple(x for req, r in zip(batch, results, strict=True)
-                              if req.params.temperature > 0 for x in r.records),
+                              if req.params.temperature > 0 and not req.params.keyed for x in r.records),
         node_caps=tuple(b.node_cap for b in budgets),
         draft_waves=drafted.waves,
         host_syncs=host[0],

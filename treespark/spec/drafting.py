@@ -8,11 +8,13 @@ call on the drafter's device:
     q      = softmax(logits / T)                  (T = 1 to rank at T = 0)
 
 and returns, per parent, the ``TOP_M`` largest q with their indices and, at T > 0,
-``k`` draws without replacement (sequential inverse-CDF draws on the cumulative q in
+``k`` draws without replacement: sequential inverse-CDF draws on the cumulative q in
 float64, one uniform each from the request's own generator, so a seeded request draws
-the same tokens on any device). Only ``[parents, 2 * TOP_M + 2k]`` numbers reach the
-host, in one copy; the T > 0 parents' q rows stay on the device for verification
-(``treespark.spec.walk``).
+the same tokens on any device; for a reproducible request, the Gumbel-top-k of
+log q + G with the noise keyed by the children's index (``treespark.spec.gumbel``), the
+noise its target tokens are verified with. Only ``[parents, 2 * TOP_M + 2k]`` numbers
+reach the host, in one copy; the other T > 0 parents' q rows stay on the device for
+verification (``treespark.spec.walk``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from treespark.kernels.transfer import HostTransfers
 from treespark.spec.budget import Budget
 from treespark.spec.calibration import Calibration
 from treespark.spec.forest import Forest
+from treespark.spec.gumbel import PositionKey, keyed_top_k, position_keys
 from treespark.spec.sampling import Sampler
 from treespark.spec.select import TOP_M, SlotArrays, slot_table
 from treespark.spec.tree import DraftTree
@@ -72,8 +75,11 @@ def score_parents(
     depths: torch.Tensor,     # [P] depth of the children (1-based)
     parents: torch.Tensor,    # [P] parent token ids
     temperature: torch.Tensor | None,  # [P] T (1 for T = 0, which ranks at T = 1); None: 1 for all
-    sampled: torch.Tensor,    # [S] indices (into P) of the parents drawn at T > 0
+    sampled: torch.Tensor,    # [S] indices (into P) of the parents drawn at T > 0 by their uniforms
     uniforms: torch.Tensor,   # [S, k] float64
+    keyed: torch.Tensor,      # [G] indices (into P) of the reproducible rows' parents
+    keys: torch.Tensor,       # [G, 2] int64 their ``position_keys`` (at the children's index)
+    key_tokens: torch.Tensor,  # [Vd] int64 the token id of each draft index (the noise's)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Score one wave's parents. Returns (packed [P, 2M + 2k] float64, q rows [S, Vd]
     float32 and their float64 totals [S] for the sampled parents): packed holds the
@@ -81,7 +87,8 @@ def score_parents(
     parents). The q that tokens are drawn from, and verified against, is a row over
     its total (one cumulative sum in float64, taken while converting). Passes over the
     vocabulary per parent: the product, the base, top-M, the shift (and the temperature),
-    one exp-and-sum; a sampled parent adds its row of q and the cumulative sum."""
+    one exp-and-sum; a sampled parent adds its row of q and the cumulative sum, a keyed
+    one its noise and top-k."""
     k = uniforms.shape[1]
     x = w1[parents]                                                  # [P, r]
     fp32 = x.dtype == w2.dtype == torch.float32
@@ -100,6 +107,8 @@ def score_parents(
     if temperature is not None:
         scaled.div_(temperature[:, None])
         top_scaled = top_scaled / temperature[:, None]
+    # the keyed parents' children: Gumbel-top-k of log q (up to a constant), before the exp
+    keyed_ids = keyed_top_k(scaled[keyed], keys, key_tokens, k) if keyed.numel() else None   # [G, k]
     e = scaled.exp_()                                                # in place: no second [P, Vd]
     total = e.sum(-1, keepdim=True)                                  # [P, 1]
     top_q = (top_scaled - total.log()).exp_()
@@ -112,6 +121,9 @@ def score_parents(
         ids, qx = draw_without_replacement(c, uniforms)
         totals = c[:, -1]
         drawn[sampled] = torch.cat([ids.to(torch.float64), qx], dim=1)
+    if keyed_ids is not None:
+        qx = e[keyed].gather(1, keyed_ids).to(torch.float64) / total[keyed].to(torch.float64)
+        drawn[keyed] = torch.cat([keyed_ids.to(torch.float64), qx], dim=1)
     packed = torch.cat([top_q.to(torch.float64), top.indices.to(torch.float64), drawn], dim=1)
     return packed, rows_s, totals
 
@@ -177,6 +189,10 @@ class RowDraft:
     temperature: float             # the drafting temperature (``Calibration.draft_temperature``; 0: rank)
     calibration: Calibration       # the map in force at the request's temperature
     sampler: Sampler
+    key: PositionKey | None = None  # a reproducible T > 0 row's noise (None: drawn by ``sampler``)
+
+    def __post_init__(self) -> None:
+        assert self.key is None or self.temperature > 0, "a keyed row is sampled"
 
 
 class WaveDrafter:
@@ -187,6 +203,9 @@ class WaveDrafter:
         self.w1, self.w2 = w1, w2
         self.d2t = None if draft_to_target is None else draft_to_target.cpu().numpy()
         self.vocab = w2.shape[0]
+        # the token id of each draft index, on the device: whose noise a keyed draft takes
+        self.key_tokens = torch.arange(self.vocab, device=w2.device) if draft_to_target is None \
+            else draft_to_target.to(w2.device, torch.long)
         self.transfers = transfers
 
     def draft(self, base: torch.Tensor | None, rows: list[RowDraft]) -> RoundDraft:
@@ -194,6 +213,10 @@ class WaveDrafter:
         out = RoundDraft(trees=[])
         temp = np.array([r.temperature for r in rows], dtype=np.float64)         # [R]
         cap = np.array([r.budget.branch_cap for r in rows], dtype=np.int64)      # [R]
+        is_keyed = np.array([r.key is not None for r in rows], dtype=bool)      # [R]
+        # [R, 3] a keyed row's seed words and the index of its next token (0 elsewhere)
+        coords = np.array([(r.key.seed_lo, r.key.seed_hi, r.key.next_index) if r.key is not None else (0, 0, 0)
+                           for r in rows], dtype=np.int64).reshape(len(rows), 3)
         # rows that share a map, a regime and a branch cap get their slots in one array call
         group_of: dict[tuple[int, bool, int], int] = {}
         group = np.array([group_of.setdefault((id(r.calibration), r.temperature > 0, r.budget.branch_cap),
@@ -209,7 +232,8 @@ class WaveDrafter:
             out.waves += 1
             p = len(opens_b)
             k = int(cap[opens_b].max())
-            sampled = np.flatnonzero(temp[opens_b] > 0)
+            sampled = np.flatnonzero((temp[opens_b] > 0) & ~is_keyed[opens_b])
+            keyed = np.flatnonzero(is_keyed[opens_b])
             # each parent draws its own branch_cap uniforms (padding unused), so what a
             # request draws never depends on who shares its batch; a row's parents draw
             # in one call, in their order (the same numbers as one call a parent)
@@ -219,19 +243,27 @@ class WaveDrafter:
                 mine = np.flatnonzero(sampled_rows == b)
                 c = rows[b].budget.branch_cap
                 u[mine, :c] = np.asarray(rows[b].sampler.uniform(len(mine) * c)).reshape(len(mine), c)
-            # one upload: per parent (row, depth, token, temperature), the sampled parents, their uniforms
+            # one upload: per parent (row, depth, token, temperature), the sampled parents, their
+            # uniforms, the keyed parents and their (seed words, children's index); integers
+            # below 2**53 are exact in float64
             t = temp[opens_b]
-            host = np.stack([opens_b, forest.depth[opens_b, opens_n] + 1, forest.token[opens_b, opens_n],
+            depth = forest.depth[opens_b, opens_n]
+            host = np.stack([opens_b, depth + 1, forest.token[opens_b, opens_n],
                              np.where(t > 0, t, 1.0)], 1).astype(np.float64)
-            s = len(sampled)
-            up = self.transfers.upload(np.concatenate([host.ravel(), sampled.astype(np.float64), u.ravel()]),
-                                       torch.float64)
+            s, g = len(sampled), len(keyed)
+            at_key = coords[opens_b[keyed]]                              # [G, 3] (a copy)
+            at_key[:, 2] += depth[keyed]                                 # the children's index
+            up = self.transfers.upload(np.concatenate([host.ravel(), sampled.astype(np.float64), u.ravel(),
+                                                       keyed.astype(np.float64), at_key.ravel()]), torch.float64)
             dev_host = up[:4 * p].view(p, 4)
+            o = 4 * p + s + s * k
+            dev_keys = up[o + g:].view(g, 3).long()
             unit = bool(np.all((t <= 0) | (t == 1)))
             packed, q_rows, totals = score_parents(
                 base, self.w1, self.w2, dev_host[:, 0].long(), dev_host[:, 1].long(),
                 dev_host[:, 2].long(), None if unit else dev_host[:, 3].float().clamp(min=1e-30),  # > 0 in fp32
-                up[4 * p:4 * p + s].long(), up[4 * p + s:].view(s, k))
+                up[4 * p:4 * p + s].long(), up[4 * p + s:o].view(s, k), up[o:o + g].long(),
+                position_keys(dev_keys[:, 0], dev_keys[:, 1], dev_keys[:, 2]), self.key_tokens)
             if s:
                 chunks.append(q_rows)
                 total_chunks.append(totals)

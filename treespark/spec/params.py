@@ -14,12 +14,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples. At T > 0 a request is verified by recursive rejection
+    sampling (``treespark.spec.walk``) unless it is ``reproducible``: then each token is
+    the Gumbel-max draw keyed by (seed, its index in the sequence) (``treespark.spec.gumbel``),
+    a function of the prompt and the seed alone, whatever the draft trees, the batch,
+    preemption, or a resumed stream (the prompt and the tokens sent, with the same seed).
+    Both have exactly the target's distribution; the walk accepts more draft tokens."""
+
     temperature: float = 0.0          # 0 = greedy
     top_p: float = 1.0
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None           # None = a fresh random stream
     logprobs: int | None = None       # None: none; k: each emitted token's log-prob and the k likeliest
+    reproducible: bool = False        # T > 0: tokens a function of (prompt, seed) alone; needs a seed
 
     def __post_init__(self) -> None:
         validate_temperature(self.temperature)
@@ -31,7 +39,17 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.reproducible, bool):
+            raise ValueError(f"reproducible must be a bool, got {self.reproducible!r}")
+        if self.reproducible and self.temperature > 0 and self.seed is None:
+            raise ValueError("reproducible sampling at temperature > 0 needs a seed")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def keyed(self) -> bool:
+        """Sampled with position-keyed Gumbel noise (reproducible at T > 0); T = 0 is
+        greedy whatever the switch."""
+        return self.reproducible and self.temperature > 0
 
 
 @dataclass(frozen=True)
@@ -91,7 +109,7 @@ class StepStats:
     step_s: float
     prefill_tokens: int = 0
     calibration_records: tuple[tuple[float, bool, int], ...] = ()  # (q, accepted, sibling rank), T = 0 rows
-    sampled_records: tuple[tuple[float, bool, int], ...] = ()      # the same, T > 0 rows
+    sampled_records: tuple[tuple[float, bool, int], ...] = ()      # the same, T > 0 rows of the walk
     node_caps: tuple[int, ...] = ()  # each row's budget node cap (after max_tree_nodes)
     draft_waves: int = 0             # batched drafter calls that grew the trees (one per depth level)
     host_syncs: int = 0              # device-to-host copies (and CUDA waits) in the step
