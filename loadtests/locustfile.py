@@ -4,8 +4,8 @@ Each user is a closed loop (no think time): concurrency = users. Requests stream
 default; Locust times only the response headers of a stream, so each request also
 reports its time to first token (``TTFT``) and end-to-end latency (``E2E``) through
 ``events.request`` and, with ``--records``, appends one JSON line per request
-(start, end, TTFT, completion tokens, status, the prompt's index in the split and the
-text answered) for the experiment runner.
+(start, end, TTFT, completion tokens, status, the prompt's index in the split, the
+request's seed and the text answered) for the experiment runner.
 
 The load shape comes from ``--shape`` (see ``loadtests.shapes``). Run it on its own
 (``import locust`` must precede ``requests``/``ray`` in a process, for gevent):
@@ -77,7 +77,8 @@ class CompletionUser(HttpUser):
             self.model = r.json()["data"][0]["id"]
 
     def _body(self) -> tuple[dict, int]:
-        """The request's body, and its prompt's index in the split."""
+        """The request's body (its seed: the request's number in this process), and its
+        prompt's index in the split."""
         opts = self.environment.parsed_options
         i = next(_counter)
         index = i % len(_PROMPTS) if _PROMPTS else -1
@@ -119,7 +120,8 @@ class CompletionUser(HttpUser):
                 text = choice.get("text") or choice.get("message", {}).get("content") or ""
             else:
                 r.failure(f"HTTP {r.status_code}")
-            _record(t0=t0, t1=t1, ttft=None, tokens=tokens, ok=ok, status=r.status_code, prompt=index, text=text)
+            _record(t0=t0, t1=t1, ttft=None, tokens=tokens, ok=ok, status=r.status_code, prompt=index,
+                    seed=body["seed"], text=text)
 
     def _stream(self, body: dict, t0: float, index: int) -> None:
         ttft, tokens, err = None, 0, None
@@ -161,4 +163,4 @@ class CompletionUser(HttpUser):
             self._fire("TTFT", ttft, 0)
         self._fire("E2E", t1 - t0, tokens, err)
         _record(t0=t0, t1=t1, ttft=ttft, tokens=tokens, ok=err is None, status=status, prompt=index,
-                text="".join(pieces))
+                seed=body["seed"], text="".join(pieces))

@@ -10,9 +10,11 @@ default``: the default pair and the served default policy, one thread a replica;
   event and the pause a resumed stream's client saw (``ingress_report``); how long the
   controller took to drop the dead replica, when the replacement registered and got its
   first budget, and checks that nothing hung (every request answered within the client's
-  patience; Locust ends within its stop timeout). The users decode greedily, so every
-  answer, resumed or not, must equal the answer to the same prompt sent again once the
-  load is over (``greedy_check``: one reference request per prompt, on the healed cluster).
+  patience; Locust ends within its stop timeout). The users decode greedily (or, with
+  ``--temperature``, sample with a seed each), so every answer, resumed or not, must
+  equal the answer to the same prompt (and seed) sent again once the load is over
+  (``answer_check``: one reference request per prompt, or per request at T > 0, on the
+  healed cluster).
 * ``ramp``: a Locust ramp up and down drives Serve autoscaling 1 -> 3 -> 1 replicas
   across the workers; records each new replica's time to its first controller budget,
   each replica's price (theta) and the goodput over time, and every failed request.
@@ -169,10 +171,10 @@ def session_dir() -> Path:
 
 
 def start_locust(url: str, shape: str, prefix: Path, stream: bool, max_tokens: int, stop_timeout_s: int,
-                 model: str = MODEL["random"]) -> subprocess.Popen:
+                 model: str = MODEL["random"], temperature: float = 0.0) -> subprocess.Popen:
     Path(f"{prefix}-records.jsonl").unlink(missing_ok=True)
-    cmd = locust_command(url, shape, prefix, LoadArgs(max_tokens=max_tokens, stream=stream, model=model),
-                         stop_timeout_s=stop_timeout_s)
+    cmd = locust_command(url, shape, prefix, LoadArgs(max_tokens=max_tokens, temperature=temperature, stream=stream,
+                                                      model=model), stop_timeout_s=stop_timeout_s)
     return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=open(f"{prefix}-locust.log", "w"),  # noqa: SIM115
                             stderr=subprocess.STDOUT)
 
@@ -197,28 +199,36 @@ def wait_replicas(url: str, n: int, timeout_s: float) -> dict:
     raise TimeoutError(f"{n} replicas not registered within {timeout_s} s")
 
 
-def reference_texts(url: str, model: str, prompts: set[int], max_tokens: int) -> dict[int, str]:
-    """Each of ``prompts`` (indices into the held-out split, as the Locust users sent them)
-    answered once more, greedily, not streamed: what every answer to it must equal."""
+def answer_key(record: dict, temperature: float) -> tuple[int, int]:
+    """What a request's answer is a function of: its prompt, and at T > 0 its seed (a
+    client's seed makes a sampled request reproducible); -1 where nothing else matters."""
+    return record.get("prompt", -1), record.get("seed", -1) if temperature > 0 else -1
+
+
+def reference_texts(url: str, model: str, keys: set[tuple[int, int]], max_tokens: int,
+                    temperature: float) -> dict[tuple[int, int], str]:
+    """Each (prompt, seed) of ``keys`` (prompt: an index into the held-out split, as the
+    Locust users sent it) answered once more, not streamed: what every answer to it must
+    equal."""
     import requests
 
     from treespark.models.prompts import load_prompts
 
     texts = [p.text for p in load_prompts("heldout")]
     out = {}
-    for i in sorted(prompts):
-        body = {"model": model, "prompt": texts[i], "max_tokens": max_tokens, "temperature": 0.0, "seed": 0,
-                "ignore_eos": True}
+    for prompt, seed in sorted(keys):
+        body = {"model": model, "prompt": texts[prompt], "max_tokens": max_tokens, "temperature": temperature,
+                "seed": max(seed, 0), "ignore_eos": True}
         r = requests.post(f"{url}/v1/completions", json=body, timeout=300)
         r.raise_for_status()
-        out[i] = r.json()["choices"][0]["text"]
+        out[(prompt, seed)] = r.json()["choices"][0]["text"]
     return out
 
 
-def greedy_check(records: list[dict], reference: dict[int, str]) -> dict:
-    """The answered greedy requests whose text differs from their prompt's reference."""
-    checked = [r for r in records if r["ok"] and r.get("prompt", -1) in reference]
-    differ = [r for r in checked if r["text"] != reference[r["prompt"]]]
+def answer_check(records: list[dict], reference: dict[tuple[int, int], str], temperature: float) -> dict:
+    """The answered requests whose text differs from their (prompt, seed)'s reference."""
+    checked = [r for r in records if r["ok"] and answer_key(r, temperature) in reference]
+    differ = [r for r in checked if r["text"] != reference[answer_key(r, temperature)]]
     return {"checked": len(checked), "differ": len(differ),
             "differ_prompts": sorted({r["prompt"] for r in differ})[:20]}
 
@@ -244,7 +254,7 @@ def fault(a: argparse.Namespace) -> dict:
         poller = StatusPoller(cl.url, 0.1, replica_rows).start()
         shape = f"const:{a.users}:{a.duration}"
         procs = {kind: start_locust(cl.url, shape, work / kind, kind == "stream", a.max_tokens, a.stop_timeout,
-                                    model) for kind in ("stream", "plain")}
+                                    model, a.temperature) for kind in ("stream", "plain")}
         time.sleep(max(a.kill_at - (time.time() - poller.t0), 0))
         t_kill = cl.kill_worker(victim) - poller.t0
         rcs = {k: p.wait(a.duration + a.stop_timeout + 120) for k, p in procs.items()}
@@ -255,9 +265,9 @@ def fault(a: argparse.Namespace) -> dict:
         scaling = serve_scaling(session_dir(), poller.t0)
         after = get_status(cl.url)
         recs = {k: read_records(work / f"{k}-records.jsonl") for k in ("stream", "plain")}
-        sent = {r["prompt"] for rs in recs.values() for r in rs if r.get("prompt", -1) >= 0}
-        log(f"load over; {len(sent)} prompts answered once more for the greedy check")
-        reference = reference_texts(cl.url, model, sent, a.max_tokens)
+        sent = {answer_key(r, a.temperature) for rs in recs.values() for r in rs if r["ok"] and r.get("prompt", -1) >= 0}
+        log(f"load over; {len(sent)} requests answered once more for the answer check")
+        reference = reference_texts(cl.url, model, sent, a.max_tokens, a.temperature)
     return fault_summary(a, poller, work, t_kill, t_end, lost, victim, ingress, rcs, after, scaling, recs, reference)
 
 
@@ -292,10 +302,10 @@ def fault_summary(a, poller: StatusPoller, work: Path, t_kill: float, t_end: flo
             "failed_statuses": sorted({r["status"] for r in failed}),
             "max_latency_s": round(max((r["t1"] - r["t0"] for r in rs), default=0), 2),
             "sent_during_fault": sum(1 for r in rs if r["t0"] - t0 <= t_kill <= r["t1"] - t0),
-            "greedy_check": greedy_check(rs, reference),
+            "answer_check": answer_check(rs, reference, a.temperature),
         }
     summary = {
-        "pair": a.pair, "users_per_kind": a.users, "duration_s": a.duration, "max_tokens": a.max_tokens, "kill_at_s": round(t_kill, 2),
+        "pair": a.pair, "temperature": a.temperature, "users_per_kind": a.users, "duration_s": a.duration, "max_tokens": a.max_tokens, "kill_at_s": round(t_kill, 2),
         "replica_retries": a.retries, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
         "killed_node": victim[:8], "lost_replicas": lost,
         "controller_dropped_after_s": None if drop is None else round(drop - t_kill, 2),
@@ -415,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--duration", type=int, default=60)
     f.add_argument("--kill-at", type=float, default=20.0)
     f.add_argument("--retries", type=int, default=2, help="limits.replica_retries")
+    f.add_argument("--temperature", type=float, default=0.0,
+                   help="the users' temperature; > 0: each request sampled with a seed of its own")
     f.add_argument("--pair", default="random", choices=sorted(MODEL),
                    help="default: the default pair under the served default policy")
     f.add_argument("--startup-timeout", type=float, default=120.0,

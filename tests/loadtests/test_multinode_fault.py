@@ -9,8 +9,8 @@ import types
 from deployments.metrics import IngressMetrics, render
 from loadtests.common import read_records
 from loadtests.multinode import (
+    answer_check,
     fault_summary,
-    greedy_check,
     ingress_counters,
     ingress_report,
     replica_rows,
@@ -53,11 +53,11 @@ def test_fault_summary_reports_resumed_and_failed_streams(tmp_path):
                 # prompt 3's streamed answer at t0 + 30 (after the kill) came out otherwise
                 text = "wrong" if kind == "stream" and i == 30 else f"answer {i % 5}"
                 f.write(json.dumps({"t0": t0 + i, "t1": t0 + i + 1.5, "ttft": 0.1, "tokens": 32, "ok": True,
-                                    "status": 200, "prompt": i % 5, "text": text}) + "\n")
+                                    "status": 200, "prompt": i % 5, "seed": i, "text": text}) + "\n")
     poller = types.SimpleNamespace(rows=rows, t0=t0)
-    a = argparse.Namespace(pair="random", users=2, duration=40, max_tokens=32, retries=2, out=tmp_path / "out")
+    a = argparse.Namespace(pair="random", temperature=0.0, users=2, duration=40, max_tokens=32, retries=2, out=tmp_path / "out")
     recs = {k: read_records(work / f"{k}-records.jsonl") for k in ("stream", "plain")}
-    reference = {i: f"answer {i}" for i in range(5)}
+    reference = {(i, -1): f"answer {i}" for i in range(5)}
     ingress = {"api_retries": 3, "streams_resumed": 2, "streams_failed": 0, "streams_failed_by_code": {},
                "resumed_stream_added_latency_s": 0.8}
     summary = fault_summary(a, poller, work, 29.5, 40.0, ["a"], "node-a", ingress, {"stream": 0, "plain": 0},
@@ -67,12 +67,15 @@ def test_fault_summary_reports_resumed_and_failed_streams(tmp_path):
     assert written["streams_resumed"] == 2 and written["streams_failed"] == 0
     assert written["resumed_stream_added_latency_s"] == 0.8 and written["api_retries"] == 3
     assert written["requests"]["stream"]["failed"] == 0 and not written["hung"]
-    assert written["requests"]["stream"]["greedy_check"] == {"checked": 40, "differ": 1, "differ_prompts": [0]}
-    assert written["requests"]["plain"]["greedy_check"] == {"checked": 40, "differ": 0, "differ_prompts": []}
+    assert written["requests"]["stream"]["answer_check"] == {"checked": 40, "differ": 1, "differ_prompts": [0]}
+    assert written["requests"]["plain"]["answer_check"] == {"checked": 40, "differ": 0, "differ_prompts": []}
     assert (a.out / "fault.png").stat().st_size > 0
 
 
-def test_greedy_check_skips_failed_requests_and_prompts_without_a_reference():
-    recs = [{"ok": True, "prompt": 1, "text": "x"}, {"ok": False, "prompt": 1, "text": ""},
-            {"ok": True, "prompt": -1, "text": "Hello?"}, {"ok": True, "prompt": 2, "text": "y"}]
-    assert greedy_check(recs, {1: "x", 2: "z"}) == {"checked": 2, "differ": 1, "differ_prompts": [2]}
+def test_answer_check_keys_greedy_answers_by_prompt_and_sampled_ones_by_seed_too():
+    recs = [{"ok": True, "prompt": 1, "seed": 3, "text": "x"}, {"ok": False, "prompt": 1, "seed": 4, "text": ""},
+            {"ok": True, "prompt": -1, "seed": 5, "text": "Hello?"}, {"ok": True, "prompt": 2, "seed": 6, "text": "y"}]
+    assert answer_check(recs, {(1, -1): "x", (2, -1): "z"}, 0.0) == {"checked": 2, "differ": 1, "differ_prompts": [2]}
+    # sampled: the same prompt under another seed is another answer (no reference, not checked)
+    assert answer_check(recs, {(1, 3): "x", (2, 7): "y"}, 1.0) == {"checked": 1, "differ": 0, "differ_prompts": []}
+    assert answer_check(recs, {(1, 3): "w"}, 1.0)["differ"] == 1
