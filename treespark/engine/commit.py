@@ -6,7 +6,8 @@ written at the tree's slots (position = length + node index); the path moves dow
 to the committed context (position = length + its index on the path), inside the
 request's own tail blocks. Every kept node's tapped hidden state goes to the drafter's
 context at its new position. ``commit_plan`` turns the paths into the slots of those
-moves and writes, as flat lists ready for one upload."""
+moves and writes, as flat lists ready for one upload; ``apply_commit`` carries them out
+on the device."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+from treespark.engine.kv import PagedKV
+from treespark.engine.prefill import write_context
+from treespark.kernels.transfer import HostTransfers
+from treespark.models.drafter import DSparkDrafter
 
 
 @dataclass(frozen=True)
@@ -51,3 +58,19 @@ def commit_plan(paths: list[list[int]], lengths: list[int], slots: Callable[[int
             dst += at
         ctx_slots += at
     return CommitPlan(keeps, rows, nodes, src, dst, [p for pos in kept for p in pos], ctx_slots)
+
+
+def apply_commit(plan: CommitPlan, kv: PagedKV, drafter: DSparkDrafter, taps: torch.Tensor,
+                 transfers: HostTransfers) -> torch.Tensor:
+    """Carry ``plan`` out in one upload and a few batched device operations: one gather of
+    the kept nodes' taps (``taps`` [B, K, taps]), one move in the target's store (the
+    drafter's context is written anew from the taps), one drafter call and write. Returns
+    the kept taps [M, taps], rows in order."""
+    m, e = len(plan.rows), len(plan.src)
+    ints = transfers.upload(plan.packed(), torch.long)
+    kept_taps = taps[ints[:m], ints[m:2 * m]]                                         # [M, taps]
+    if e:
+        kv.target.move(ints[2 * m:2 * m + e], ints[2 * m + e:2 * m + 2 * e])
+    at = 2 * m + 2 * e
+    write_context(drafter, kv.drafter, ints[at:at + m], ints[at + m:at + 2 * m], kept_taps)
+    return kept_taps

@@ -69,8 +69,8 @@ import numpy as np
 import torch
 
 from treespark.engine.accept import accept
-from treespark.engine.attend import MixedAttention, PagedContext, store_attention
-from treespark.engine.commit import commit_plan
+from treespark.engine.attend import PagedContext
+from treespark.engine.commit import apply_commit, commit_plan
 from treespark.engine.config import EngineConfig
 from treespark.engine.draft_graphs import GraphedDraft, draft_buckets
 from treespark.engine.graphs import Buckets, GraphedForward
@@ -81,7 +81,13 @@ from treespark.engine.kv import (
     bytes_per_token,
     pool_blocks,
 )
-from treespark.engine.prefill import Emit, Prefill, PrefillInputs, write_context
+from treespark.engine.prefill import (
+    Emit,
+    Prefill,
+    PrefillInputs,
+    RiddenForward,
+    forward_with_trees,
+)
 from treespark.engine.request import Request, check_request, clip_emitted
 from treespark.engine.scheduler import Scheduler
 from treespark.engine.step_alloc import StepAllocator
@@ -306,13 +312,14 @@ class Engine:
                                          [r.budget is None for r in batch], drafted, self.budget.theta)
             policy_s = self.allocator.policy_s
         t_verify = time.perf_counter()
-        logits, taps, chunk_out = self._verify_forward(batch, drafted.trees, lengths, table_d, pre)
+        logits, taps, ridden = self._verify_forward(batch, drafted.trees, lengths, table_d, pre)
         results = accept(batch, drafted, logits, self.transfers, self._d2t, self._walk_level)
         asked = [Emitted(i, [0, *r.path], list(r.tokens), req.params.logprobs)
                  for i, (req, r) in enumerate(zip(batch, results, strict=True)) if req.params.logprobs is not None]
         lps = dict(zip((e.row for e in asked), step_logprobs(logits, asked, self.transfers), strict=True))
         outputs = self._commit(batch, drafted.trees, results, taps, lengths, lps)
-        prefill_tokens = 0 if pre is None else self.prefill.finish(pre, *chunk_out, first)
+        prefill_tokens = 0 if ridden is None else self.prefill.finish(pre, ridden.chunk_taps, ridden.first_logits,
+                                                                      first)
         if self.measure_stages:
             self.sync()
         t_end = time.perf_counter()
@@ -361,39 +368,25 @@ class Engine:
 
     def _verify_forward(self, batch: list[Request], trees: list[DraftTree], lengths: list[int],
                         table: torch.Tensor, pre: PrefillInputs | None
-                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
-        """One target forward over every tree, and ``pre``'s prefill chunks with them:
-        the trees' logits [B, K, V] and taps [B, K, taps], and the chunks' taps [N, taps]
-        and first-token logits [F, 1, V] (None: none end a prompt), on the device."""
+                        ) -> tuple[torch.Tensor, torch.Tensor, RiddenForward | None]:
+        """One target forward over every tree, and ``pre``'s prefill chunks with them
+        (``forward_with_trees``): the trees' logits [B, K, V] and taps [B, K, taps] on the
+        device, and what the chunks got (None: no chunks)."""
         b = tree_batch(trees, lengths, self.device, self.transfers.upload)
         rows = self.kv.rows(table, b.mask.shape[-1])
-        n, k = b.tokens.shape
-        firsts = 0 if pre is None else len(pre.batch.firsts)
-        need = (n * k + firsts) * self.vocab_size
+        need = (b.tokens.numel() + (0 if pre is None else len(pre.batch.firsts))) * self.vocab_size
         if self.device.type == "cpu" and self._logits.numel() < need:
             self._logits = torch.empty(need, dtype=torch.float32)
-        if pre is not None:   # eager, padded to nothing: a CUDA graph holds a verify forward alone
-            runner = self.runner
-            mixed = MixedAttention(store_attention(runner.attention, self.kv.target, rows, b.write_pos, b.mask,
-                                                   groups=runner.groups, dtype=runner.dtype, scale=runner.scaling),
-                                   pre.attend, n, k)
-            heads = torch.arange(n * k, device=self.device)
-            if firsts:
-                heads = torch.cat([heads, pre.last + n * k])
-            out = runner.run(torch.cat([b.tokens.flatten(), pre.tokens])[None],
-                             torch.cat([b.positions.flatten(), pre.positions])[None], mixed, logits_for=heads,
-                             logits_into=self._logits)
-            assert out.logits is not None
-            taps = out.taps[0]
-            return (out.logits[:n * k].view(n, k, -1), taps[:n * k].view(n, k, -1),
-                    (taps[n * k:], out.logits[n * k:] if firsts else None))
+        if pre is not None:
+            ridden = forward_with_trees(self.runner, self.kv.target, rows, b, pre, self._logits)
+            return ridden.logits, ridden.taps, ridden
         if self.graphs is not None:
             out = self.graphs.forward(b.tokens, b.positions, b.write_pos, rows, b.mask, logits_into=self._logits)
         else:
             out = self.runner.forward(b.tokens, b.positions, b.write_pos, self.kv.target, rows, b.mask,
                                       logits_into=self._logits)
         assert out.logits is not None
-        return out.logits, out.taps, (out.taps[:0], None)
+        return out.logits, out.taps, None
 
     def _commit(self, batch: list[Request], trees: list[DraftTree], results: list[VerifyResult],
                 taps: torch.Tensor, lengths: list[int],
@@ -402,19 +395,12 @@ class Engine:
         committed context, feed their taps to the drafter, retire finished requests."""
         # every row's root and accepted nodes move next to its committed context (inside
         # its own tail blocks, never a shared or keyed one: those hold positions below its
-        # length only), and their taps go to the drafter, in one upload and a few batched
-        # device operations: one taps gather, one move per store (the target's; the
-        # drafter's context is written anew from the taps), one drafter call and write.
-        # Rows that finish now too: their blocks are freed below, whatever they hold.
+        # length only), and their taps go to the drafter. Rows that finish now too: their
+        # blocks are freed below, whatever they hold.
         plan = commit_plan([list(r.path) for r in results], lengths,
                            lambda i, positions: self.kv.slots(batch[i].blocks, positions))
-        keeps, m, e = plan.keeps, len(plan.rows), len(plan.src)
-        ints = self.transfers.upload(plan.packed(), torch.long)
-        kept_taps = taps[ints[:m], ints[m:2 * m]]                                     # [M, taps]
-        if e:
-            self.kv.target.move(ints[2 * m:2 * m + e], ints[2 * m + e:2 * m + 2 * e])
-        at = 2 * m + 2 * e
-        write_context(self.drafter, self.kv.drafter, ints[at:at + m], ints[at + m:at + 2 * m], kept_taps)
+        keeps, m = plan.keeps, len(plan.rows)
+        kept_taps = apply_commit(plan, self.kv, self.drafter, taps, self.transfers)
         outputs: list[RequestOutput] = []
         commit_reqs = []
         at = 0

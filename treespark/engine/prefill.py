@@ -30,14 +30,15 @@ import numpy as np
 import torch
 
 from treespark.engine.accept import sample_firsts
-from treespark.engine.attend import ChunkAttention, chunk_attention
-from treespark.engine.kv import PagedKV, PagedStore, blocks_for
+from treespark.engine.attend import ChunkAttention, MixedAttention, chunk_attention, store_attention
+from treespark.engine.kv import PagedKV, PagedRows, PagedStore, blocks_for
 from treespark.engine.request import Request
 from treespark.engine.scheduler import Scheduler
 from treespark.engine.target import TargetRunner
 from treespark.kernels.transfer import HostTransfers
 from treespark.models.drafter import DSparkDrafter
 from treespark.spec.logprobs import Emitted, TokenLogprob, step_logprobs
+from treespark.spec.tree import TreeBatch
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,39 @@ class PrefillInputs:
     def logits_for(self) -> torch.Tensor | str:
         """What the forward's LM head computes for the chunks: their first tokens' rows."""
         return self.last if self.batch.firsts else "none"
+
+
+@dataclass(frozen=True)
+class RiddenForward:
+    """What one forward over a batch of trees and a prefill's chunks gives each part."""
+
+    logits: torch.Tensor                 # [B, K, V] the trees'
+    taps: torch.Tensor                   # [B, K, taps] the trees'
+    chunk_taps: torch.Tensor             # [N, taps] the chunks'
+    first_logits: torch.Tensor | None    # [F, 1, V] at ``pre.last`` (None: no prompt ends)
+
+
+def forward_with_trees(runner: TargetRunner, store: PagedStore, rows: PagedRows, trees: TreeBatch,
+                       pre: PrefillInputs, logits_into: torch.Tensor | None) -> RiddenForward:
+    """ONE target forward over a decode step's trees (``trees``, their KV slots in
+    ``rows``) and ``pre``'s chunks after them, as one row (``MixedAttention``); logits
+    at every tree node and at the chunks' first-token positions. Eager, padded to
+    nothing (a CUDA graph holds a verify forward alone)."""
+    n, k = trees.tokens.shape
+    mixed = MixedAttention(store_attention(runner.attention, store, rows, trees.write_pos, trees.mask,
+                                           groups=runner.groups, dtype=runner.dtype, scale=runner.scaling),
+                           pre.attend, n, k)
+    heads = torch.arange(n * k, device=trees.tokens.device)
+    firsts = bool(pre.batch.firsts)
+    if firsts:
+        heads = torch.cat([heads, pre.last + n * k])
+    out = runner.run(torch.cat([trees.tokens.flatten(), pre.tokens])[None],
+                     torch.cat([trees.positions.flatten(), pre.positions])[None], mixed, logits_for=heads,
+                     logits_into=logits_into)
+    assert out.logits is not None
+    taps = out.taps[0]
+    return RiddenForward(out.logits[:n * k].view(n, k, -1), taps[:n * k].view(n, k, -1), taps[n * k:],
+                         out.logits[n * k:] if firsts else None)
 
 
 class Prefill:
