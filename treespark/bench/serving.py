@@ -304,14 +304,21 @@ TIMED = ("ttft_p50", "ttft_p95", "itl_p95", "long_verify_ms", "long_step_ms", "l
 
 def _timings(base: Path | None, pair: str, burst_prompt: int, rounds: int) -> dict[str, dict]:
     """The timed figures of each side, the median over ``rounds`` runs taken in turn
-    (before, after; then after, before; ...), so that a machine's load drifting during
-    the benchmark falls on both sides alike."""
+    (``_in_turn``)."""
+    runs = _in_turn(base, rounds, lambda checkout: _measure_at(checkout, pair, "timing", burst_prompt))
+    return {label: {k: statistics.median(m[k] for m in ms) for k in TIMED if k in ms[0]} for label, ms in runs.items()}
+
+
+def _in_turn(base: Path | None, rounds: int, measure: Callable[[Path | None], dict]) -> dict[str, list[dict]]:
+    """``measure`` of each side ("before": ``base``, if any; "after": this checkout)
+    ``rounds`` times, the sides in turn (before, after; then after, before; ...), so that
+    a machine's load drifting during the benchmark falls on both sides alike."""
     sides = {"before": base, "after": None} if base is not None else {"after": None}
     runs: dict[str, list[dict]] = {label: [] for label in sides}
     for r in range(rounds):
         for label in (list(sides) if r % 2 == 0 else list(reversed(sides))):
-            runs[label].append(_measure_at(sides[label], pair, "timing", burst_prompt))
-    return {label: {k: statistics.median(m[k] for m in ms) for k in TIMED if k in ms[0]} for label, ms in runs.items()}
+            runs[label].append(measure(sides[label]))
+    return runs
 
 
 def goodput_benchmark(base: Path | None, batch_sizes: tuple[int, ...] = (1, 4, 16),
@@ -321,25 +328,22 @@ def goodput_benchmark(base: Path | None, batch_sizes: tuple[int, ...] = (1, 4, 1
     medians, and after / before."""
     from treespark.bench.common import markdown_table
 
-    sides = {"before": base, "after": None} if base is not None else {"after": None}
     rows = []
     for pair in pairs:
-        runs: dict[str, list[dict]] = {label: [] for label in sides}
-        for r in range(rounds):
-            for label in (list(sides) if r % 2 == 0 else list(reversed(sides))):
-                runs[label].append(_measure_at(sides[label], pair, "goodput", batch_sizes=batch_sizes))
+        runs = _in_turn(base, rounds, lambda checkout, pair=pair: _measure_at(checkout, pair, "goodput",
+                                                                               batch_sizes=batch_sizes))
         med = {label: {k: statistics.median(m[k] for m in ms) for k in ms[0] if k != "pair"}
                for label, ms in runs.items()}
         for bs in batch_sizes:
             cells = []
             for name in GOODPUT_DECODERS:
                 key = f"{bs}/{name}"
-                cell = " / ".join(f"{med[label][key]:.1f}" for label in sides)
+                cell = " / ".join(f"{med[label][key]:.1f}" for label in med)
                 if base is not None:
                     cell += f" ({med['after'][key] / med['before'][key]:.2f}x)"
                 cells.append(cell)
             rows.append([pair, str(bs), *cells])
-    head = " / ".join(sides) + (" (after / before)" if base is not None else "")
+    head = ("before / after (after / before)" if base is not None else "after")
     return (markdown_table(["pair", "batch", *(f"{n} tok/s, {head}" for n in GOODPUT_DECODERS)], rows)
             + f"\n\nOne batch of held-out prompts (random ones on the random pair), 48 tokens each, T = 0, "
               f"1 thread, wall clock; the median of {rounds} rounds, the sides in turn, each a fresh process. "
