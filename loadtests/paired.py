@@ -16,9 +16,10 @@ statistics.
 Experiments (``--experiments``, in the order given):
 
 * ``aa``       per-step against per-step at ``--aa-users``: the interval must contain 1;
-* ``ramp``     at each of ``--levels``, a *screen*: one short pair (``--screen-s`` blocks)
-               of per-step against each fixed policy (``--fixed``), the pairs' order ABBA
-               across policies; the best fixed policy is the one per-step gains least on.
+* ``ramp``     at each of ``--levels``, a *screen*: ``--screen-pairs`` short pairs
+               (``--screen-s`` blocks) of per-step against each fixed policy (``--fixed``),
+               the policies in turn, the pairs' order ABBA across them; the best fixed
+               policy is the one per-step gains least on (median over its pairs).
                Then ``--pairs`` pairs of ``--block-s`` blocks, per-step against that
                policy, A B B A ...;
 * ``default-off``  per-step (the served default) against ``off`` at ``--aa-users``;
@@ -204,17 +205,22 @@ class Runner:
             self.block(experiment, users, i // 2, side, a if side == A else b, seconds)
 
     def screen(self, users: int) -> str:
-        """One pair per fixed policy, ABBA across policies; the fixed policy per-step gains
-        least on (the best fixed one, measured next to per-step)."""
-        ratios = {}
-        for i, policy in enumerate(self.args.fixed):
-            sides = (A, B) if i % 2 == 0 else (B, A)
-            got = {s: self.block("screen", users, i, s, PERSTEP if s == A else policy, self.args.screen_s)
-                   for s in sides}
-            ratios[policy] = got[A].goodput_tok_s / max(got[B].goodput_tok_s, 1e-9)
-        best = min(ratios, key=ratios.get)
+        """``--screen-pairs`` pairs per fixed policy, the policies in turn, ABBA across them;
+        the fixed policy per-step gains least on (median over its pairs) is the best fixed
+        one, measured next to per-step."""
+        ratios: dict[str, list[float]] = {p: [] for p in self.args.fixed}
+        i = 0
+        for _ in range(self.args.screen_pairs):
+            for policy in self.args.fixed:
+                sides = (A, B) if i % 2 == 0 else (B, A)
+                got = {s: self.block("screen", users, i, s, PERSTEP if s == A else policy, self.args.screen_s)
+                       for s in sides}
+                ratios[policy].append(got[A].goodput_tok_s / max(got[B].goodput_tok_s, 1e-9))
+                i += 1
+        med = {p: float(np.median(r)) for p, r in ratios.items()}
+        best = min(med, key=med.get)
         log(f"u={users}: best fixed {best} (per-step / fixed: "
-            + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()) + ")")
+            + ", ".join(f"{p} {r:.2f}" for p, r in med.items()) + ")")
         return best
 
     def level(self, users: int, experiments: list[str]) -> None:
@@ -272,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--pairs", type=int, default=5)
     run.add_argument("--block-s", type=float, default=15.0, help="seconds of a measured block")
     run.add_argument("--screen-s", type=float, default=10.0, help="seconds of a screen block")
+    run.add_argument("--screen-pairs", type=int, default=1, help="screen pairs per fixed policy and level")
     run.add_argument("--settle", type=float, default=3.0, help="seconds after a switch before measuring")
     run.add_argument("--level-warm", type=float, default=15.0, help="seconds of load before a level's first block")
     run.add_argument("--resume", action="store_true", help="keep the blocks already in OUT/blocks.csv")

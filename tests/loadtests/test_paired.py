@@ -4,7 +4,15 @@ import numpy as np
 import pytest
 
 from loadtests.paired import block_latency, plan
-from loadtests.paired_report import BLOCK_FIELDS, Block, read_blocks, report, write_blocks
+from loadtests.paired_report import (
+    BLOCK_FIELDS,
+    Block,
+    policy_ratios,
+    ratios_of,
+    read_blocks,
+    report,
+    write_blocks,
+)
 from loadtests.pairstats import (
     A,
     B,
@@ -95,7 +103,17 @@ def test_report_reads_blocks_csv_and_gives_every_table(tmp_path):
     assert "| 8 | off | 5 |" in text and "per-step faster" in text
     assert "| 1 | tree8 | 5 |" in text and "per-step slower" in text
     assert "A/A" in text and "no difference resolved" in text
-    assert "| 8 | 1.25 | 1.00 |" in text     # the screen: 50 / 40 and 45 / 45
+    # every fixed policy: the screen's pairs (chain 50 / 40, off 45 / 45) pooled with the
+    # paired pass's where the policy was the level's best (off at 8, tree8 at 1)
+    by = policy_ratios(back)
+    assert list(by) == ["chain", "off", "tree8"] and list(by["tree8"]) == [1]
+    assert by["chain"][8].tolist() == [1.25]
+    assert by["off"][8][0] == 1.0 and len(by["off"][8]) == 6
+    np.testing.assert_allclose(by["off"][8][1:], ratios_of(back, "paired", 8))
+    off8 = float(np.median(by["off"][8]))
+    assert f"| 8 | 1.25 (1) | {off8:.2f} (6) |  |" in text
+    assert f"| 1 |  |  | {np.median(by['tree8'][1]):.2f} (5) |" in text
+    assert "at least" in text and "(against tree8; per-step slower)" in text
 
 
 def test_the_aa_users_level_runs_first_with_its_three_experiments():
