@@ -15,6 +15,7 @@ from treespark.kernels.linear import (
     F_LINEAR,
     LAYOUTS,
     MATVEC,
+    NATIVE,
     PACKED,
     SMALL,
     SMALL_ROWS,
@@ -31,6 +32,8 @@ from treespark.kernels.linear import (
     plan_sample,
     planned_linear,
 )
+from treespark.kernels.native import MAX_ROWS as NATIVE_ROWS
+from treespark.kernels.native import library
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 9, 10, 15, 16, 17, SMALL_ROWS, SMALL_ROWS + 1])
@@ -196,12 +199,14 @@ def test_measure_plan_times_every_layout_at_every_row_count_and_keeps_the_fastes
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g)]
     plan, ms = measure_plan(ws, [pack(w) for w in ws], rows=(1, 3, 9), reps=1)
-    assert set(ms[1]) == set(LAYOUTS), "every layout at one row"
-    assert all(set(ms[n]) == set(LAYOUTS) - {MATVEC} for n in (3, 9)), "W x runs one row only"
+    native = {NATIVE} if library() is not None else set()
+    assert set(ms[1]) == set(LAYOUTS) - {NATIVE} | native, "every layout at one row"
+    assert set(ms[3]) == set(LAYOUTS) - {MATVEC, NATIVE} | native, "W x runs one row only"
+    assert set(ms[9]) == set(LAYOUTS) - {MATVEC, NATIVE}, f"native runs up to {NATIVE_ROWS} rows"
     assert all(t > 0 for by in ms.values() for t in by.values())
     assert plan == choose_plan(ms)
     unpacked, ms = measure_plan(ws, None, rows=(2,), reps=1)
-    assert set(ms[2]) == {F_LINEAR, SMALL} and unpacked.rows == (2,)
+    assert set(ms[2]) == {F_LINEAR, SMALL} | native and unpacked.rows == (2,)
     with pytest.raises(ValueError, match="packed weights for"):
         measure_plan(ws, [pack(ws[0])])
 

@@ -10,14 +10,16 @@ each layout, side by side in one run (median of ``reps`` passes):
 - ``treespark.kernels.linear``: ``W @ x^T`` row-major with its padding (1 -> 2 rows, 10-15 -> 16)
   up to ``SMALL_ROWS`` rows, ``F.linear`` above;
 - oneDNN packed: ``packed_linear`` on weights packed once (where ``can_pack``);
-- ``W x`` (one row): ``matvec_linear``, a matrix-vector product (gemv) at one row.
+- ``W x`` (one row): ``matvec_linear``, a matrix-vector product (gemv) at one row;
+- ``treespark.kernels.native``: ``native_linear``, ``gemv.c`` built for this CPU, up to
+  ``MAX_ROWS`` rows (where a C compiler built it).
 
 Beside them, a ``sum`` over each weight: the same bytes read once, what a pass would
 take at the machine's read bandwidth.
 
 This is how ``treespark.kernels.linear``'s rules and constants were chosen. ``TargetRunner``
 does not use fixed rules: it runs each row count in the fastest of ``F.linear``,
-``treespark.kernels.linear``, oneDNN packed and ``W x``, timed when it starts (``product_plan``); the
+``treespark.kernels.linear``, oneDNN packed, ``W x`` and native, timed when it starts (``product_plan``); the
 table ends with the plan these passes choose.
 """
 
@@ -34,6 +36,7 @@ from treespark.engine.products import model_products, packable
 from treespark.kernels.linear import (
     F_LINEAR,
     MATVEC,
+    NATIVE,
     PACKED,
     SMALL,
     choose_plan,
@@ -41,6 +44,7 @@ from treespark.kernels.linear import (
     matvec_linear,
     packed_linear,
 )
+from treespark.kernels.native import MAX_ROWS, can_run, native_linear
 from treespark.models.pair import ModelPair
 
 LAYOUTS = {
@@ -79,16 +83,19 @@ def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 12
         by_weight = {id(p.weight): p.packed for p in products}
         layouts[PACKED] = lambda x, w: packed_linear(x, by_weight[id(w)])
     layouts[MATVEC] = matvec_linear
+    if all(can_run(w) for w in ws):
+        layouts[NATIVE] = native_linear
+    most = {MATVEC: 1, NATIVE: MAX_ROWS}
     layouts[READ] = lambda x, w: w.sum()
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     out, candidates = [], {}
     for n in rows:
-        ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in layouts.items() if name != MATVEC or n == 1}
+        ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in layouts.items() if n <= most.get(name, n)}
         log(f"rows={n:>3} " + "  ".join(f"{k} {v:6.1f} ms" for k, v in ms.items()))
         best = min(v for k, v in ms.items() if k != READ)
         out.append([str(n)] + [f"{ms[k]:.1f}" + (" *" if ms[k] == best else "") if k in ms else "-"
                                for k in layouts] + [f"{nbytes / best / 1e6:.1f} ({ms[READ] / best:.2f})"])
-        candidates[n] = {k: ms[k] for k in (F_LINEAR, SMALL, PACKED, MATVEC) if k in ms}
+        candidates[n] = {k: ms[k] for k in (F_LINEAR, SMALL, PACKED, MATVEC, NATIVE) if k in ms}
     plan = choose_plan(candidates)
     return (markdown_table(["rows"] + [f"{k} (ms per pass)" for k in layouts]
                            + ["fastest: GB/s of weights (share of the sum's)"], out)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from treespark.kernels import native
 from treespark.kernels.linear import (
     LAYOUTS,
     PACKED,
@@ -216,7 +217,8 @@ def plan_key(weights: list[torch.Tensor], packable: bool) -> str:
     it chooses from, and the shapes and dtype of the weights it times (not their values)."""
     key = {"hw": hardware_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": str(weights[0].dtype), "shapes": [list(w.shape) for w in weights], "packed": packable,
-           "rows": list(PLAN_ROWS), "layouts": list(LAYOUTS)}
+           "rows": list(PLAN_ROWS), "layouts": list(LAYOUTS),
+           "native": native.library() is not None}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -52,6 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treespark.kernels.native import MAX_ROWS as NATIVE_ROWS
+from treespark.kernels.native import can_run, native_linear
+
 SMALL_ROWS = 64  # at or below this many rows, CPU products run as W @ x^T
 
 
@@ -133,7 +136,8 @@ class Linear(nn.Linear):
 
 F_LINEAR, SMALL, PACKED = "F.linear", "treespark.kernels.linear", "oneDNN packed"
 MATVEC = "W x (one row)"
-LAYOUTS = (F_LINEAR, SMALL, PACKED, MATVEC)
+NATIVE = "treespark.kernels.native"
+LAYOUTS = (F_LINEAR, SMALL, PACKED, MATVEC, NATIVE)
 PLAN_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # the row counts ``measure_plan`` times
 PLAN_SAMPLE_BYTES = 512 << 20  # ``measure_plan`` times whole layers up to this many weight bytes
 
@@ -188,6 +192,8 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return linear(x, weight, bias)
     if layout == MATVEC:
         return matvec_linear(x, weight, bias)
+    if layout == NATIVE:
+        return native_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -245,7 +251,10 @@ def measure_plan(weights: Sequence[torch.Tensor], packed: Sequence[PackedWeight]
     }
     if packed is not None:
         fns[PACKED] = lambda x, i: packed_linear(x, packed[i])
-    times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in fns if name != MATVEC or n == 1}
+    if all(can_run(w) for w in weights):
+        fns[NATIVE] = lambda x, i: native_linear(x, weights[i])  # up to NATIVE_ROWS rows
+    most = {MATVEC: 1, NATIVE: NATIVE_ROWS}
+    times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in fns if n <= most.get(name, n)}
                                                  for n in rows}
     with torch.no_grad():
         for rep in range(reps + 1):
