@@ -160,11 +160,15 @@ def measure_verify(engine, batch_sizes, tokens, *, deadline: float, max_passes: 
                      created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
+ONE_ROW_TOKENS = 32  # tokens of each one-row request: the fit's steps that always run (~30 a budget)
+
+
 def measure_drafting(engine, verify: CostModel, *, deadline: float,
                      seed: int = 0) -> tuple[float, float, float, float]:
     """(draft_base_s, draft_row_s, draft_node_s, host_node_s) from engine steps on
     synthetic requests (random prompts) under plain, chain and tree budgets, more rows
-    while ``deadline`` allows. The steps draft and verify as the engine serves (with
+    while ``deadline`` allows (one row always: ``ONE_ROW_TOKENS`` steps a budget, enough
+    that a few slow steps do not set the drafting cost or the slope per node). The steps draft and verify as the engine serves (with
     ``cuda_graphs``, from the replayed passes); a step that captured a CUDA graph (its
     warm-up and capture: once per bucket) is left out."""
     steps: list[tuple[StepStats, int | None]] = []   # each with the graphs captured by its end
@@ -182,7 +186,7 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float,
                 for i in range(bs):
                     prompt = torch.randint(0, engine.vocab_size, (24,), generator=g).tolist()
                     engine.add_request(f"__costs-{bs}-{budget.node_cap}-{i}", prompt,
-                                       SamplingParams(max_tokens=8), budget=budget)
+                                       SamplingParams(max_tokens=ONE_ROW_TOKENS if bs == 1 else 8), budget=budget)
                 while engine.has_unfinished():
                     engine.step()
     finally:
