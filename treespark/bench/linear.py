@@ -36,6 +36,7 @@ from treespark.engine.products import model_products, packable
 from treespark.kernels.linear import (
     F_LINEAR,
     MATVEC,
+    MOST_ROWS,
     NATIVE,
     PACKED,
     SMALL,
@@ -44,7 +45,8 @@ from treespark.kernels.linear import (
     matvec_linear,
     packed_linear,
 )
-from treespark.kernels.native import MAX_ROWS, can_run, native_linear
+from treespark.kernels.linear import LAYOUTS as PLAN_LAYOUTS
+from treespark.kernels.native import can_run, native_linear
 from treespark.models.pair import ModelPair
 
 LAYOUTS = {
@@ -85,17 +87,16 @@ def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 12
     layouts[MATVEC] = matvec_linear
     if all(can_run(w) for w in ws):
         layouts[NATIVE] = native_linear
-    most = {MATVEC: 1, NATIVE: MAX_ROWS}
     layouts[READ] = lambda x, w: w.sum()
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     out, candidates = [], {}
     for n in rows:
-        ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in layouts.items() if n <= most.get(name, n)}
+        ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in layouts.items() if n <= MOST_ROWS.get(name, n)}
         log(f"rows={n:>3} " + "  ".join(f"{k} {v:6.1f} ms" for k, v in ms.items()))
         best = min(v for k, v in ms.items() if k != READ)
         out.append([str(n)] + [f"{ms[k]:.1f}" + (" *" if ms[k] == best else "") if k in ms else "-"
                                for k in layouts] + [f"{nbytes / best / 1e6:.1f} ({ms[READ] / best:.2f})"])
-        candidates[n] = {k: ms[k] for k in (F_LINEAR, SMALL, PACKED, MATVEC, NATIVE) if k in ms}
+        candidates[n] = {k: ms[k] for k in PLAN_LAYOUTS if k in ms}
     plan = choose_plan(candidates)
     return (markdown_table(["rows"] + [f"{k} (ms per pass)" for k in layouts]
                            + ["fastest: GB/s of weights (share of the sum's)"], out)

@@ -168,9 +168,10 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float,
     """(draft_base_s, draft_row_s, draft_node_s, host_node_s) from engine steps on
     synthetic requests (random prompts) under plain, chain and tree budgets, more rows
     while ``deadline`` allows (one row always: ``ONE_ROW_TOKENS`` steps a budget, enough
-    that a few slow steps do not set the drafting cost or the slope per node). The steps draft and verify as the engine serves (with
-    ``cuda_graphs``, from the replayed passes); a step that captured a CUDA graph (its
-    warm-up and capture: once per bucket) is left out."""
+    that a few slow steps do not set the drafting cost or the slope per node). The steps
+    draft and verify as the engine serves (with ``cuda_graphs``, from the replayed
+    passes); a step that captured a CUDA graph (its warm-up and capture: once per bucket)
+    is left out."""
     steps: list[tuple[StepStats, int | None]] = []   # each with the graphs captured by its end
     before = engine.graph_captures
     prev_hook, prev_alloc = engine.on_step, engine.allocator

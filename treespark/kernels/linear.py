@@ -138,6 +138,7 @@ F_LINEAR, SMALL, PACKED = "F.linear", "treespark.kernels.linear", "oneDNN packed
 MATVEC = "W x (one row)"
 NATIVE = "treespark.kernels.native"
 LAYOUTS = (F_LINEAR, SMALL, PACKED, MATVEC, NATIVE)
+MOST_ROWS = {MATVEC: 1, NATIVE: NATIVE_ROWS}  # the most rows a layout is timed at (absent: any)
 PLAN_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # the row counts ``measure_plan`` times
 PLAN_SAMPLE_BYTES = 512 << 20  # ``measure_plan`` times whole layers up to this many weight bytes
 
@@ -252,9 +253,8 @@ def measure_plan(weights: Sequence[torch.Tensor], packed: Sequence[PackedWeight]
     if packed is not None:
         fns[PACKED] = lambda x, i: packed_linear(x, packed[i])
     if all(can_run(w) for w in weights):
-        fns[NATIVE] = lambda x, i: native_linear(x, weights[i])  # up to NATIVE_ROWS rows
-    most = {MATVEC: 1, NATIVE: NATIVE_ROWS}
-    times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in fns if n <= most.get(name, n)}
+        fns[NATIVE] = lambda x, i: native_linear(x, weights[i])
+    times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in fns if n <= MOST_ROWS.get(name, n)}
                                                  for n in rows}
     with torch.no_grad():
         for rep in range(reps + 1):

@@ -15,6 +15,7 @@ layout, and one line on stderr says why. The values are ``F.linear``'s to float 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -102,10 +103,9 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty(m, n, dtype=torch.float32)
     args = (rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
             torch.get_num_threads())
-    if torch.autograd.profiler._is_profiler_enabled:   # an operator to the profiler, as torch's own are
-        with torch.profiler.record_function(PROFILER_NAME):
-            rc = library().ts_gemv(*args)
-    else:
+    # an operator to the profiler, as torch's own are (no annotation's cost when none runs)
+    profiled = torch.autograd.profiler._is_profiler_enabled
+    with torch.profiler.record_function(PROFILER_NAME) if profiled else contextlib.nullcontext():
         rc = library().ts_gemv(*args)
     if rc != 0:
         raise ValueError(f"ts_gemv refused rows {m}, out {n}, in {k}")
