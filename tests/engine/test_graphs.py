@@ -306,4 +306,6 @@ def test_the_step_cost_table_times_the_graphed_block_pass(mimic16):
         engine = _engine(mimic16, Budget(0.0, 8, 3), True)
     verify = measure_verify(engine, (1,), (1, 4, 9), deadline=time.perf_counter() - 1, context=16)
     base, row, node, _ = measure_drafting(engine, verify, deadline=time.perf_counter() - 1)
-    assert {s.rows for s in engine.draft_graphs.shapes} == {1} and min(base, row, node) >= 0.0
+    # one and four rows always run (past the deadline too), their tails at fewer
+    assert {1, 4} <= {s.rows for s in engine.draft_graphs.shapes} <= {1, 2, 3, 4}
+    assert min(base, row, node) >= 0.0

@@ -84,3 +84,25 @@ def test_one_slow_timing_is_pooled_not_carried_to_every_larger_cell():
 
     assert isotonic([1.0, 5.0, 2.0, 3.0, 4.0]) == [1.0, 10 / 3, 10 / 3, 10 / 3, 4.0]
     assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+
+
+def test_the_drafting_fit_follows_the_faster_steps_not_a_neighbours_bursts():
+    """Steps slowed by another process (a third of them, by 5-15 ms) move a least-squares
+    fit; ``lower_fit`` keeps the steps' own costs."""
+    import numpy as np
+
+    from treespark.engine.step_costs import lower_fit
+
+    gen = np.random.default_rng(0)
+    bs = gen.choice([1, 4, 16], size=90)
+    nodes = gen.integers(0, 17, size=90) * bs
+    x = np.stack([np.ones(90), bs, nodes], axis=1).astype(float)
+    own = x @ np.array([8e-3, 0.7e-3, 0.05e-3])
+    y = own + gen.uniform(0, 0.2e-3, size=90)                      # timer jitter
+    slowed = gen.random(90) < 1 / 3
+    y = y + slowed * gen.uniform(5e-3, 15e-3, size=90)
+    plain, *_ = np.linalg.lstsq(x, y, rcond=None)
+    fit = lower_fit(x, y)
+    assert abs(plain[0] - 8e-3) > 2e-3                              # the bursts move a plain fit
+    assert abs(fit[0] - 8e-3) < 0.6e-3 and abs(fit[1] - 0.7e-3) < 0.1e-3 and abs(fit[2] - 0.05e-3) < 0.02e-3
+    assert np.allclose(lower_fit(x, own), [8e-3, 0.7e-3, 0.05e-3])  # exact steps: their costs

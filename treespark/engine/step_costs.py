@@ -7,15 +7,21 @@ per-step allocation (``treespark.engine.step_alloc``) prices every step on.
    dtype, the threads and the product plan (``fingerprint``): the same replica on the same machine starts
    in milliseconds, and a replica on other hardware measures its own;
 2. otherwise measures, in at most ``time_budget_s`` (20 s by default):
-   * the verify forward ``T(bs, k)`` on a grid (``GRID_TOKENS``; each cell the median of a few
-     forwards, ``treespark.engine.cost_measure.time_forward``; cells past the budget or above
-     ``max_step_tokens`` are extrapolated along k);
+   * the verify forward ``T(bs, k)`` on a grid (``GRID_TOKENS``; each cell the fastest of a
+     few forwards, ``treespark.engine.cost_measure.time_forward``; cells past the budget or
+     above ``max_step_tokens`` are extrapolated along k);
    * drafting and host costs, from real engine steps on a few synthetic requests under
-     fixed budgets (the drafting the engine serves with: with ``cuda_graphs``, the block
-     pass replayed from its graphs; steps that captured one are left out):
-     ``draft_s = base + row * bs + node * nodes`` by least squares, and
-     the host seconds per verified draft node beyond the forward (the slope of
-     ``verify_s - T`` on the nodes);
+     fixed budgets at one and four rows at least (the drafting the engine serves with: with
+     ``cuda_graphs``, the block pass replayed from its graphs; steps that captured one are
+     left out): ``draft_s = base + row * bs + node * nodes`` fitted to the faster half of
+     the steps (``lower_fit``), and the host seconds per verified draft node beyond the
+     forward (the slope of ``verify_s - T`` on the nodes);
+   A replica measures as it starts, beside Ray's own processes and its neighbours starting:
+   other work only ever adds to a timing, so the fastest timings are the step's own. (In a
+   starting service the verify forward at one row then reads ~25 % above one process's
+   and two tokens ~40 % above: so do served steps, and the table keeps it. Before four
+   rows always ran, a service's fit saw one row only and split drafting evenly between
+   step and row: 5.3 + 5.3 ms a row, ~90 ms at 16 rows against ~27 measured.);
 3. stores it (a ``filelock`` guards the cache file: two replicas starting together on
    one machine measure once each at worst, and never leave a torn file).
 """
@@ -25,7 +31,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,7 +48,7 @@ from treespark.spec.budget import Budget
 from treespark.spec.params import SamplingParams, StepStats
 
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "step-costs"
-VERSION = 4  # raised whenever what a table measures changes: an older cached one is measured again
+VERSION = 5  # raised whenever what a table measures changes: an older cached one is measured again
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,8 @@ def measure_verify(engine, batch_sizes, tokens, *, deadline: float, max_passes: 
     """T(bs, k): passes over the grid, each cell timed once per pass (a burst of load
     from another process spoils one pass of a few cells, not every timing of one cell),
     more passes while ``deadline`` (a perf_counter time) allows (the first always runs
-    whole; later ones stop at the deadline, cell by cell); each cell its median,
+    whole; later ones stop at the deadline, cell by cell); each cell its fastest timing
+    (other processes only ever add to one),
     made non-decreasing in k and bs (``isotonic``). Cells above ``max_step_tokens`` are
     extrapolated along k. Timed: the forward the engine verifies with (the runner's over
     a dense store; with ``cuda_graphs`` the replayed one, ``time_graphed_forward``)."""
@@ -145,7 +151,7 @@ def measure_verify(engine, batch_sizes, tokens, *, deadline: float, max_passes: 
             if p and time.perf_counter() > deadline:
                 break
             times.setdefault((b, k), []).append(timed(b, k, p == 0))
-    table = {c: statistics.median(ts) for c, ts in times.items()}
+    table = {c: min(ts) for c, ts in times.items()}
     seconds = []
     for b in batch_sizes:
         have = [k for k in tokens if (b, k) in table]
@@ -160,15 +166,29 @@ def measure_verify(engine, batch_sizes, tokens, *, deadline: float, max_passes: 
                      created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
+def lower_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least-squares coefficients of ``y ~ x`` fitted to the points on or below a first
+    least-squares fit (the faster half of timed steps: another process's work only ever
+    adds to a step's time, so the slow half carries the neighbours, not the step), each
+    clamped at 0. Fewer than ``2 * x.shape[1]`` points below the first fit: the first fit."""
+    c, *_ = np.linalg.lstsq(x, y, rcond=None)
+    below = y <= x @ c
+    if below.sum() >= 2 * x.shape[1]:
+        c, *_ = np.linalg.lstsq(x[below], y[below], rcond=None)
+    return np.maximum(c, 0.0)
+
+
 ONE_ROW_TOKENS = 32  # tokens of each one-row request: the fit's steps that always run (~30 a budget)
 
 
 def measure_drafting(engine, verify: CostModel, *, deadline: float,
                      seed: int = 0) -> tuple[float, float, float, float]:
     """(draft_base_s, draft_row_s, draft_node_s, host_node_s) from engine steps on
-    synthetic requests (random prompts) under plain, chain and tree budgets, more rows
-    while ``deadline`` allows (one row always: ``ONE_ROW_TOKENS`` steps a budget, enough
-    that a few slow steps do not set the drafting cost or the slope per node). The steps
+    synthetic requests (random prompts) under plain, chain and tree budgets: one row
+    (``ONE_ROW_TOKENS`` steps a budget, enough that a few slow steps do not set the
+    drafting cost or the slope per node) and four always (without two batch sizes the
+    cost per row cannot be told from the cost per step), the largest batch while
+    ``deadline`` allows; fitted by ``lower_fit``. The steps
     draft and verify as the engine serves (with ``cuda_graphs``, from the replayed
     passes); a step that captured a CUDA graph (its warm-up and capture: once per bucket)
     is left out."""
@@ -178,12 +198,13 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float,
     engine.on_step, engine.allocator = lambda s: steps.append((s, engine.graph_captures)), None
     g = torch.Generator().manual_seed(seed)
     try:
-        rows = sorted({1, min(4, engine.config.max_batch_size), engine.config.max_batch_size})
+        always = min(4, engine.config.max_batch_size)
+        rows = sorted({1, always, engine.config.max_batch_size})
         budgets = [Budget.chain(4), Budget(0.0, min(16, engine.config.max_tree_nodes), 4), Budget.off()]
         for bs in rows:
             for budget in budgets:
-                if time.perf_counter() > deadline and bs > 1:
-                    break  # one row under each budget always runs: enough for a fit
+                if time.perf_counter() > deadline and bs > always:
+                    break  # one and four rows under each budget always run: enough for a fit
                 for i in range(bs):
                     prompt = torch.randint(0, engine.vocab_size, (24,), generator=g).tolist()
                     engine.add_request(f"__costs-{bs}-{budget.node_cap}-{i}", prompt,
@@ -199,16 +220,13 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float,
     if len(drafting) >= 3:
         x = np.array([[1.0, s.batch_size, sum(s.tree_sizes)] for s in drafting])
         y = np.array([s.draft_s for s in drafting])
-        c, *_ = np.linalg.lstsq(x, y, rcond=None)
-        base, row, node = (max(float(v), 0.0) for v in c)
+        base, row, node = (float(v) for v in lower_fit(x, y))
     # host seconds per verified draft node: the slope of (verify stage - forward) on the
     # draft nodes (a plain step's host work is per step, not per node)
     host = 0.0
     pts = [(sum(s.tree_sizes), s.verify_s - verify.time(s.batch_size, max(s.tree_sizes) + 1)) for s in decode]
     if len({n for n, _ in pts}) > 1:
-        x = np.array([[1.0, n] for n, _ in pts])
-        c, *_ = np.linalg.lstsq(x, np.array([r for _, r in pts]), rcond=None)
-        host = max(float(c[1]), 0.0)
+        host = float(lower_fit(np.array([[1.0, n] for n, _ in pts]), np.array([r for _, r in pts]))[1])
     return base, row, node, host
 
 
