@@ -13,6 +13,7 @@ from treespark.engine.products import product_plan
 from treespark.engine.target import TargetRunner
 from treespark.kernels.linear import (
     F_LINEAR,
+    HALF,
     LAYOUTS,
     MATVEC,
     NATIVE,
@@ -34,6 +35,7 @@ from treespark.kernels.linear import (
 )
 from treespark.kernels.native import MAX_ROWS as NATIVE_ROWS
 from treespark.kernels.native import library
+from treespark.models.precision import round_to_bf16
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 9, 10, 15, 16, 17, SMALL_ROWS, SMALL_ROWS + 1])
@@ -115,10 +117,14 @@ def test_pack_refuses_what_it_cannot_pack():
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_target_runner_matches_the_model_at_every_row_count_in_every_layout(layout):
     """With any one layout at every row count, the runner's logits equal the
-    transformers forward of the same sequence."""
+    transformers forward of the same sequence (the half layout: of a target rounded to
+    bfloat16 values, which it needs)."""
     pair = random_pair(64, 3)
+    if layout == HALF:
+        round_to_bf16(pair.target)
     runner = TargetRunner(pair.target, (0,), products=ProductPlan.fixed(layout))
     assert runner.weights.packed == (layout == PACKED), "packed copies only where the plan uses them"
+    assert runner.weights.half == (layout == HALF), "half copies only where the plan uses them"
     assert runner.products.layout(1) == runner.products.layout(500) == layout
     assert runner.products_described == ProductPlan.fixed(layout).describe()
     seq = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -197,18 +203,21 @@ def test_plan_sample_takes_whole_layers_up_to_the_budget_and_the_head():
 @needs_onednn
 def test_measure_plan_times_every_layout_at_every_row_count_and_keeps_the_fastest():
     g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g)]
-    plan, ms = measure_plan(ws, [pack(w) for w in ws], rows=(1, 3, 9), reps=1)
-    native = {NATIVE} if library() is not None else set()
-    assert set(ms[1]) == set(LAYOUTS) - {NATIVE} | native, "every layout at one row"
-    assert set(ms[3]) == set(LAYOUTS) - {MATVEC, NATIVE} | native, "W x runs one row only"
-    assert set(ms[9]) == set(LAYOUTS) - {MATVEC, NATIVE}, f"native runs up to {NATIVE_ROWS} rows"
+    ws = [torch.randn(48, 32, generator=g).to(torch.bfloat16).float(), torch.randn(32, 48, generator=g)]
+    plan, ms = measure_plan(ws, [pack(w) for w in ws], rows=(1, 3, 9), reps=1,
+                            halves=[w.to(torch.bfloat16) for w in ws])
+    native = {NATIVE, HALF} if library() is not None else set()
+    assert set(ms[1]) == set(LAYOUTS) - {NATIVE, HALF} | native, "every layout at one row"
+    assert set(ms[3]) == set(LAYOUTS) - {MATVEC, NATIVE, HALF} | native, "W x runs one row only"
+    assert set(ms[9]) == set(LAYOUTS) - {MATVEC, NATIVE, HALF}, f"native runs up to {NATIVE_ROWS} rows"
     assert all(t > 0 for by in ms.values() for t in by.values())
     assert plan == choose_plan(ms)
     unpacked, ms = measure_plan(ws, None, rows=(2,), reps=1)
-    assert set(ms[2]) == {F_LINEAR, SMALL} | native and unpacked.rows == (2,)
+    assert set(ms[2]) == {F_LINEAR, SMALL} | (native - {HALF}) and unpacked.rows == (2,)
     with pytest.raises(ValueError, match="packed weights for"):
         measure_plan(ws, [pack(ws[0])])
+    with pytest.raises(ValueError, match="half weights for"):
+        measure_plan(ws, halves=[ws[0].to(torch.bfloat16)])
 
 
 def test_runner_measures_the_plan_once_per_model_and_can_be_given_one():

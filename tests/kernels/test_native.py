@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from treespark.kernels import native
-from treespark.kernels.linear import NATIVE, ProductPlan, planned_linear
+from treespark.kernels.linear import HALF, NATIVE, ProductPlan, planned_linear
 from treespark.kernels.native import MAX_ROWS, build, can_run, library, native_linear
 
 needs_native = pytest.mark.skipif(library() is None, reason="no C compiler built treespark/kernels/gemv.c")
@@ -22,6 +22,21 @@ def test_native_linear_matches_f_linear_at_every_row_count(m):
         x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         for bias in (None, b):
             torch.testing.assert_close(native_linear(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("m", range(1, MAX_ROWS + 1))
+def test_a_bfloat16_copy_gives_the_same_values_as_its_float32_weight(m):
+    """A weight of bfloat16 values read from its bfloat16 copy: each value widened exactly
+    and summed in the same order, so the very same floats, at every shape and tail."""
+    g = torch.Generator().manual_seed(100 + m)
+    for n, k in ((576, 576), (7, 13), (130, 1536), (4, 8), (1, 3), (49, 577)):
+        x = torch.randn(m, k, generator=g)
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(n, generator=g)
+        for bias in (None, b):
+            assert torch.equal(native_linear(x, w, bias), native_linear(x, w.float(), bias))
+            torch.testing.assert_close(native_linear(x, w, bias), F.linear(x, w.float(), bias), rtol=1e-5, atol=1e-4)
 
 
 @needs_native
@@ -46,6 +61,8 @@ def test_native_linear_falls_back_to_f_linear_where_it_does_not_apply():
     wt = torch.randn(8, 16, generator=g).T                # [16, 8], column-major
     assert not can_run(wt)
     assert torch.equal(native_linear(many[:2], wt), F.linear(many[:2], wt))
+    half = w.to(torch.bfloat16)                           # past the rows it takes: widened for F.linear
+    assert torch.equal(native_linear(many, half), F.linear(many, half.float()))
 
 
 @needs_native
@@ -56,6 +73,17 @@ def test_the_plan_can_run_every_row_count_natively():
         x = torch.randn(n, 6, generator=g)
         torch.testing.assert_close(planned_linear(x, w, b, ProductPlan.fixed(NATIVE)), F.linear(x, w, b),
                                    rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_the_half_layout_reads_the_copy_and_refuses_without_one():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(12, 9, generator=g).to(torch.bfloat16).float()
+    x = torch.randn(3, 9, generator=g)
+    plan = ProductPlan((8, 9), (HALF, NATIVE))
+    assert torch.equal(planned_linear(x, w, None, plan, half=w.to(torch.bfloat16)), native_linear(x, w))
+    with pytest.raises(ValueError, match="bfloat16 copies"):
+        planned_linear(x, w, None, plan)
 
 
 @needs_native

@@ -18,6 +18,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("what", choices=["engine", "acceptance", "wallclock", "theta", "linear", "ops", "rounds", "serving",
                                     "attention", "walk"])
     b.add_argument("--pair", default="default", choices=["default", "random"])
+    b.add_argument("--precision", default="float32", choices=["float32", "bfloat16"],
+                   help="the target's weights (treespark.models.precision)")
+    b.add_argument("--also-precision", choices=["float32", "bfloat16"],
+                   help="wallclock: the same pair at this precision too, its rows beside (T = 0)")
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--prompts", type=int, default=16)
@@ -93,7 +97,7 @@ def run_bench(args: argparse.Namespace) -> None:
 
         write_out(walk_benchmark(tuple(args.batch_sizes), steps=args.steps), args.out)
         return
-    pair = pair_by_name(args.pair, args.drafter)
+    pair = pair_by_name(args.pair, args.drafter, precision=args.precision)
     if args.what == "acceptance" and args.goals:
         from treespark.bench.acceptance import goals_benchmark
 
@@ -142,5 +146,7 @@ def run_bench(args: argparse.Namespace) -> None:
         table = wallclock_benchmark(pair, max_tokens=args.max_tokens, n_prompts=args.prompts,
                                     chains=args.chains or (1, 2, 3, 4),
                                     temperatures=tuple(args.temperatures or (0.0,)),
-                                    gguf=fetch_gguf() if args.pair == "default" else None)
+                                    gguf=fetch_gguf() if args.pair == "default" else None,
+                                    other=None if args.also_precision is None else
+                                    pair_by_name(args.pair, args.drafter, precision=args.also_precision))
     write_out(table, args.out)

@@ -12,7 +12,9 @@ each layout, side by side in one run (median of ``reps`` passes):
 - oneDNN packed: ``packed_linear`` on weights packed once (where ``can_pack``);
 - ``W x`` (one row): ``matvec_linear``, a matrix-vector product (gemv) at one row;
 - ``treespark.kernels.native``: ``native_linear``, ``gemv.c`` built for this CPU, up to
-  ``MAX_ROWS`` rows (where a C compiler built it).
+  ``MAX_ROWS`` rows (where a C compiler built it);
+- ``treespark.kernels.native bf16``: the same kernel on bfloat16 copies of the weights
+  (half the bytes), what a target of bfloat16 values runs (``treespark.models.precision``).
 
 Beside them, a ``sum`` over each weight: the same bytes read once, what a pass would
 take at the machine's read bandwidth.
@@ -32,9 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from treespark.bench.common import markdown_table
-from treespark.engine.products import model_products, packable
+from treespark.engine.products import halvable, model_products, packable
 from treespark.kernels.linear import (
     F_LINEAR,
+    HALF,
     MATVEC,
     MOST_ROWS,
     NATIVE,
@@ -77,7 +80,7 @@ def _pass_ms(ws: list[torch.Tensor], n: int, fn, reps: int) -> float:
 @torch.no_grad()
 def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128), reps: int = 5,
                      log=print) -> str:
-    can = packable(pair.target)
+    can, half = packable(pair.target), halvable(pair.target)
     products = model_products(pair.target, packed=can).products()  # the copies TargetRunner multiplies by
     ws = [p.weight for p in products]
     layouts = dict(LAYOUTS)
@@ -87,6 +90,10 @@ def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 12
     layouts[MATVEC] = matvec_linear
     if all(can_run(w) for w in ws):
         layouts[NATIVE] = native_linear
+        # the bfloat16 copies a bfloat16-valued target reads (timed on these weights rounded:
+        # the same bytes and work, whatever the values)
+        halves = {id(w): w.to(torch.bfloat16) for w in ws}
+        layouts[HALF] = lambda x, w: native_linear(x, halves[id(w)])
     layouts[READ] = lambda x, w: w.sum()
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     out, candidates = [], {}
@@ -96,9 +103,10 @@ def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 12
         best = min(v for k, v in ms.items() if k != READ)
         out.append([str(n)] + [f"{ms[k]:.1f}" + (" *" if ms[k] == best else "") if k in ms else "-"
                                for k in layouts] + [f"{nbytes / best / 1e6:.1f} ({ms[READ] / best:.2f})"])
-        candidates[n] = {k: ms[k] for k in PLAN_LAYOUTS if k in ms}
+        candidates[n] = {k: ms[k] for k in PLAN_LAYOUTS if k in ms and (k != HALF or half)}
     plan = choose_plan(candidates)
     return (markdown_table(["rows"] + [f"{k} (ms per pass)" for k in layouts]
                            + ["fastest: GB/s of weights (share of the sum's)"], out)
-            + f"\n\nA pass reads {nbytes / 1e6:.0f} MB of {ws[0].dtype} weights. The plan these passes "
+            + f"\n\nA pass reads {nbytes / 1e6:.0f} MB of {ws[0].dtype} weights ({HALF}: half of it). "
+            f"The plan these passes "
             f"choose (of {', '.join(candidates[rows[0]])}): {plan.describe()}.\n")

@@ -1,5 +1,6 @@
 """Single-request wall clock: our decoders vs transformers' greedy and prompt lookup and
-llama.cpp on the same weights; plain decoding against the fp32 bandwidth limit."""
+llama.cpp on the same weights; plain decoding against the fp32 bandwidth limit; with
+``other``, the same pair at another weight precision beside (``treespark.models.precision``)."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def goal_lines(results: dict[str, float], weight_bytes: int, bytes_per_s: float)
 def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int = 96,
                         chains=(1, 2, 3, 4), budget: Budget | None = None,
                         temperatures=(0.0,), profile_s: float | None = 20.0, gguf: Path | None = None,
-                        bandwidth_bytes: int | None = None, log=print) -> str:
+                        bandwidth_bytes: int | None = None, other: ModelPair | None = None, log=print) -> str:
     """Batch-1 tokens/s, at each temperature, of the adaptive tree (``budget``, default
     ``Budget.adaptive()``), the fastest of the chains ``chains`` (tuned here, by wall
     clock) and our plain decoding, beside HF ``generate()`` (greedy and prompt lookup
@@ -130,7 +131,10 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
     llama-cpp-python is absent). Below the table: the served default over llama.cpp, and
     plain decoding over the fp32 bandwidth limit: the fp32 weight bytes over a read
     bandwidth timed here (``read_bandwidth`` over ``bandwidth_bytes``, default as many
-    bytes as the weights)."""
+    bytes as the weights). ``other``: the same pair at another precision (its name says
+    which): its adaptive tree, served default and plain decoding at the first temperature,
+    after this pair's rows, on the same prompts; the goal line for its plain decoding
+    too (against the same fp32 bytes)."""
     prompts = pair_prompts(pair, n_prompts)
     weight_bytes = 4 * sum(p.numel() for p in pair.target.parameters())  # tied weights counted once
     bytes_per_s = read_bandwidth(pair.device, bandwidth_bytes or weight_bytes)
@@ -185,11 +189,42 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
         by_temp[temp] = results
         rows += [[f"{temp:g}", k, f"{v:.2f}", f"{ours.tokens_per_s / v:.2f}x", *breakdown.get(k, ["-"] * 5)]
                  for k, v in results.items()]
-    table = markdown_table(["T", "decoder (batch 1)", "tokens/s", "adaptive speed-up", "mean tree",
-                            "draft ms / step", "verify ms / step", "tokens / round", "host share"], rows)
     t0 = temperatures[0]
     summary = [f"T = {t0:g}, {line}" for line in goal_lines(by_temp[t0], weight_bytes, bytes_per_s)]
+    if other is not None:
+        label = other.name.rsplit("@", 1)[1] if "@" in other.name else "float32"
+        theirs = _decoders(other, prompts, max_tokens, t0, budget or Budget.adaptive(), profile_s, log)
+        adaptive = by_temp[t0]["adaptive tree"]
+        rows += [[f"{t0:g}", f"{k} ({label} weights)", f"{v:.2f}", f"{adaptive / v:.2f}x", *theirs[1][k]]
+                 for k, v in theirs[0].items()]
+        plain = theirs[0]["our plain decoding"]
+        summary.append(f"T = {t0:g}, {label} weights: plain decoding {plain:.2f} tok/s = "
+                       f"{plain / (bytes_per_s / weight_bytes):.2f} of the fp32 bandwidth limit, "
+                       f"{plain / by_temp[t0]['our plain decoding']:.2f}x this pair's plain decoding; "
+                       f"adaptive tree {theirs[0]['adaptive tree'] / adaptive:.2f}x this pair's.")
+    table = markdown_table(["T", "decoder (batch 1)", "tokens/s", "adaptive speed-up", "mean tree",
+                            "draft ms / step", "verify ms / step", "tokens / round", "host share"], rows)
     return "\n\n".join([table, *notes, *summary])
+
+
+def _decoders(pair: ModelPair, prompts, max_tokens: int, temp: float, budget: Budget, profile_s: float | None,
+              log) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """``pair``'s adaptive tree (``budget``), served default (on a step-cost table measured
+    here, unless ``profile_s`` is None) and plain decoding at batch 1: tokens/s and each
+    one's breakdown and host share, by name."""
+    runs: dict[str, tuple[Budget, object]] = {"adaptive tree": (budget, lambda: None)}
+    if profile_s is not None:
+        longest = max(len(p) for p in prompts)
+        table = served_table(pair, max_batch=1, max_context=longest + max_tokens, profile_s=profile_s, cache_dir=None)
+        runs["per-step (served default)"] = (served_budget(), partial(served_allocator, table))
+    runs["our plain decoding"] = (Budget.off(), lambda: None)
+    speeds, breakdown = {}, {}
+    for name, (b, make_allocator) in runs.items():
+        r = _one_at_a_time(pair, prompts, b, max_tokens, temp, make_allocator())
+        speeds[name] = r.tokens_per_s
+        breakdown[name] = [*_breakdown(r), f"{host_share(pair, prompts[0], b, max_tokens, temp, make_allocator()):.2f}"]
+        log(f"T={temp:g} {name} ({pair.name}): {r.tokens_per_s:.2f} tok/s")
+    return speeds, breakdown
 
 
 def theta_sweep(pair: ModelPair, *, thetas=(0.02, 0.05, 0.08, 0.12), chains=(2, 3, 4),

@@ -14,6 +14,12 @@ parameters already in place and stack nothing. An in-place change to a parameter
 therefore a change to the stacked weight; a parameter replaced by another tensor is
 stacked again (with its neighbours) by the next runner.
 
+A model whose weights are bfloat16 values in float32 storage (``treespark.models.precision``)
+also gets a bfloat16 copy of each weight (``half``), which the native kernel reads at half
+the bytes to the same values: where the plan runs a row count on the copies, the float32
+weights still serve the others (1.5x the weights' memory; the copies are dropped where
+the plan does not use them).
+
 On CPU every product runs in the layout a ``ProductPlan`` picks for its row count
 (``treespark.kernels.linear``), measured over these products' shapes when the first
 runner over a model is built (``product_plan``, a few seconds for the default target,
@@ -31,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,6 +47,7 @@ from transformers import PreTrainedModel
 
 from treespark.kernels import native
 from treespark.kernels.linear import (
+    HALF,
     LAYOUTS,
     PACKED,
     PLAN_ROWS,
@@ -51,16 +59,20 @@ from treespark.kernels.linear import (
     plan_sample,
 )
 from treespark.kernels.machine import hardware_name, read_cached, write_cached
+from treespark.models.linears import product_linears
+from treespark.models.precision import is_bf16_valued
 
 
 @dataclass(frozen=True)
 class Product:
     """One product of the forward, ``x @ weight.T + bias``; ``packed``: the weight in
-    oneDNN's layout (with the bias), where the plan multiplies by one."""
+    oneDNN's layout (with the bias), ``half``: its bfloat16 copy (a weight of bfloat16
+    values: exact), where the plan multiplies by one."""
 
     weight: torch.Tensor        # [out, in]
     bias: torch.Tensor | None   # [out]
     packed: PackedWeight | None = None
+    half: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -89,15 +101,13 @@ class ModelProducts:
     def packed(self) -> bool:
         return self.head.packed is not None
 
+    @property
+    def half(self) -> bool:
+        return self.head.half is not None
+
     def products(self) -> list[Product]:
         """The layers' products in order, then the head's."""
         return [p for layer in self.layers for p in layer.products()] + [self.head]
-
-
-def _source_linears(model: PreTrainedModel) -> list[nn.Linear]:
-    """Every linear of the decoder layers, then the LM head: what the products come from."""
-    linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, nn.Linear)]
-    return linears + [model.get_output_embeddings()]
 
 
 def _state(linears: list[nn.Linear]) -> tuple[tuple[int, ...], ...]:
@@ -162,47 +172,67 @@ def _layer_products(layer: nn.Module, fused: bool) -> LayerProducts:
                          _plain(mlp.down_proj))
 
 
-def _with_packed(products: ModelProducts) -> ModelProducts:
-    def packed(p: Product) -> Product:
-        return replace(p, packed=pack(p.weight, p.bias))
-
-    layers = tuple(LayerProducts(tuple(map(packed, lp.qkv)), packed(lp.o), tuple(map(packed, lp.gate_up)),
-                                 packed(lp.down)) for lp in products.layers)
-    return replace(products, layers=layers, head=packed(products.head))
+def _with(products: ModelProducts, extra: Callable[[Product], Product]) -> ModelProducts:
+    """``products`` with ``extra`` applied to each product (a packed or half copy added)."""
+    layers = tuple(LayerProducts(tuple(map(extra, lp.qkv)), extra(lp.o), tuple(map(extra, lp.gate_up)),
+                                 extra(lp.down)) for lp in products.layers)
+    return replace(products, layers=layers, head=extra(products.head))
 
 
-_PRODUCTS: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[bool, bool], ModelProducts]] = (
+def _packed(p: Product) -> Product:
+    return replace(p, packed=pack(p.weight, p.bias))
+
+
+def _half(p: Product) -> Product:
+    return replace(p, half=p.weight.to(torch.bfloat16))
+
+
+_PRODUCTS: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[bool, bool, bool], ModelProducts]] = (
     weakref.WeakKeyDictionary())
 
 
-def model_products(model: PreTrainedModel, fused: bool = True, packed: bool = False) -> ModelProducts:
+def model_products(model: PreTrainedModel, fused: bool = True, packed: bool = False,
+                   half: bool = False) -> ModelProducts:
     """``model``'s products (``fused``: q|k|v and gate|up stacked; ``packed``: with packed
-    copies, ValueError where ``can_pack`` is False for a weight): one set per model and
-    kind, made again when a weight has changed in place or been replaced since."""
-    linears = _source_linears(model)
+    copies, ValueError where ``can_pack`` is False for a weight; ``half``: with bfloat16
+    copies, ValueError unless ``halvable``): one set per model and kind, made again when a
+    weight has changed in place or been replaced since."""
+    linears = product_linears(model)
     if packed and not all(can_pack(m.weight) for m in linears):
         raise ValueError(f"cannot pack this {linears[0].weight.dtype} model's weights on "
                          f"{linears[0].weight.device.type} (oneDNN: {torch.backends.mkldnn.is_available()})")
     by_kind = _PRODUCTS.setdefault(model, {})
-    cached = by_kind.get((fused, packed))
+    cached = by_kind.get((fused, packed, half))
     if cached is not None and cached.state == _state(linears):
         return cached
+    if half and not halvable(model):
+        raise ValueError("bfloat16 copies need a float32 model whose weights are bfloat16 values "
+                         "(treespark.models.precision.round_to_bf16)")
     layers = tuple(_layer_products(layer, fused) for layer in model.model.layers)  # may restack
     made = ModelProducts(layers, _plain(model.get_output_embeddings()), fused, _state(linears))
     if packed:
-        made = _with_packed(made)
-    by_kind[(fused, packed)] = made
+        made = _with(made, _packed)
+    if half:
+        made = _with(made, _half)
+    by_kind[(fused, packed, half)] = made
     return made
 
 
 def packable(model: PreTrainedModel) -> bool:
     """Whether ``model_products(model, packed=True)`` can pack every weight."""
-    return all(can_pack(m.weight) for m in _source_linears(model))
+    return all(can_pack(m.weight) for m in product_linears(model))
 
 
-def drop_packed(model: PreTrainedModel) -> None:
-    """Forget ``model``'s packed copies (their memory goes with the last runner holding them)."""
-    for kind in [k for k in _PRODUCTS.get(model, {}) if k[1]]:
+def halvable(model: PreTrainedModel) -> bool:
+    """Whether every product weight of ``model`` is a float32 CPU matrix of bfloat16 values,
+    so that a bfloat16 copy holds it exactly (``treespark.models.precision``)."""
+    return all(is_bf16_valued(m.weight) for m in product_linears(model))
+
+
+def drop_copies(model: PreTrainedModel, packed: bool, half: bool) -> None:
+    """Forget ``model``'s packed (``packed``) or half (``half``) copies: their memory goes
+    with the last runner holding them."""
+    for kind in [k for k in _PRODUCTS.get(model, {}) if (packed and k[1]) or (half and k[2])]:
         del _PRODUCTS[model][kind]
 
 
@@ -212,13 +242,14 @@ _PLANS: weakref.WeakKeyDictionary[PreTrainedModel, ProductPlan] = weakref.WeakKe
 PLAN_CACHE_DIR = Path.home() / ".cache" / "treespark" / "product-plans"
 
 
-def plan_key(weights: list[torch.Tensor], packable: bool) -> str:
+def plan_key(weights: list[torch.Tensor], packable: bool, half: bool = False) -> str:
     """What a plan is valid for, hashed: the machine, torch and its threads, the layouts
-    it chooses from, and the shapes and dtype of the weights it times (not their values)."""
+    it chooses from (``half``: bfloat16 copies among them), and the shapes and dtype of
+    the weights it times (not their values)."""
     key = {"hw": hardware_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": str(weights[0].dtype), "shapes": [list(w.shape) for w in weights], "packed": packable,
            "rows": list(PLAN_ROWS), "layouts": list(LAYOUTS),
-           "native": native.library() is not None}
+           "native": native.library() is not None, "half": half}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -237,25 +268,27 @@ def product_plan(model: PreTrainedModel, cache_dir: Path | None = PLAN_CACHE_DIR
         return plan
     products = model_products(model).products()
     idx = plan_sample([p.weight for p in products], len(model_products(model).layers[0].products()))
-    can = packable(model)
-    path = None if cache_dir is None else Path(cache_dir) / f"{plan_key([products[i].weight for i in idx], can)}.json"
+    can, half = packable(model), halvable(model)
+    path = None if cache_dir is None else \
+        Path(cache_dir) / f"{plan_key([products[i].weight for i in idx], can, half)}.json"
     cached = None if path is None else read_cached(path)
     try:
         plan = None if cached is None else ProductPlan(tuple(cached["rows"]), tuple(cached["layouts"]))
     except (ValueError, KeyError, TypeError):
         plan = None  # unreadable: measure again
     if plan is None:
-        plan = _measure_plan(model, idx, can)
+        plan = _measure_plan(model, idx, can, half)
         if path is not None:
             write_cached(path, {"rows": plan.rows, "layouts": plan.layouts, "describe": plan.describe()})
     _PLANS[model] = plan
     return plan
 
 
-def _measure_plan(model: PreTrainedModel, idx: list[int], can: bool) -> ProductPlan:
-    products = (model_products(model, packed=True) if can else model_products(model)).products()
+def _measure_plan(model: PreTrainedModel, idx: list[int], can: bool, half: bool) -> ProductPlan:
+    products = model_products(model, packed=can, half=half).products()
     plan, _ = measure_plan([products[i].weight for i in idx],
-                           [products[i].packed for i in idx] if can else None)
-    if PACKED not in plan.layouts:  # the copies would double the weights' memory for nothing
-        drop_packed(model)
+                           [products[i].packed for i in idx] if can else None,
+                           halves=[products[i].half for i in idx] if half else None)
+    # copies the plan does not use would add to the weights' memory for nothing
+    drop_copies(model, packed=PACKED not in plan.layouts, half=HALF not in plan.layouts)
     return plan

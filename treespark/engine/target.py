@@ -32,13 +32,14 @@ from treespark.engine.products import (
     LayerProducts,
     ModelProducts,
     Product,
+    halvable,
     model_products,
     packable,
     product_plan,
 )
 from treespark.kernels.attention import AttentionPath
 from treespark.kernels.layer_ops import ACTIVATIONS, EAGER, compiled_layer_ops, rope_sign
-from treespark.kernels.linear import F_LINEAR, PACKED, ProductPlan, planned_linear
+from treespark.kernels.linear import F_LINEAR, HALF, PACKED, ProductPlan, planned_linear
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -97,16 +98,19 @@ class TargetRunner:
             self._rope_sign = rope_sign(self.head_dim, self.device, self.dtype)   # [D]
             self._qk_norms = [self._qk_norm(layer.self_attn) for layer in base.layers]
         # on CPU: which layout each row count runs in (treespark.kernels.linear), and a copy of
-        # every product weight in oneDNN's layout where the plan multiplies by one
+        # every product weight in oneDNN's layout (or in bfloat16) where the plan multiplies by one
         self.products: ProductPlan | None = None
-        packed = False
+        packed = half = False
         if self.device.type == "cpu":
             self.products = products or product_plan(model)
-            packed = PACKED in self.products.layouts
+            packed, half = PACKED in self.products.layouts, HALF in self.products.layouts
             if packed and not packable(model):
                 raise ValueError(f"product plan {self.products.describe()!r} needs packed weights, and this "
                                  f"{self.dtype} model has none (oneDNN: {torch.backends.mkldnn.is_available()})")
-        self.weights: ModelProducts = model_products(model, fused, packed)
+            if half and not halvable(model):
+                raise ValueError(f"product plan {self.products.describe()!r} needs bfloat16 copies, and this "
+                                 "model's weights are not bfloat16 values (treespark.models.precision)")
+        self.weights: ModelProducts = model_products(model, fused, packed, half)
 
     def _qk_norm(self, attn: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
         """Qwen3's q and k norms as one per-head weight [Hq + Hkv, D] and their eps (None
@@ -132,7 +136,7 @@ class TargetRunner:
 
     def _linear(self, x: torch.Tensor, p: Product) -> torch.Tensor:
         """x: [N, in] -> [N, out] (row-major), in the plan's layout for N rows."""
-        return planned_linear(x, p.weight, p.bias, self.products, p.packed)
+        return planned_linear(x, p.weight, p.bias, self.products, p.packed, p.half)
 
     def _qkv(self, lp: LayerProducts, idx: int, x: torch.Tensor, cos, sin, b: int, k: int):
         """q [B, Hq, K, D], k and v [B, Hkv, K, D], q and k rotated: one stacked product,

@@ -29,7 +29,12 @@ BLAS gemv) without ``linear``'s padding: on a two-core AMD EPYC (Zen 3, AVX2) it
 weights faster than ``F.linear`` (75 against 92 ms a pass over the default target's, two
 loaded runs), where on the AVX-512 machine a single-threaded gemv was the slow path.
 
-Which of the four (``F.linear``, ``linear``, packed, ``W x`` at one row) is fastest at a row count is a
+``native_linear`` (``treespark.kernels.native``, up to 8 rows) streams each weight once and
+multiplies it by every row while it sits in L1; ``HALF`` is the same kernel reading a
+bfloat16 copy of a weight whose values are bfloat16 values (``treespark.models.precision``):
+half the bytes, the same values.
+
+Which of these (``F.linear``, ``linear``, packed, ``W x`` at one row, native, half) is fastest at a row count is a
 property of the machine, not of the code: on a two-core AVX-512 machine ``linear``
 beat ``F.linear`` 1.5x at 1-4 rows, on a two-core AVX-512 + AMX Xeon ``F.linear`` beat
 it 2.6x. So the target's forward does not fix the choice: ``measure_plan`` times one
@@ -137,8 +142,9 @@ class Linear(nn.Linear):
 F_LINEAR, SMALL, PACKED = "F.linear", "treespark.kernels.linear", "oneDNN packed"
 MATVEC = "W x (one row)"
 NATIVE = "treespark.kernels.native"
-LAYOUTS = (F_LINEAR, SMALL, PACKED, MATVEC, NATIVE)
-MOST_ROWS = {MATVEC: 1, NATIVE: NATIVE_ROWS}  # the most rows a layout is timed at (absent: any)
+HALF = "treespark.kernels.native bf16"   # native, on the weight's bfloat16 copy (exact values)
+LAYOUTS = (F_LINEAR, SMALL, PACKED, MATVEC, NATIVE, HALF)
+MOST_ROWS = {MATVEC: 1, NATIVE: NATIVE_ROWS, HALF: NATIVE_ROWS}  # the most rows a layout is timed at (absent: any)
 PLAN_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # the row counts ``measure_plan`` times
 PLAN_SAMPLE_BYTES = 512 << 20  # ``measure_plan`` times whole layers up to this many weight bytes
 
@@ -181,14 +187,19 @@ class ProductPlan:
 
 
 def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: ProductPlan | None,
-                   packed: PackedWeight | None = None) -> torch.Tensor:
+                   packed: PackedWeight | None = None, half: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` [N, in], in ``plan``'s layout for N rows
-    (``F.linear`` where ``plan`` is None); ``packed``: ``weight`` packed, for that layout."""
+    (``F.linear`` where ``plan`` is None); ``packed``: ``weight`` packed, ``half``: its
+    bfloat16 copy (exact), for those layouts."""
     layout = F_LINEAR if plan is None else plan.layout(x.shape[0])
     if layout == PACKED:
         if packed is None:
             raise ValueError(f"the product plan runs {x.shape[0]} rows packed, and this weight has no packed copy")
         return packed_linear(x, packed)
+    if layout == HALF:
+        if half is None:
+            raise ValueError(f"the product plan runs {x.shape[0]} rows on bfloat16 copies, and this weight has none")
+        return native_linear(x, half, bias)
     if layout == SMALL:
         return linear(x, weight, bias)
     if layout == MATVEC:
@@ -233,15 +244,18 @@ def plan_sample(weights: Sequence[torch.Tensor], per_layer: int, budget: int = P
 
 
 def measure_plan(weights: Sequence[torch.Tensor], packed: Sequence[PackedWeight] | None = None,
-                 rows: Sequence[int] = PLAN_ROWS, reps: int = 2) -> tuple[ProductPlan, dict[int, dict[str, float]]]:
+                 rows: Sequence[int] = PLAN_ROWS, reps: int = 2,
+                 halves: Sequence[torch.Tensor] | None = None) -> tuple[ProductPlan, dict[int, dict[str, float]]]:
     """Times one pass over ``weights`` (CPU, [out, in]) at each row count in each layout
-    (``packed``: the same weights packed, else no packed layout), interleaved so that a
+    (``packed``: the same weights packed, else no packed layout; ``halves``: their exact
+    bfloat16 copies, else no half layout), interleaved so that a
     drift in the machine's speed falls on every layout alike; the median of ``reps``
     passes after one untimed one. Returns the plan and the times (ms per pass)."""
     if reps < 1:
         raise ValueError("measure_plan needs reps >= 1")
-    if packed is not None and len(packed) != len(weights):
-        raise ValueError(f"{len(packed)} packed weights for {len(weights)} weights")
+    for name, extra in (("packed", packed), ("half", halves)):
+        if extra is not None and len(extra) != len(weights):
+            raise ValueError(f"{len(extra)} {name} weights for {len(weights)} weights")
     gen = torch.Generator().manual_seed(0)
     dims = {w.shape[1] for w in weights}
     xs = {n: {d: torch.randn(n, d, generator=gen, dtype=weights[0].dtype) for d in dims} for n in rows}
@@ -254,6 +268,8 @@ def measure_plan(weights: Sequence[torch.Tensor], packed: Sequence[PackedWeight]
         fns[PACKED] = lambda x, i: packed_linear(x, packed[i])
     if all(can_run(w) for w in weights):
         fns[NATIVE] = lambda x, i: native_linear(x, weights[i])
+        if halves is not None and all(can_run(h) for h in halves):
+            fns[HALF] = lambda x, i: native_linear(x, halves[i])
     times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in fns if n <= MOST_ROWS.get(name, n)}
                                                  for n in rows}
     with torch.no_grad():

@@ -4,7 +4,9 @@ At one to a few rows a decoding step's products are bound by reading the weights
 a two-core AMD EPYC (Zen 3, AVX2) the fastest library layout (oneDNN's packed weights)
 read them at ~0.6 of what a ``sum`` over the same bytes reads (`treespark bench linear`).
 ``gemv.c`` streams each weight once and multiplies it by every row while it sits in L1,
-split over torch's own OpenMP threads.
+split over torch's own OpenMP threads. A bfloat16 weight (the half copy of a float32
+weight whose values are bfloat16 values, ``treespark.models.precision``) is read at half
+the bytes and widened exactly: the same values as its float32 original.
 
 The C file is compiled once per machine, source and compiler (``cc -O3 -march=native
 -fopenmp``; a second or so) into ``~/.cache/treespark/kernels/`` under a ``filelock``,
@@ -77,26 +79,27 @@ def library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         print(f"[treespark.kernels.native] native products unavailable: {e}", file=sys.stderr, flush=True)
         return None
-    fn = lib.ts_gemv
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    for fn in (lib.ts_gemv, lib.ts_gemv_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     return lib
 
 
 def can_run(weight: torch.Tensor) -> bool:
-    """Whether ``native_linear`` takes this weight: a contiguous float32 CPU matrix, and the
-    kernel built."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    """Whether ``native_linear`` takes this weight: a contiguous float32 or bfloat16 CPU
+    matrix, and the kernel built."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
             and weight.is_contiguous() and library() is not None)
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x`` [..., in]: by ``gemv.c`` for up to ``MAX_ROWS``
-    float32 rows and a weight ``can_run`` takes, by ``F.linear`` otherwise (no gradients)."""
+    """``F.linear(x, weight, bias)`` for float32 ``x`` [..., in]: by ``gemv.c`` for up to
+    ``MAX_ROWS`` rows and a weight ``can_run`` takes (a bfloat16 weight widened exactly),
+    by ``F.linear`` otherwise (no gradients); float32 out."""
     k, n = weight.shape[-1], weight.shape[0]
     m = x.numel() // k if k else 0
     if not 1 <= m <= MAX_ROWS or x.dtype != torch.float32 or not can_run(weight):
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight.to(x.dtype), bias)
     rows = x.reshape(m, k).contiguous()
     if bias is not None:
         bias = bias.contiguous()
@@ -105,8 +108,9 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             torch.get_num_threads())
     # an operator to the profiler, as torch's own are (no annotation's cost when none runs)
     profiled = torch.autograd.profiler._is_profiler_enabled
+    fn = library().ts_gemv if weight.dtype == torch.float32 else library().ts_gemv_bf16
     with torch.profiler.record_function(PROFILER_NAME) if profiled else contextlib.nullcontext():
-        rc = library().ts_gemv(*args)
+        rc = fn(*args)
     if rc != 0:
         raise ValueError(f"ts_gemv refused rows {m}, out {n}, in {k}")
     return y.view(*x.shape[:-1], n)

@@ -22,6 +22,7 @@ from transformers import (
 
 from treespark.models.drafter import DSparkDrafter
 from treespark.models.drafter_config import DSparkConfig
+from treespark.models.precision import FLOAT32, set_precision
 from treespark.spec.calibration import Calibration, calibration_for
 
 
@@ -134,6 +135,7 @@ def load_pair(
     cache_dir: str | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
+    precision: str = FLOAT32,
     progress: bool = True,
 ) -> ModelPair:
     """A target and its drafter, ready to serve.
@@ -143,7 +145,9 @@ def load_pair(
     in this package. ``target`` may name any transformers causal LM of the Llama family
     (a local directory or a hub id, e.g. ``Qwen/Qwen3-4B``) and ``drafter`` a DSpark
     checkpoint directory or hub id (e.g. ``deepseek-ai/dspark_qwen3_4b_block7``).
-    ``dtype`` defaults to bfloat16 on CUDA and float32 on CPU.
+    ``dtype`` defaults to bfloat16 on CUDA and float32 on CPU. ``precision``: the
+    target's weights in float32 as loaded, or rounded to bfloat16 values in float32
+    storage (``treespark.models.precision``; the pair's name says so).
     """
     from pathlib import Path
 
@@ -176,21 +180,32 @@ def load_pair(
     else:
         ddir = resolve_checkpoint(drafter)
     draft = load_drafter(ddir, target=model, device=dev, dtype=dtype)
+    set_precision(model, precision)
     return ModelPair(target=model, drafter=draft, tokenizer=tokenizer,
-                     calibration=calibration_for(ddir, drafter), name=name)
+                     calibration=calibration_for(ddir, drafter), name=precise_name(name, precision))
+
+
+def precise_name(name: str, precision: str) -> str:
+    """A pair's name with its target's weight precision where not float32 (step-cost
+    tables and reports keep the two apart)."""
+    return name if precision == FLOAT32 else f"{name}@{precision}"
 
 
 def pair_by_name(name: str, drafter: str | None = None, *, device: str | torch.device | None = None,
-                 vocab_size: int = 512, seed: int = 0, block_size: int = 4,
+                 vocab_size: int = 512, seed: int = 0, block_size: int = 4, precision: str = FLOAT32,
                  progress: bool = True) -> ModelPair:
     """The one way a command or a replica resolves a pair by name: ``default`` (with
     ``drafter``: that drafter directory instead of the shipped one), ``random`` (tiny random
     weights of ``vocab_size`` tokens from ``seed``), or a target id or directory with its
-    ``drafter`` (e.g. ``Qwen/Qwen3-4B`` + ``deepseek-ai/dspark_qwen3_4b_block7``)."""
+    ``drafter`` (e.g. ``Qwen/Qwen3-4B`` + ``deepseek-ai/dspark_qwen3_4b_block7``);
+    ``precision``: the target's weights (``treespark.models.precision``)."""
     if name == "random":
         if drafter is not None:
             raise ValueError("a drafter goes with the default pair or a named target, not 'random'")
-        return random_pair(vocab_size, seed, block_size=block_size, device=device)
+        pair = random_pair(vocab_size, seed, block_size=block_size, device=device)
+        set_precision(pair.target, precision)
+        pair.name = precise_name(pair.name, precision)
+        return pair
     if name == "default":
-        return load_pair(drafter=drafter, device=device, progress=progress)
-    return load_pair(target=name, drafter=drafter, device=device, progress=progress)
+        return load_pair(drafter=drafter, device=device, precision=precision, progress=progress)
+    return load_pair(target=name, drafter=drafter, device=device, precision=precision, progress=progress)
