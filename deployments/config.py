@@ -198,6 +198,9 @@ class AppArgs(_Strict):
     served_model_name: str | None = None
     vocab_size: int = Field(512, ge=2)  # model: random only
     seed: int = 0
+    # the target's weights: float32 as loaded, or rounded to bfloat16 values (computed in
+    # float32; on CPU the product kernel then reads half the bytes; treespark.models.precision)
+    precision: Literal["float32", "bfloat16"] = "float32"
     max_batch_size: int = Field(8, ge=1)
     max_context: int = Field(1024, ge=2)
     # KV memory: the fraction of device memory (less what is in use once the weights are

@@ -36,7 +36,7 @@ def build_engine(args: AppArgs) -> EngineBundle:
     from treespark.spec.params import SamplingParams
 
     pair = pair_by_name(args.model, args.drafter, device=args.device, vocab_size=args.vocab_size,
-                        seed=args.seed, progress=False)
+                        seed=args.seed, precision=args.precision, progress=False)
     engine = Engine(pair, EngineConfig(max_batch_size=args.max_batch_size, max_context=args.max_context,
                                         max_tree_nodes=args.max_tree_nodes,
                                         kv_memory_fraction=args.kv_memory_fraction,
