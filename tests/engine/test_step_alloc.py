@@ -162,3 +162,27 @@ def test_policy_time_counts_the_allocations_work_not_time_the_thread_waits(monke
     assert time.perf_counter() - t0 >= 0.05
     assert [b.node_cap for b in budgets] == [4, 4]           # twice the planned pad
     assert 0 < alloc.policy_s < 0.02
+
+
+def test_probes_keep_their_cost_at_the_share_of_plain_decoding_at_every_batch():
+    """Plain steps, nothing worth drafting: a probe drafts every row (4 nodes) as rarely as
+    keeps its extra seconds at ``probe_share`` of plain decoding's, so at 16 rows, where a
+    padded verify costs much more than a one-token one, probes are rarer than at one."""
+    model = CostModel((1, 16), (1, 5), ((0.036, 0.044), (0.098, 0.255)))
+    costs = StepCosts(model, max_nodes=8, draft_base_s=0.009, draft_row_s=0.0007, draft_node_s=0.0001)
+    for bs in (1, 16):
+        alloc = StepAllocator(costs)
+        alloc._profile = [0.01] * 8                        # nothing pays: plain decoding planned
+        ids = [str(i) for i in range(bs)]
+        probes = []
+        for step in range(1000):
+            caps = [b.node_cap for b in alloc.drafting(ids, [Budget(0.0, 8, 4)] * bs, [True] * bs, 0.0)]
+            assert len(set(caps)) == 1 and caps[0] in (0, 4)
+            if caps[0]:
+                probes.append(step)
+        every = alloc.probe_every(bs)
+        row = costs.verify_row(bs)
+        extra = row[4] - row[0] + costs.drafting_s(bs, 4 * bs)
+        assert probes and all(b - a == every for a, b in zip(probes, probes[1:], strict=False))
+        assert extra / every <= alloc.probe_share * row[0] < extra / (every - 1)   # the rarest within the share
+    assert StepAllocator(costs).probe_every(16) > 3 * StepAllocator(costs).probe_every(1)
