@@ -186,3 +186,23 @@ def test_probes_keep_their_cost_at_the_share_of_plain_decoding_at_every_batch():
         assert probes and all(b - a == every for a, b in zip(probes, probes[1:], strict=False))
         assert extra / every <= alloc.probe_share * row[0] < extra / (every - 1)   # the rarest within the share
     assert StepAllocator(costs).probe_every(16) > 3 * StepAllocator(costs).probe_every(1)
+
+
+def test_plain_steps_replan_nothing_until_the_profile_the_batch_or_the_price_moves(monkeypatch):
+    calls = []
+
+    def counted(forecasts, costs, *, theta=0.0):
+        calls.append((len(forecasts), theta))
+        return DraftPlan(0, float("inf"), 1.0, 1.0)
+
+    monkeypatch.setattr(step_alloc, "plan_drafting", counted)
+    alloc = StepAllocator(StepCosts(CostModel.affine(0.01, 0.0005), max_nodes=16))
+    alloc._profile = [0.01] * 16
+    for _ in range(10):
+        alloc.drafting(["a", "b"], [Budget(0.0, 16, 4)] * 2, [True, True], 0.0)
+    assert calls == [(2, 0.0)]
+    alloc.drafting(["a"], [Budget(0.0, 16, 4)], [True], 0.0)              # another batch
+    alloc.drafting(["a"], [Budget(0.0, 16, 4)], [True], 0.2)              # another price
+    alloc._profile_version += 1                                           # the profile moved (``cut``)
+    alloc.drafting(["a"], [Budget(0.0, 16, 4)], [True], 0.2)
+    assert calls == [(2, 0.0), (1, 0.0), (1, 0.2), (1, 0.2)]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.test_fused_forward import _logits
 from treespark.engine.config import EngineConfig
 from treespark.engine.core import Engine
-from treespark.engine.kv import KVStore
 from treespark.engine.products import halvable, model_products, product_plan
 from treespark.engine.target import TargetRunner
 from treespark.kernels.linear import F_LINEAR, HALF, NATIVE, ProductPlan, measure_plan
@@ -53,17 +53,6 @@ def test_a_pair_at_bfloat16_says_so_in_its_name():
     assert not pair_by_name("random", vocab_size=64).name.endswith("@bfloat16")
     with pytest.raises(ValueError, match="precision"):
         set_precision(pair.target, "float16")
-
-
-def _logits(runner: TargetRunner, seq: torch.Tensor, k: int) -> torch.Tensor:
-    n = seq.shape[1]
-    n0 = n - k
-    store = KVStore(runner.store_shape, 1, n, torch.device("cpu"), torch.float32)
-    pos = torch.arange(n0)[None]
-    runner.forward(seq[:, :n0], pos, pos, store, slice(0, 1), torch.ones(n0, n0, dtype=torch.bool).tril()[None, None])
-    pos = torch.arange(n0, n)[None]
-    mask = torch.ones(k, n, dtype=torch.bool).tril(n0)[None, None]
-    return runner.forward(seq[:, n0:], pos, pos, store, slice(0, 1), mask).logits[0]
 
 
 @needs_native

@@ -64,6 +64,8 @@ class StepAllocator:
     profile_decay: float = 0.9                 # weight of the past in the per-rank mean of drafted trees
     _history: dict[str, list[float]] = field(default_factory=dict)   # each T > 0 row's last candidates
     _profile: list[float] | None = None        # drafted trees' scores by rank (best first), a running mean
+    _profile_version: int = 0                  # how many times the profile has moved
+    _planned: tuple | None = None              # (what the last plan was made on, the plan): plain steps replan nothing
     _drafted_nodes: int = 0                    # this step's drafted nodes (before the cut)
     _observe_s: float = 0.0                    # the last ``observe``'s seconds
 
@@ -102,7 +104,10 @@ class StepAllocator:
         if self._profile is None:
             self.plan, self.policy_s = None, time.thread_time() - t0 + observed
             return list(budgets)
-        self.plan = plan_drafting([self._profile] * len(ids), self.costs, theta=theta)
+        key = (len(ids), theta, id(self.costs), self._profile_version)
+        if self._planned is None or self._planned[0] != key:   # else nothing it plans on has moved
+            self._planned = key, plan_drafting([self._profile] * len(ids), self.costs, theta=theta)
+        self.plan = self._planned[1]
         cap = 2 * self.plan.pad
         self._plain_steps = self._plain_steps + 1 if cap == 0 else 0
         if cap == 0 and self._plain_steps % self.probe_every(len(ids)) == 0:
@@ -143,6 +148,7 @@ class StepAllocator:
             ranked += [0.0] * (n - len(ranked))
             self._profile = ranked if self._profile is None else \
                 [self.profile_decay * p + (1 - self.profile_decay) * x for p, x in zip(self._profile, ranked, strict=True)]
+            self._profile_version += 1
         counts = [c if f else t.size for c, f, t in zip(alloc.counts, follows, drafted.trees, strict=True)]
         out = drafted if all(c >= t.size for c, t in zip(counts, drafted.trees, strict=True)) \
             else drafted.trimmed(counts)
