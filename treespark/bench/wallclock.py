@@ -143,8 +143,7 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
     by_temp: dict[float, dict[str, float]] = {}
     table = None
     if profile_s is not None:
-        longest = max(len(p) for p in prompts)
-        table = served_table(pair, max_batch=1, max_context=longest + max_tokens, profile_s=profile_s, cache_dir=None)
+        table = _batch1_table(pair, prompts, max_tokens, profile_s)
         log(f"step-cost table measured in {table.measured_s:.1f} s")
     rows = []
     for temp in temperatures:
@@ -159,8 +158,7 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
             """A decoder's row: its tokens/s, step breakdown and host share (one more
             request, profiled, with a fresh allocator like the timed runs')."""
             results[name] = r.tokens_per_s
-            breakdown[name] = [*_breakdown(r),
-                               f"{host_share(pair, prompts[0], b, max_tokens, temp, make_allocator()):.2f}"]
+            breakdown[name] = _row(pair, prompts[0], r, b, max_tokens, temp, make_allocator())
             log(f"T={temp:g} {name}: {r.tokens_per_s:.2f} tok/s")
 
         ours_budget = budget or Budget.adaptive()
@@ -207,6 +205,19 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
     return "\n\n".join([table, *notes, *summary])
 
 
+def _batch1_table(pair: ModelPair, prompts, max_tokens: int, profile_s: float):
+    """The step-cost table a batch-1 replica of ``pair`` starts with, measured here."""
+    longest = max(len(p) for p in prompts)
+    return served_table(pair, max_batch=1, max_context=longest + max_tokens, profile_s=profile_s, cache_dir=None)
+
+
+def _row(pair: ModelPair, prompt, r: RunResult, b: Budget, max_tokens: int, temp: float,
+         allocator: StepAllocator | None) -> list[str]:
+    """A decoder's breakdown columns: ``r``'s step figures and the host share of one more
+    request, profiled (with ``allocator``, fresh like the timed runs')."""
+    return [*_breakdown(r), f"{host_share(pair, prompt, b, max_tokens, temp, allocator):.2f}"]
+
+
 def _decoders(pair: ModelPair, prompts, max_tokens: int, temp: float, budget: Budget, profile_s: float | None,
               log) -> tuple[dict[str, float], dict[str, list[str]]]:
     """``pair``'s adaptive tree (``budget``), served default (on a step-cost table measured
@@ -214,15 +225,14 @@ def _decoders(pair: ModelPair, prompts, max_tokens: int, temp: float, budget: Bu
     one's breakdown and host share, by name."""
     runs: dict[str, tuple[Budget, object]] = {"adaptive tree": (budget, lambda: None)}
     if profile_s is not None:
-        longest = max(len(p) for p in prompts)
-        table = served_table(pair, max_batch=1, max_context=longest + max_tokens, profile_s=profile_s, cache_dir=None)
+        table = _batch1_table(pair, prompts, max_tokens, profile_s)
         runs["per-step (served default)"] = (served_budget(), partial(served_allocator, table))
     runs["our plain decoding"] = (Budget.off(), lambda: None)
     speeds, breakdown = {}, {}
     for name, (b, make_allocator) in runs.items():
         r = _one_at_a_time(pair, prompts, b, max_tokens, temp, make_allocator())
         speeds[name] = r.tokens_per_s
-        breakdown[name] = [*_breakdown(r), f"{host_share(pair, prompts[0], b, max_tokens, temp, make_allocator()):.2f}"]
+        breakdown[name] = _row(pair, prompts[0], r, b, max_tokens, temp, make_allocator())
         log(f"T={temp:g} {name} ({pair.name}): {r.tokens_per_s:.2f} tok/s")
     return speeds, breakdown
 

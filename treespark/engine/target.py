@@ -32,7 +32,6 @@ from treespark.engine.products import (
     LayerProducts,
     ModelProducts,
     Product,
-    halvable,
     model_products,
     packable,
     product_plan,
@@ -107,9 +106,6 @@ class TargetRunner:
             if packed and not packable(model):
                 raise ValueError(f"product plan {self.products.describe()!r} needs packed weights, and this "
                                  f"{self.dtype} model has none (oneDNN: {torch.backends.mkldnn.is_available()})")
-            if half and not halvable(model):
-                raise ValueError(f"product plan {self.products.describe()!r} needs bfloat16 copies, and this "
-                                 "model's weights are not bfloat16 values (treespark.models.precision)")
         self.weights: ModelProducts = model_products(model, fused, packed, half)
 
     def _qk_norm(self, attn: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
