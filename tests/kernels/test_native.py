@@ -92,9 +92,9 @@ def test_the_library_is_built_once_per_machine_and_source(tmp_path, monkeypatch)
     assert first.exists() and first.parent == tmp_path
     stamp = first.stat().st_mtime_ns
     assert build(tmp_path) == first and first.stat().st_mtime_ns == stamp, "the cached build is reused"
-    src = tmp_path / "gemv.c"
-    src.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(native, "SOURCE", src)
+    src = tmp_path / "blocks.c"
+    src.write_text(native.SOURCES[1].read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native, "SOURCES", (native.SOURCES[0], src))
     assert build(tmp_path) != first, "another source, another build"
 
 

@@ -36,14 +36,22 @@ from treespark.engine.products import (
     packable,
     product_plan,
 )
+from treespark.kernels import blocks
 from treespark.kernels.attention import AttentionPath
 from treespark.kernels.layer_ops import ACTIVATIONS, EAGER, compiled_layer_ops, rope_sign
-from treespark.kernels.linear import F_LINEAR, HALF, PACKED, ProductPlan, planned_linear
+from treespark.kernels.linear import F_LINEAR, HALF, NATIVE, PACKED, ProductPlan, planned_linear
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return torch.cat([-x[..., d:], x[..., :d]], dim=-1)
+
+
+def _weight(p: Product, half: bool) -> torch.Tensor:
+    """The weight a native block multiplies by: the bfloat16 copy (``half``) or the float32 one."""
+    w = p.half if half else p.weight
+    assert w is not None and w.is_contiguous(), "the plan's layout needs this weight's contiguous copy"
+    return w
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,10 @@ class TargetRunner:
                 raise ValueError(f"product plan {self.products.describe()!r} needs packed weights, and this "
                                  f"{self.dtype} model has none (oneDNN: {torch.backends.mkldnn.is_available()})")
         self.weights: ModelProducts = model_products(model, fused, packed, half)
+        # the layers of a few-row forward on the native blocks where the plan runs its rows
+        # on gemv.c (``_on_blocks``): the fused eager forward of float32 activations only
+        self._blocks = (self.products is not None and fused and compile_backend is None
+                        and self.dtype == torch.float32)
 
     def _qk_norm(self, attn: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
         """Qwen3's q and k norms as one per-head weight [Hq + Hkv, D] and their eps (None
@@ -228,6 +240,11 @@ class TargetRunner:
         if self.fused:
             sin = sin * self._rope_sign
         x = h.reshape(b * k, -1)
+        half = self._on_blocks(b * k)
+        if half is not None:
+            x, taps = self._block_layers(x, cos, sin, attend, b, k, half)
+            tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
+            return x.view(b, k, -1), tapped
         taps: dict[int, torch.Tensor] = {}
         mlp_out = None  # each layer's MLP output is added to the stream in the next layer's first norm
         for idx, (layer, lp) in enumerate(zip(self.base.layers, self.weights.layers, strict=True)):
@@ -244,6 +261,46 @@ class TargetRunner:
         taps[self.num_layers - 1] = x
         tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
         return x.view(b, k, -1), tapped
+
+    def _on_blocks(self, rows: int) -> bool | None:
+        """Whether a forward of ``rows`` rows runs its layers on the native blocks
+        (``treespark.kernels.blocks``: where the plan runs these rows on ``gemv.c``, in the
+        fused eager forward of float32 activations) and if so on the bfloat16 copies;
+        None where it does not."""
+        if not self._blocks or self.products is None:
+            return None
+        layout = self.products.layout(rows)
+        if layout not in (NATIVE, HALF) or not blocks.can_run(rows, self.act):
+            return None
+        return layout == HALF
+
+    def _block_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: LayerAttention,
+                      b: int, k: int, half: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """``layers``' loop on the native blocks, two calls a layer around its attention:
+        the last layer's output [B K, h] (before the final norm, its MLP added) and the
+        tapped layers' outputs by index. The fused forward's values to float rounding."""
+        hq, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = cos.reshape(b * k, hd).contiguous(), sin.reshape(b * k, hd).contiguous()   # [B K, hd]
+        taps: dict[int, torch.Tensor] = {}
+        mlp_out = None
+        for idx, (layer, lp) in enumerate(zip(self.base.layers, self.weights.layers, strict=True)):
+            qkv, (gu,) = lp.qkv[0], lp.gate_up
+            norm, eps = self._qk_norms[idx] or (None, 0.0)
+            inorm, pnorm = layer.input_layernorm, layer.post_attention_layernorm
+            x, y = blocks.attn_in(x, mlp_out, inorm.weight, inorm.variance_epsilon, _weight(qkv, half), qkv.bias,
+                                  half, norm, eps, cos, sin, hq, hkv, hd)
+            if idx - 1 in self.tap_layers:
+                taps[idx - 1] = x
+            y = y.view(b, k, -1, hd).transpose(1, 2)                            # [B, Hq + 2 Hkv, K, hd]
+            attend.write(idx, y[:, hq:hq + hkv], y[:, hq + hkv:])
+            out = attend(idx, y[:, :hq])                                        # [B, Hq, K, hd]
+            a = out.transpose(1, 2).reshape(b * k, -1).contiguous()
+            x, mlp_out = blocks.attn_out_mlp(a, _weight(lp.o, half), lp.o.bias, x, pnorm.weight,
+                                             pnorm.variance_epsilon, _weight(gu, half), gu.bias,
+                                             _weight(lp.down, half), lp.down.bias, half)
+        x = x + mlp_out
+        taps[self.num_layers - 1] = x
+        return x, taps
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor,                 # [B, K, h] the last layer's output

@@ -8,9 +8,10 @@ split over torch's own OpenMP threads. A bfloat16 weight (the half copy of a flo
 weight whose values are bfloat16 values, ``treespark.models.precision``) is read at half
 the bytes and widened exactly: the same values as its float32 original.
 
-The C file is compiled once per machine, source and compiler (``cc -O3 -march=native
--fopenmp``; a second or so) into ``~/.cache/treespark/kernels/`` under a ``filelock``,
-and loaded with ``ctypes``, which releases the GIL during the call. Where there is no C
+The C files (``gemv.c``, and ``blocks.c``: a decoder layer's few-row forward around its
+attention, ``treespark.kernels.blocks``) are compiled once per machine, source and
+compiler (``cc -O3 -march=native -fopenmp``; a second or so) into
+``~/.cache/treespark/kernels/`` under a ``filelock``, and loaded with ``ctypes``, which releases the GIL during the call. Where there is no C
 compiler or the build fails, ``library()`` is None, the product plan does not offer the
 layout, and one line on stderr says why. The values are ``F.linear``'s to float rounding.
 """
@@ -32,7 +33,8 @@ from filelock import FileLock
 
 from treespark.kernels.machine import hardware_name
 
-SOURCE = Path(__file__).with_name("gemv.c")
+# the products (gemv.c) and the decoder-layer blocks built on them (blocks.c), one library
+SOURCES = (Path(__file__).with_name("gemv.c"), Path(__file__).with_name("blocks.c"))
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "kernels"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 MAX_ROWS = 8  # the most rows ``native_linear`` takes: W stays in L1 over them
@@ -57,14 +59,15 @@ def build(cache_dir: Path = CACHE_DIR) -> Path:
     if found is None:
         raise RuntimeError("no C compiler (cc) on PATH")
     cc, version = found
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), hardware_name(), version, *FLAGS]).encode()).hexdigest()[:16]
+    texts = [src.read_text() for src in SOURCES]
+    key = hashlib.sha256("\n".join([*texts, hardware_name(), version, *FLAGS]).encode()).hexdigest()[:16]
     lib = Path(cache_dir) / f"gemv-{key}.so"
     lib.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lib) + ".lock"):
         if not lib.exists():
             tmp = lib.with_suffix(".tmp.so")
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
-                                  timeout=300)
+            done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True,
+                                  text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
             tmp.replace(lib)
@@ -79,9 +82,16 @@ def library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         print(f"[treespark.kernels.native] native products unavailable: {e}", file=sys.stderr, flush=True)
         return None
-    for fn in (lib.ts_gemv, lib.ts_gemv_bf16):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    ptr, f32, n, i32 = ctypes.c_void_p, ctypes.c_float, ctypes.c_long, ctypes.c_int
+    signatures = {
+        "ts_gemv": [ptr] * 4 + [n] * 3 + [i32],
+        "ts_gemv_bf16": [ptr] * 4 + [n] * 3 + [i32],
+        "ts_attn_in": [ptr, ptr, ptr, f32, ptr, ptr, i32, ptr, f32] + [ptr] * 5 + [n] * 5 + [i32],
+        "ts_attn_out_mlp": [ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i32] + [ptr] * 5 + [n] * 4 + [i32],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = i32, argtypes
     return lib
 
 

@@ -1,0 +1,94 @@
+"""treespark.kernels.blocks: a few-row forward's layers in two native calls around the
+attention give the fused torch forward's logits (Llama; Qwen3 with q/k norms at the full
+vocabulary; Qwen2 with q/k/v biases), on float32 weights and on bfloat16 copies; they run
+exactly where the plan puts the rows on gemv.c; and the profiler sees them as operators."""
+
+import pytest
+import torch
+
+from tests.engine.test_fused_forward import _logits, _target
+from treespark.engine.target import TargetRunner
+from treespark.kernels import blocks
+from treespark.kernels.linear import F_LINEAR, HALF, NATIVE, ProductPlan
+from treespark.kernels.native import MAX_ROWS, library
+from treespark.models.precision import round_to_bf16
+
+needs_native = pytest.mark.skipif(library() is None, reason="no C compiler built treespark/kernels/")
+
+
+def _counting(monkeypatch) -> list[int]:
+    """How many times attn_in and attn_out_mlp run, counted through the module."""
+    calls = [0, 0]
+    for i, name in enumerate(("attn_in", "attn_out_mlp")):
+        fn = getattr(blocks, name)
+
+        def counted(*args, _fn=fn, _i=i, **kwargs):
+            calls[_i] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(blocks, name, counted)
+    return calls
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("layout", [NATIVE, HALF])
+def test_the_blocks_give_the_fused_forwards_logits(family, layout, monkeypatch):
+    model = _target(family)
+    if layout == HALF:
+        round_to_bf16(model)
+    plan = ProductPlan((MAX_ROWS, MAX_ROWS + 1), (layout, F_LINEAR))
+    on_blocks, eager = TargetRunner(model, (0, 1), plan), TargetRunner(model, (0, 1), plan)
+    eager._blocks = False
+    calls = _counting(monkeypatch)
+    seq = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(5))
+    layers = model.config.num_hidden_layers
+    for k in (1, 3, MAX_ROWS):
+        before = list(calls)
+        got = _logits(on_blocks, seq, k)
+        assert calls[0] - before[0] == calls[1] - before[1] == layers, "the k-token forward on the blocks"
+        before = list(calls)
+        want = _logits(eager, seq, k)
+        assert calls == before, "the eager forward calls no block"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        ref = model(seq).logits[0, -3:]
+    torch.testing.assert_close(_logits(on_blocks, seq, 3), ref, rtol=1e-4, atol=1e-4)   # the model's own
+
+
+@needs_native
+def test_rows_past_the_kernels_run_the_torch_forward(monkeypatch):
+    """Rows the plan does not run on gemv.c (more than MAX_ROWS, or another layout) take
+    the torch operators: the prefix forward of ``_logits`` (12 tokens) calls no block."""
+    model = _target("llama")
+    calls = _counting(monkeypatch)
+    seq = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(6))
+    _logits(TargetRunner(model, (0,), ProductPlan.fixed(F_LINEAR)), seq, 2)
+    assert calls == [0, 0]
+    _logits(TargetRunner(model, (0,), ProductPlan((MAX_ROWS, MAX_ROWS + 1), (NATIVE, F_LINEAR))), seq, 8)
+    layers = model.config.num_hidden_layers
+    assert calls == [layers, layers], "the 12-token prefix on torch's operators, the 8 tokens on the blocks"
+
+
+@needs_native
+def test_the_blocks_refuse_a_head_they_cannot_rotate():
+    x = torch.randn(1, 8)
+    w = torch.randn(3 * 3, 8)
+    with pytest.raises(ValueError, match="ts_attn_in refused"):
+        blocks.attn_in(x, None, torch.ones(8), 1e-6, w, None, False, None, 0.0, torch.ones(1, 3), torch.ones(1, 3),
+                       1, 1, 3)
+
+
+@needs_native
+def test_the_profiler_sees_the_blocks_as_operators():
+    """Host-share figures count operator time from the profiler (as for native_linear)."""
+    from torch.profiler import profile
+
+    model = _target("llama")
+    runner = TargetRunner(model, (0,), ProductPlan.fixed(NATIVE))
+    seq = torch.randint(0, 512, (1, 4), generator=torch.Generator().manual_seed(7))
+    with profile() as prof:
+        _logits(runner, seq, 1)
+    ev = {e.key: e for e in prof.key_averages()}
+    for name in blocks.PROFILER_NAMES:
+        assert name in ev and ev[name].count == model.config.num_hidden_layers * 2   # the prefix's 3 tokens, then 1
+        assert ev[name].self_cpu_time_total > 0

@@ -1,0 +1,86 @@
+"""A decoder layer's few-row forward in two native calls around its attention (``blocks.c``).
+
+At the rows of a CPU decoding step (one to ``MAX_ROWS``) a layer's products stream its
+weights in ~0.4 ms, and the ~50 torch operators between them (norms, residual adds,
+rotary embeddings, the activation, the products' reshapes) cost as much again in
+dispatch. ``attn_in`` runs everything before the attention (the residual add, the input
+norm, q|k|v, Qwen3's q/k norms, the rotary embedding) and ``attn_out_mlp`` everything
+after it (o, the residual add, the post-attention norm, gate|up, the activation, down),
+each in one call; the attention itself (its store, masks and kernels) stays the torch
+forward's (``treespark.engine.attend``). The products are ``native_linear``'s kernel on
+the float32 weights or their bfloat16 copies (``half``): for a plan that runs these rows
+``NATIVE`` or ``HALF`` the values are the torch forward's to float rounding
+(``tests/kernels/test_blocks.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from treespark.kernels.native import MAX_ROWS, library
+
+PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp")  # what torch.profiler calls them
+ACTIVATIONS = ("silu", "swish")  # the hidden_act names blocks.c computes
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _profiled(name: str):
+    """An operator to the profiler, as native_linear is (host-share figures count operator time)."""
+    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
+        else contextlib.nullcontext()
+
+
+def can_run(rows: int, hidden_act: str) -> bool:
+    """Whether the blocks take a forward of ``rows`` rows with this activation (and the
+    library is built)."""
+    return 1 <= rows <= MAX_ROWS and hidden_act in ACTIVATIONS and library() is not None
+
+
+def attn_in(x: torch.Tensor,              # [M, D] the residual stream
+            d: torch.Tensor | None,       # [M, D] added to it first (the last layer's MLP output), or None
+            norm_w: torch.Tensor, eps: float,   # the input norm's [D]
+            w: torch.Tensor, b: torch.Tensor | None, half: bool,  # q|k|v [(Hq + 2 Hkv) hd, D] (+ bias)
+            qk_norm: torch.Tensor | None, qk_eps: float,          # [Hq + Hkv, hd] per-head weight, or None
+            cos: torch.Tensor, ssin: torch.Tensor,               # [M, hd] (ssin: rope_sign applied)
+            heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + d, q|k|v [M, (Hq + 2 Hkv) hd] with q and k normed and rotated); x itself where
+    ``d`` is None."""
+    m, dim = x.shape
+    n = (heads + 2 * kv_heads) * head_dim
+    x_out = torch.empty_like(x) if d is not None else x
+    normed, qkv = torch.empty_like(x), torch.empty(m, n, dtype=torch.float32)
+    with _profiled(PROFILER_NAMES[0]):
+        rc = library().ts_attn_in(x.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, w.data_ptr(), _ptr(b), int(half),
+                                  _ptr(qk_norm), qk_eps, cos.data_ptr(), ssin.data_ptr(), x_out.data_ptr(),
+                                  normed.data_ptr(), qkv.data_ptr(), m, dim, heads, kv_heads, head_dim,
+                                  torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"ts_attn_in refused rows {m}, hidden {dim}, heads {heads}/{kv_heads}, head_dim {head_dim}")
+    return x_out, qkv
+
+
+def attn_out_mlp(a: torch.Tensor,                      # [M, A] the attention's output, heads flattened
+                 wo: torch.Tensor, bo: torch.Tensor | None,   # [D, A] (+ bias)
+                 x: torch.Tensor,                      # [M, D] the residual stream
+                 norm_w: torch.Tensor, eps: float,     # the post-attention norm's [D]
+                 wgu: torch.Tensor, bgu: torch.Tensor | None,  # gate|up [2 I, D] (+ bias)
+                 wdown: torch.Tensor, bdown: torch.Tensor | None,  # [D, I] (+ bias)
+                 half: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + a Wo^T, the MLP's output [M, D] on that stream's norm)."""
+    m, dim = x.shape
+    inter = wdown.shape[1]
+    x_out, normed, mlp = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    gu, act = torch.empty(m, 2 * inter, dtype=torch.float32), torch.empty(m, inter, dtype=torch.float32)
+    with _profiled(PROFILER_NAMES[1]):
+        rc = library().ts_attn_out_mlp(a.data_ptr(), wo.data_ptr(), _ptr(bo), x.data_ptr(), norm_w.data_ptr(), eps,
+                                       wgu.data_ptr(), _ptr(bgu), wdown.data_ptr(), _ptr(bdown), int(half),
+                                       x_out.data_ptr(), normed.data_ptr(), gu.data_ptr(), act.data_ptr(),
+                                       mlp.data_ptr(), m, dim, a.shape[1], inter, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"ts_attn_out_mlp refused rows {m}, hidden {dim}, attention {a.shape[1]}, mlp {inter}")
+    return x_out, mlp
