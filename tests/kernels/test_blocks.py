@@ -1,7 +1,8 @@
 """treespark.kernels.blocks: a few-row forward's layers in two native calls around the
 attention give the fused torch forward's logits (Llama; Qwen3 with q/k norms at the full
 vocabulary; Qwen2 with q/k/v biases), on float32 weights and on bfloat16 copies; they run
-exactly where the plan puts the rows on gemv.c; and the profiler sees them as operators."""
+exactly where the plan puts the rows on gemv.c; the few-row attention over a paged store
+read in place gives the gathered SDPA's values; and the profiler sees them as operators."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from tests.engine.test_fused_forward import _logits, _target
 from treespark.engine.target import TargetRunner
 from treespark.kernels import blocks
+from treespark.kernels.attention import attention_bias, gather_blocks, grouped_attention
 from treespark.kernels.linear import F_LINEAR, HALF, NATIVE, ProductPlan
 from treespark.kernels.native import MAX_ROWS, library
 from treespark.models.precision import round_to_bf16
@@ -89,6 +91,33 @@ def test_the_profiler_sees_the_blocks_as_operators():
     with profile() as prof:
         _logits(runner, seq, 1)
     ev = {e.key: e for e in prof.key_averages()}
-    for name in blocks.PROFILER_NAMES:
+    for name in blocks.PROFILER_NAMES[:2]:   # a dense store: no paged_attention
         assert name in ev and ev[name].count == model.config.num_hidden_layers * 2   # the prefix's 3 tokens, then 1
         assert ev[name].self_cpu_time_total > 0
+
+
+@needs_native
+@pytest.mark.parametrize("b,k,heads,kv_heads", [(1, 1, 9, 3), (2, 3, 4, 2), (8, 1, 4, 4), (1, 8, 6, 1)])
+def test_paged_attention_reads_the_blocks_in_place_as_the_gathered_sdpa_does(b, k, heads, kv_heads):
+    """Over shuffled blocks, a tree-like mask (each query its own allowed keys, columns past
+    the context masked): grouped_attention's values over the gathered copy."""
+    g = torch.Generator().manual_seed(b * 100 + k)
+    bs, nb, hd, t = 4, 5, 16, 18
+    slots = 64
+    kc, vc = torch.randn(slots, kv_heads, hd, generator=g), torch.randn(slots, kv_heads, hd, generator=g)
+    table = torch.stack([torch.randperm(slots // bs, generator=g)[:nb] for _ in range(b)])
+    mask = torch.rand(b, 1, k, t, generator=g) < 0.7
+    mask[..., 0] = True                                        # every query sees a key
+    bias = attention_bias(mask, heads // kv_heads, torch.float32, nb * bs)
+    q = torch.randn(b, heads, k, hd, generator=g)
+    assert blocks.can_attend(q, kc)
+    want = grouped_attention(q, gather_blocks(kc, table, bs), gather_blocks(vc, table, bs), bias, 0.3)
+    torch.testing.assert_close(blocks.paged_attention(q, kc, vc, table, bs, bias, 0.3), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_paged_attention_leaves_wide_forwards_to_sdpa():
+    kc = torch.zeros(16, 2, 8)
+    assert not blocks.can_attend(torch.zeros(1, 4, MAX_ROWS + 1, 8), kc)     # a prefill chunk
+    assert not blocks.can_attend(torch.zeros(3, 4, 3, 8), kc)                # 9 query tokens
+    assert not blocks.can_attend(torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16), kc.bfloat16())

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from treespark.engine.kv import KVStore, PagedKV, PagedRows, PagedStore, blocks_for
+from treespark.kernels import blocks
 from treespark.kernels.attention import (
     AttentionPath,
     attention_bias,
@@ -66,6 +67,8 @@ def _attend(path: AttentionPath, store: KVStore | PagedStore, rows: slice | Page
     assert bias is not None
     if table is not None:
         assert isinstance(store, PagedStore)
+        if blocks.can_attend(q, store.k[layer]):
+            return blocks.paged_attention(q, store.k[layer], store.v[layer], table, block_size, bias, scale)
         keys = gather_blocks(store.k[layer], table, block_size)
         values = gather_blocks(store.v[layer], table, block_size)
     else:

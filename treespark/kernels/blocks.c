@@ -96,3 +96,137 @@ int ts_attn_out_mlp(const float *a, const void *wo, const float *bo, const float
         }
     return product(act, wdown, bdown, half, mlp, M, D, I, threads);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* e^x for 8 floats (x <= 0 here): x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor
+ * polynomial (relative error ~2e-7, about 2 float ulps), times 2^n; below -87 it is 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);         /* ln2 in two parts */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* s[t] = e^(s[t] - top) over n floats; returns their sum */
+static float exp_shift(float *s, long n, float top) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 m = _mm256_set1_ps(top);
+    long t = 0;
+    for (; t + 8 <= n; t += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+        _mm256_storeu_ps(s + t, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    float part[8], sum = 0.0f;
+    _mm256_storeu_ps(part, acc);
+    for (int j = 0; j < 8; ++j) sum += part[j];
+    for (; t < n; ++t) sum += (s[t] = expf(s[t] - top));
+    return sum;
+}
+#else
+static float exp_shift(float *s, long n, float top) {
+    float sum = 0.0f;
+    for (long t = 0; t < n; ++t) sum += (s[t] = expf(s[t] - top));
+    return sum;
+}
+#endif
+
+/* Attention of a few query tokens a row over a paged store, read in place through the
+ * block table (no gathered copy): out = softmax(q k^T scale + bias) v per query head, over
+ * the KV head it groups under (query head h reads KV head h / G). Split-K: each (row, KV
+ * head) pair's keys are cut into `splits` spans, each span's softmax computed apart (its
+ * max, its sum, its unnormalised output) and the spans merged exactly after.
+ * q: [B, H, K, hd]; kc, vc: [slots, kvh, hd] one layer's keys and values; table: [B, nb]
+ * block ids (block_size bs); bias: [B, 1, G K, nb bs] additive, its row (h mod G) K + k
+ * for query head h at token k (grouped_attention's layout); -inf keys are skipped, and a
+ * query with every key masked gets zeros. scratch: at least B kvh splits (G K (nb bs + hd
+ * + 2)) floats; out: [B, H, K, hd]. Returns 0, or -1 for shapes it does not take. */
+int ts_paged_attention(const float *q, const float *kc, const float *vc, const int64_t *table, long nb, long bs,
+                       const float *bias, float scale, float *scratch, float *out, long B, long H, long kvh, long K,
+                       long hd, long splits, int threads) {
+    if (B < 1 || H < 1 || kvh < 1 || H % kvh || K < 1 || hd < 1 || nb < 1 || bs < 1 || splits < 1) return -1;
+    const long G = H / kvh, R = G * K, T = nb * bs, items = B * kvh * splits;
+    const long per = R * (T + hd + 2);                       /* scratch floats an item */
+    const int nt = items > 1 && B * H * K * T * hd >= (1L << 15) ? threads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (long it = 0; it < items; ++it) {
+        const long b = it / (kvh * splits), g = (it / splits) % kvh, sp = it % splits;
+        const long j0 = nb * sp / splits, j1 = nb * (sp + 1) / splits, n = (j1 - j0) * bs;
+        float *s = scratch + it * per, *o = s + R * T, *mx = o + R * hd, *sm = mx + R;
+        const float *br = bias + b * R * T + j0 * bs;
+        for (long r = 0; r < R; ++r) mx[r] = -INFINITY;
+        for (long j = j0; j < j1; ++j) {                      /* scores, block by block */
+            const long base = table[b * nb + j] * bs;
+            for (long off = 0; off < bs; ++off) {
+                const long t = (j - j0) * bs + off;
+                const float *kt = kc + ((base + off) * kvh + g) * hd;
+                for (long r = 0; r < R; ++r) {
+                    const float bv = br[r * T + t];
+                    if (bv == -INFINITY) { s[r * n + t] = -INFINITY; continue; }
+                    const float *qr = q + ((b * H + g * G + r / K) * K + r % K) * hd;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (long d = 0; d < hd; ++d) dot += qr[d] * kt[d];
+                    const float v = dot * scale + bv;
+                    s[r * n + t] = v;
+                    if (v > mx[r]) mx[r] = v;
+                }
+            }
+        }
+        for (long r = 0; r < R; ++r) sm[r] = mx[r] == -INFINITY ? 0.0f : exp_shift(s + r * n, n, mx[r]);
+        for (long x = 0; x < R * hd; ++x) o[x] = 0.0f;
+        for (long j = j0; j < j1; ++j) {                      /* the weighted values */
+            const long base = table[b * nb + j] * bs;
+            for (long off = 0; off < bs; ++off) {
+                const long t = (j - j0) * bs + off;
+                const float *vt = vc + ((base + off) * kvh + g) * hd;
+                for (long r = 0; r < R; ++r) {
+                    if (mx[r] == -INFINITY) continue;
+                    const float p = s[r * n + t];
+                    if (p == 0.0f) continue;
+                    float *orow = o + r * hd;
+                    for (long d = 0; d < hd; ++d) orow[d] += p * vt[d];
+                }
+            }
+        }
+    }
+    /* merge each query's spans: their outputs and sums rescaled to the largest max */
+    for (long b = 0; b < B; ++b)
+        for (long g = 0; g < kvh; ++g)
+            for (long r = 0; r < R; ++r) {
+                const float *first = scratch + ((b * kvh + g) * splits) * per;
+                float top = -INFINITY, total = 0.0f;
+                for (long sp = 0; sp < splits; ++sp) {
+                    const float m = (first + sp * per + R * (T + hd))[r];
+                    if (m > top) top = m;
+                }
+                float *dst = out + ((b * H + g * G + r / K) * K + r % K) * hd;
+                for (long d = 0; d < hd; ++d) dst[d] = 0.0f;
+                if (top == -INFINITY) continue;
+                for (long sp = 0; sp < splits; ++sp) {
+                    const float *item = first + sp * per, *o = item + R * T;
+                    const float m = item[R * (T + hd) + r], l = item[R * (T + hd) + R + r];
+                    if (m == -INFINITY) continue;
+                    const float w = expf(m - top);
+                    total += w * l;
+                    for (long d = 0; d < hd; ++d) dst[d] += w * o[r * hd + d];
+                }
+                const float inv = 1.0f / total;
+                for (long d = 0; d < hd; ++d) dst[d] *= inv;
+            }
+    return 0;
+}

@@ -6,8 +6,10 @@ rotary embeddings, the activation, the products' reshapes) cost as much again in
 dispatch. ``attn_in`` runs everything before the attention (the residual add, the input
 norm, q|k|v, Qwen3's q/k norms, the rotary embedding) and ``attn_out_mlp`` everything
 after it (o, the residual add, the post-attention norm, gate|up, the activation, down),
-each in one call; the attention itself (its store, masks and kernels) stays the torch
-forward's (``treespark.engine.attend``). The products are ``native_linear``'s kernel on
+each in one call. Between them ``paged_attention`` attends the few query tokens over a
+paged store's blocks in place, where the torch path gathers the blocks into a copy and
+calls SDPA (whose fixed cost, ~0.1 ms a call, is most of a decoding step's attention);
+the masks and the store stay ``treespark.engine.attend``'s. The products are ``native_linear``'s kernel on
 the float32 weights or their bfloat16 copies (``half``): for a plan that runs these rows
 ``NATIVE`` or ``HALF`` the values are the torch forward's to float rounding
 (``tests/kernels/test_blocks.py``).
@@ -21,7 +23,8 @@ import torch
 
 from treespark.kernels.native import MAX_ROWS, library
 
-PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp")  # what torch.profiler calls them
+# what torch.profiler calls them
+PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp", "treespark::paged_attention")
 ACTIVATIONS = ("silu", "swish")  # the hidden_act names blocks.c computes
 
 
@@ -84,3 +87,42 @@ def attn_out_mlp(a: torch.Tensor,                      # [M, A] the attention's 
     if rc != 0:
         raise ValueError(f"ts_attn_out_mlp refused rows {m}, hidden {dim}, attention {a.shape[1]}, mlp {inter}")
     return x_out, mlp
+
+
+def can_attend(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether ``paged_attention`` takes these queries [B, H, K, hd] over this cache
+    [slots, kvh, hd]: float32 on the CPU, at most ``MAX_ROWS`` query tokens (B K), the
+    library built. More tokens (a prefill chunk, a wide batch of trees) go to SDPA's
+    blocked kernel, which is faster there."""
+    return (q.device.type == "cpu" and q.dtype == cache.dtype == torch.float32
+            and q.shape[0] * q.shape[2] <= MAX_ROWS and library() is not None)
+
+
+def paged_attention(q: torch.Tensor,       # [B, H, K, hd]
+                    kc: torch.Tensor,      # [slots, kvh, hd] one layer's keys of a paged store
+                    vc: torch.Tensor,      # [slots, kvh, hd] and values
+                    table: torch.Tensor,   # [B, nb] the blocks each row reads
+                    block_size: int,
+                    bias: torch.Tensor,    # [B, 1, G K, nb block_size] ``attention_bias``'s
+                    scale: float | None = None) -> torch.Tensor:
+    """``grouped_attention`` of the keys and values ``table`` names, read in place (no
+    gathered copy, no SDPA call): [B, H, K, hd], its values to float rounding."""
+    b, h, k, hd = q.shape
+    kvh, nb = kc.shape[1], table.shape[1]
+    assert bias.shape == (b, 1, (h // kvh) * k, nb * block_size), (bias.shape, q.shape, kvh, nb, block_size)
+    assert kc.is_contiguous() and vc.is_contiguous()
+    q, bias = q.contiguous(), bias.contiguous()   # the bias: an expanded view where G or K is 1
+    table = table.to(torch.int64).contiguous()
+    threads = torch.get_num_threads()
+    # each (row, KV head)'s keys cut into spans, so that every thread has a few to do
+    splits = min(nb, max(1, -(-4 * threads // (b * kvh))))
+    rows = (h // kvh) * k
+    scratch = torch.empty(b * kvh * splits * rows * (nb * block_size + hd + 2), dtype=torch.float32)
+    out = torch.empty(b, h, k, hd, dtype=torch.float32)
+    with _profiled(PROFILER_NAMES[2]):
+        rc = library().ts_paged_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), table.data_ptr(), nb,
+                                          block_size, bias.data_ptr(), hd ** -0.5 if scale is None else scale,
+                                          scratch.data_ptr(), out.data_ptr(), b, h, kvh, k, hd, splits, threads)
+    if rc != 0:
+        raise ValueError(f"ts_paged_attention refused queries {tuple(q.shape)} over {kvh} KV heads, {nb} blocks")
+    return out
