@@ -42,7 +42,7 @@ def test_the_blocks_give_the_fused_forwards_logits(family, layout, monkeypatch):
     on_blocks, eager = TargetRunner(model, (0, 1), plan), TargetRunner(model, (0, 1), plan)
     eager._blocks = False
     calls = _counting(monkeypatch)
-    seq = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(5))
+    seq = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
     layers = model.config.num_hidden_layers
     for k in (1, 3, MAX_ROWS):
         before = list(calls)
@@ -51,7 +51,7 @@ def test_the_blocks_give_the_fused_forwards_logits(family, layout, monkeypatch):
         before = list(calls)
         want = _logits(eager, seq, k)
         assert calls == before, "the eager forward calls no block"
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     with torch.no_grad():
         ref = model(seq).logits[0, -3:]
     torch.testing.assert_close(_logits(on_blocks, seq, 3), ref, rtol=1e-4, atol=1e-4)   # the model's own
@@ -60,15 +60,15 @@ def test_the_blocks_give_the_fused_forwards_logits(family, layout, monkeypatch):
 @needs_native
 def test_rows_past_the_kernels_run_the_torch_forward(monkeypatch):
     """Rows the plan does not run on gemv.c (more than MAX_ROWS, or another layout) take
-    the torch operators: the prefix forward of ``_logits`` (12 tokens) calls no block."""
+    the torch operators: the prefix forward of ``_logits`` (22 tokens) calls no block."""
     model = _target("llama")
     calls = _counting(monkeypatch)
-    seq = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(6))
+    seq = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(6))
     _logits(TargetRunner(model, (0,), ProductPlan.fixed(F_LINEAR)), seq, 2)
     assert calls == [0, 0]
     _logits(TargetRunner(model, (0,), ProductPlan((MAX_ROWS, MAX_ROWS + 1), (NATIVE, F_LINEAR))), seq, 8)
     layers = model.config.num_hidden_layers
-    assert calls == [layers, layers], "the 12-token prefix on torch's operators, the 8 tokens on the blocks"
+    assert calls == [layers, layers], "the 22-token prefix on torch's operators, the 8 tokens on the blocks"
 
 
 @needs_native
@@ -119,5 +119,5 @@ def test_paged_attention_reads_the_blocks_in_place_as_the_gathered_sdpa_does(b, 
 def test_paged_attention_leaves_wide_forwards_to_sdpa():
     kc = torch.zeros(16, 2, 8)
     assert not blocks.can_attend(torch.zeros(1, 4, MAX_ROWS + 1, 8), kc)     # a prefill chunk
-    assert not blocks.can_attend(torch.zeros(3, 4, 3, 8), kc)                # 9 query tokens
+    assert not blocks.can_attend(torch.zeros(3, 4, 6, 8), kc)                # 18 query tokens
     assert not blocks.can_attend(torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16), kc.bfloat16())

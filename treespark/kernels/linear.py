@@ -29,7 +29,7 @@ BLAS gemv) without ``linear``'s padding: on a two-core AMD EPYC (Zen 3, AVX2) it
 weights faster than ``F.linear`` (75 against 92 ms a pass over the default target's, two
 loaded runs), where on the AVX-512 machine a single-threaded gemv was the slow path.
 
-``native_linear`` (``treespark.kernels.native``, up to 8 rows) streams each weight once and
+``native_linear`` (``treespark.kernels.native``, up to 16 rows) streams each weight once and
 multiplies it by every row while it sits in L1; ``HALF`` is the same kernel reading a
 bfloat16 copy of a weight whose values are bfloat16 values (``treespark.models.precision``):
 half the bytes, the same values.
