@@ -121,3 +121,23 @@ def test_paged_attention_leaves_wide_forwards_to_sdpa():
     assert not blocks.can_attend(torch.zeros(1, 4, MAX_ROWS + 1, 8), kc)     # a prefill chunk
     assert not blocks.can_attend(torch.zeros(3, 4, 6, 8), kc)                # 18 query tokens
     assert not blocks.can_attend(torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16), kc.bfloat16())
+
+
+@needs_native
+def test_a_rows_paged_attention_does_not_depend_on_the_batch():
+    """The spans fall at the same keys whatever the batch's width: a short row attended
+    beside a long one gets the very floats it gets alone."""
+    g = torch.Generator().manual_seed(11)
+    bs, hd, heads, kv_heads = 4, 16, 4, 2
+    long_blocks = 3 * blocks.SPAN_BLOCKS + 1
+    kc, vc = torch.randn(512, kv_heads, hd, generator=g), torch.randn(512, kv_heads, hd, generator=g)
+    table = torch.randperm(512 // bs, generator=g)[:2 * long_blocks].view(2, long_blocks)
+    width = long_blocks * bs
+    mask = torch.zeros(2, 1, 1, width, dtype=torch.bool)
+    mask[0, ..., :10] = True                                   # a short row ...
+    mask[1, ..., :width - 3] = True                            # ... beside a long one
+    q = torch.randn(2, heads, 1, hd, generator=g)
+    both = blocks.paged_attention(q, kc, vc, table, bs, attention_bias(mask, 2, torch.float32, width))
+    alone_mask = mask[:1, ..., :3 * bs]
+    alone = blocks.paged_attention(q[:1], kc, vc, table[:1, :3], bs, attention_bias(alone_mask, 2, torch.float32, 3 * bs))
+    assert torch.equal(both[:1], alone)

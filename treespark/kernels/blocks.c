@@ -148,25 +148,28 @@ static float exp_shift(float *s, long n, float top) {
 /* Attention of a few query tokens a row over a paged store, read in place through the
  * block table (no gathered copy): out = softmax(q k^T scale + bias) v per query head, over
  * the KV head it groups under (query head h reads KV head h / G). Split-K: each (row, KV
- * head) pair's keys are cut into `splits` spans, each span's softmax computed apart (its
- * max, its sum, its unnormalised output) and the spans merged exactly after.
+ * head) pair's keys are cut into spans of `span` blocks from the first, each span's softmax
+ * computed apart (its max, its sum, its unnormalised output) and merged after in order;
+ * the spans fall at the same keys whatever the batch's width, so a row's output does not
+ * depend on the other rows (a span past its keys is all masked and adds nothing).
  * q: [B, H, K, hd]; kc, vc: [slots, kvh, hd] one layer's keys and values; table: [B, nb]
  * block ids (block_size bs); bias: [B, 1, G K, nb bs] additive, its row (h mod G) K + k
  * for query head h at token k (grouped_attention's layout); -inf keys are skipped, and a
- * query with every key masked gets zeros. scratch: at least B kvh splits (G K (nb bs + hd
- * + 2)) floats; out: [B, H, K, hd]. Returns 0, or -1 for shapes it does not take. */
+ * query with every key masked gets zeros. scratch: at least B kvh ceil(nb / span) (G K
+ * (span bs + hd + 2)) floats; out: [B, H, K, hd]. Returns 0, or -1 for shapes it does not take. */
 int ts_paged_attention(const float *q, const float *kc, const float *vc, const int64_t *table, long nb, long bs,
                        const float *bias, float scale, float *scratch, float *out, long B, long H, long kvh, long K,
-                       long hd, long splits, int threads) {
-    if (B < 1 || H < 1 || kvh < 1 || H % kvh || K < 1 || hd < 1 || nb < 1 || bs < 1 || splits < 1) return -1;
+                       long hd, long span, int threads) {
+    if (B < 1 || H < 1 || kvh < 1 || H % kvh || K < 1 || hd < 1 || nb < 1 || bs < 1 || span < 1) return -1;
+    const long splits = (nb + span - 1) / span;
     const long G = H / kvh, R = G * K, T = nb * bs, items = B * kvh * splits;
-    const long per = R * (T + hd + 2);                       /* scratch floats an item */
+    const long W = span * bs, per = R * (W + hd + 2);       /* a span's keys; scratch floats an item */
     const int nt = items > 1 && B * H * K * T * hd >= (1L << 15) ? threads : 1;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (long it = 0; it < items; ++it) {
         const long b = it / (kvh * splits), g = (it / splits) % kvh, sp = it % splits;
-        const long j0 = nb * sp / splits, j1 = nb * (sp + 1) / splits, n = (j1 - j0) * bs;
-        float *s = scratch + it * per, *o = s + R * T, *mx = o + R * hd, *sm = mx + R;
+        const long j0 = sp * span, j1 = j0 + span < nb ? j0 + span : nb, n = (j1 - j0) * bs;
+        float *s = scratch + it * per, *o = s + R * W, *mx = o + R * hd, *sm = mx + R;
         const float *br = bias + b * R * T + j0 * bs;
         for (long r = 0; r < R; ++r) mx[r] = -INFINITY;
         for (long j = j0; j < j1; ++j) {                      /* scores, block by block */
@@ -176,18 +179,21 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
                 const float *kt = kc + ((base + off) * kvh + g) * hd;
                 for (long r = 0; r < R; ++r) {
                     const float bv = br[r * T + t];
-                    if (bv == -INFINITY) { s[r * n + t] = -INFINITY; continue; }
+                    if (bv == -INFINITY) { s[r * W + t] = -INFINITY; continue; }
                     const float *qr = q + ((b * H + g * G + r / K) * K + r % K) * hd;
                     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                     for (long d = 0; d < hd; ++d) dot += qr[d] * kt[d];
                     const float v = dot * scale + bv;
-                    s[r * n + t] = v;
+                    s[r * W + t] = v;
                     if (v > mx[r]) mx[r] = v;
                 }
             }
         }
-        for (long r = 0; r < R; ++r) sm[r] = mx[r] == -INFINITY ? 0.0f : exp_shift(s + r * n, n, mx[r]);
+        for (long r = 0; r < R; ++r) {   /* a whole span's width each, its tail masked: the same sums at any n */
+            for (long t = n; t < W; ++t) s[r * W + t] = -INFINITY;
+            sm[r] = mx[r] == -INFINITY ? 0.0f : exp_shift(s + r * W, W, mx[r]);
+        }
         for (long x = 0; x < R * hd; ++x) o[x] = 0.0f;
         for (long j = j0; j < j1; ++j) {                      /* the weighted values */
             const long base = table[b * nb + j] * bs;
@@ -196,7 +202,7 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
                 const float *vt = vc + ((base + off) * kvh + g) * hd;
                 for (long r = 0; r < R; ++r) {
                     if (mx[r] == -INFINITY) continue;
-                    const float p = s[r * n + t];
+                    const float p = s[r * W + t];
                     if (p == 0.0f) continue;
                     float *orow = o + r * hd;
                     for (long d = 0; d < hd; ++d) orow[d] += p * vt[d];
@@ -211,15 +217,15 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
                 const float *first = scratch + ((b * kvh + g) * splits) * per;
                 float top = -INFINITY, total = 0.0f;
                 for (long sp = 0; sp < splits; ++sp) {
-                    const float m = (first + sp * per + R * (T + hd))[r];
+                    const float m = (first + sp * per + R * (W + hd))[r];
                     if (m > top) top = m;
                 }
                 float *dst = out + ((b * H + g * G + r / K) * K + r % K) * hd;
                 for (long d = 0; d < hd; ++d) dst[d] = 0.0f;
                 if (top == -INFINITY) continue;
                 for (long sp = 0; sp < splits; ++sp) {
-                    const float *item = first + sp * per, *o = item + R * T;
-                    const float m = item[R * (T + hd) + r], l = item[R * (T + hd) + R + r];
+                    const float *item = first + sp * per, *o = item + R * W;
+                    const float m = item[R * (W + hd) + r], l = item[R * (W + hd) + R + r];
                     if (m == -INFINITY) continue;
                     const float w = expf(m - top);
                     total += w * l;

@@ -26,6 +26,9 @@ from treespark.kernels.native import MAX_ROWS, library
 # what torch.profiler calls them
 PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp", "treespark::paged_attention")
 ACTIVATIONS = ("silu", "swish")  # the hidden_act names blocks.c computes
+# paged_attention cuts each row's keys into spans of this many blocks, from the first (work
+# for every thread; the same spans whatever the batch, so a row's values do not depend on it)
+SPAN_BLOCKS = 8
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -113,16 +116,15 @@ def paged_attention(q: torch.Tensor,       # [B, H, K, hd]
     assert kc.is_contiguous() and vc.is_contiguous()
     q, bias = q.contiguous(), bias.contiguous()   # the bias: an expanded view where G or K is 1
     table = table.to(torch.int64).contiguous()
-    threads = torch.get_num_threads()
-    # each (row, KV head)'s keys cut into spans, so that every thread has a few to do
-    splits = min(nb, max(1, -(-4 * threads // (b * kvh))))
+    splits = -(-nb // SPAN_BLOCKS)
     rows = (h // kvh) * k
-    scratch = torch.empty(b * kvh * splits * rows * (nb * block_size + hd + 2), dtype=torch.float32)
+    scratch = torch.empty(b * kvh * splits * rows * (SPAN_BLOCKS * block_size + hd + 2), dtype=torch.float32)
     out = torch.empty(b, h, k, hd, dtype=torch.float32)
     with _profiled(PROFILER_NAMES[2]):
         rc = library().ts_paged_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), table.data_ptr(), nb,
                                           block_size, bias.data_ptr(), hd ** -0.5 if scale is None else scale,
-                                          scratch.data_ptr(), out.data_ptr(), b, h, kvh, k, hd, splits, threads)
+                                          scratch.data_ptr(), out.data_ptr(), b, h, kvh, k, hd, SPAN_BLOCKS,
+                                          torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"ts_paged_attention refused queries {tuple(q.shape)} over {kvh} KV heads, {nb} blocks")
     return out
