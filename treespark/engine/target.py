@@ -241,12 +241,20 @@ class TargetRunner:
             sin = sin * self._rope_sign
         x = h.reshape(b * k, -1)
         half = self._on_blocks(b * k)
-        if half is not None:
-            x, taps = self._block_layers(x, cos, sin, attend, b, k, half)
-            tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
-            return x.view(b, k, -1), tapped
+        x, mlp_out, taps = (self._torch_layers(x, cos, sin, attend, b, k) if half is None
+                            else self._block_layers(x, cos, sin, attend, b, k, half))
+        x = x + mlp_out
+        taps[self.num_layers - 1] = x
+        tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
+        return x.view(b, k, -1), tapped
+
+    def _torch_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: LayerAttention,
+                      b: int, k: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """``layers``' loop on torch operators: the residual stream [B K, h] after the last
+        layer's attention, that layer's MLP output (each layer's is added to the stream in
+        the next layer's first norm) and the tapped layers' outputs by index."""
         taps: dict[int, torch.Tensor] = {}
-        mlp_out = None  # each layer's MLP output is added to the stream in the next layer's first norm
+        mlp_out = None
         for idx, (layer, lp) in enumerate(zip(self.base.layers, self.weights.layers, strict=True)):
             if mlp_out is None:
                 normed = self._norm(layer.input_layernorm, x)
@@ -257,17 +265,14 @@ class TargetRunner:
             a = self._attention(layer, lp, normed, cos, sin, idx, attend, b, k)
             x, normed = self._add_norm(layer.post_attention_layernorm, x, a)
             mlp_out = self._mlp(layer.mlp, lp, normed)
-        x = x + mlp_out
-        taps[self.num_layers - 1] = x
-        tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
-        return x.view(b, k, -1), tapped
+        return x, mlp_out, taps
 
     def _on_blocks(self, rows: int) -> bool | None:
         """Whether a forward of ``rows`` rows runs its layers on the native blocks
         (``treespark.kernels.blocks``: where the plan runs these rows on ``gemv.c``, in the
         fused eager forward of float32 activations) and if so on the bfloat16 copies;
         None where it does not."""
-        if not self._blocks or self.products is None:
+        if not self._blocks:
             return None
         layout = self.products.layout(rows)
         if layout not in (NATIVE, HALF) or not blocks.can_run(rows, self.act):
@@ -275,10 +280,9 @@ class TargetRunner:
         return layout == HALF
 
     def _block_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: LayerAttention,
-                      b: int, k: int, half: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """``layers``' loop on the native blocks, two calls a layer around its attention:
-        the last layer's output [B K, h] (before the final norm, its MLP added) and the
-        tapped layers' outputs by index. The fused forward's values to float rounding."""
+                      b: int, k: int, half: bool) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """``_torch_layers`` on the native blocks, two calls a layer around its attention
+        (``half``: on the bfloat16 copies): the fused forward's values to float rounding."""
         hq, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = cos.reshape(b * k, hd).contiguous(), sin.reshape(b * k, hd).contiguous()   # [B K, hd]
         taps: dict[int, torch.Tensor] = {}
@@ -298,9 +302,7 @@ class TargetRunner:
             x, mlp_out = blocks.attn_out_mlp(a, _weight(lp.o, half), lp.o.bias, x, pnorm.weight,
                                              pnorm.variance_epsilon, _weight(gu, half), gu.bias,
                                              _weight(lp.down, half), lp.down.bias, half)
-        x = x + mlp_out
-        taps[self.num_layers - 1] = x
-        return x, taps
+        return x, mlp_out, taps
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor,                 # [B, K, h] the last layer's output

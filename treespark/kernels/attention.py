@@ -68,8 +68,9 @@ def attention_bias(mask: torch.Tensor,   # [B, 1, K, T] bool, True = may attend
     assert keys >= t, f"the bias needs at least the mask's {t} key columns, got {keys}"
     allowed = F.pad(mask, (0, keys - t), value=False) if keys > t else mask             # [B, 1, K, keys]
     bias = torch.where(allowed, 0.0, float("-inf")).to(dtype)
-    # the G copies are the one write of the full size (no fill first, then the mask over it)
-    return bias[:, :, None].expand(b, 1, groups, k, keys).reshape(b, 1, groups * k, keys)
+    # the G copies are the one write of the full size (no fill first, then the mask over it),
+    # made even where the reshape could stay a view (one token a row): every layer reads it
+    return bias[:, :, None].expand(b, 1, groups, k, keys).reshape(b, 1, groups * k, keys).contiguous()
 
 
 def grouped_attention(q: torch.Tensor,      # [B, H, K, hd]

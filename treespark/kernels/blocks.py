@@ -113,8 +113,8 @@ def paged_attention(q: torch.Tensor,       # [B, H, K, hd]
     b, h, k, hd = q.shape
     kvh, nb = kc.shape[1], table.shape[1]
     assert bias.shape == (b, 1, (h // kvh) * k, nb * block_size), (bias.shape, q.shape, kvh, nb, block_size)
-    assert kc.is_contiguous() and vc.is_contiguous()
-    q, bias = q.contiguous(), bias.contiguous()   # the bias: an expanded view where G or K is 1
+    assert bias.is_contiguous() and kc.is_contiguous() and vc.is_contiguous()
+    q = q.contiguous()
     table = table.to(torch.int64).contiguous()
     splits = -(-nb // SPAN_BLOCKS)
     rows = (h // kvh) * k

@@ -58,6 +58,17 @@ static inline void prefetch4(const char *p, long k, long K, size_t es) {
     _mm_prefetch(p + (3 * K + k) * es, _MM_HINT_T0);
 }
 
+/* block4's pass over k, STEP at every 8 elements: while `ahead`, a cache line of each of the
+ * next 4 rows prefetched before the line of these that STEP then reads; then the rest. */
+#define K_LOOP(STEP)                                                                     \
+    do {                                                                                 \
+        while (ahead && k + line <= K) {                                                 \
+            prefetch4(next, k, K, es);                                                   \
+            for (const long e = k + line; k < e; k += 8) STEP                            \
+        }                                                                                \
+        for (; k + 8 <= K; k += 8) STEP                                                  \
+    } while (0)
+
 /* y[i, n + r] for r < 4 and i < g <= 2: rows n..n+3 of W against rows x[0..g); `ahead`:
  * prefetch the next 4 rows (the first pass over a block; past W's end a prefetch is a
  * no-op, it never faults). */
@@ -82,13 +93,7 @@ static inline void block4(const void *w, int half, const float *x, float *y, lon
             a02 = _mm256_fmadd_ps(c2, u, a02); a12 = _mm256_fmadd_ps(c2, v, a12);        \
             a03 = _mm256_fmadd_ps(c3, u, a03); a13 = _mm256_fmadd_ps(c3, v, a13);        \
         }
-        if (ahead)
-            for (; k + line <= K; k += line) {
-                prefetch4(next, k, K, es);
-                for (long e = k + line; k < e; k += 8) STEP2
-                k -= line;
-            }
-        for (; k + 8 <= K; k += 8) STEP2
+        K_LOOP(STEP2);
 #undef STEP2
     } else {
 #define STEP1                                                                            \
@@ -99,15 +104,10 @@ static inline void block4(const void *w, int half, const float *x, float *y, lon
             a02 = _mm256_fmadd_ps(load_w(w2, k, half), u, a02);                          \
             a03 = _mm256_fmadd_ps(load_w(w3, k, half), u, a03);                          \
         }
-        if (ahead)
-            for (; k + line <= K; k += line) {
-                prefetch4(next, k, K, es);
-                for (long e = k + line; k < e; k += 8) STEP1
-                k -= line;
-            }
-        for (; k + 8 <= K; k += 8) STEP1
+        K_LOOP(STEP1);
 #undef STEP1
     }
+#undef K_LOOP
     float s[2][4] = {{hsum(a00), hsum(a01), hsum(a02), hsum(a03)},
                      {hsum(a10), hsum(a11), hsum(a12), hsum(a13)}};
     for (; k < K; ++k) {
@@ -175,7 +175,7 @@ static inline void block1(const void *w, int half, const float *x, float *y, lon
             for (long i = 0; i < M; i += 2) {                                             \
                 const long g = (M - i) < 2 ? (M - i) : 2;                                 \
                 if (n + 4 <= N) {                                                         \
-                    block4(w, HALF, x + i * K, y + i * N, n, g, K, N, i == 0);                    \
+                    block4(w, HALF, x + i * K, y + i * N, n, g, K, N, i == 0);            \
                 } else {                                                                  \
                     for (long r = n; r < N; ++r) block1(w, HALF, x + i * K, y + i * N, r, g, K, N); \
                 }                                                                         \

@@ -11,8 +11,8 @@ the bytes and widened exactly: the same values as its float32 original.
 The C files (``gemv.c``, and ``blocks.c``: a decoder layer's few-row forward around its
 attention, ``treespark.kernels.blocks``) are compiled once per machine, source and
 compiler (``cc -O3 -march=native -fopenmp``; a second or so) into
-``~/.cache/treespark/kernels/`` under a ``filelock``, and loaded with ``ctypes``, which releases the GIL during the call. Where there is no C
-compiler or the build fails, ``library()`` is None, the product plan does not offer the
+``~/.cache/treespark/kernels/`` under a ``filelock``, and loaded with ``ctypes``, which
+releases the GIL during the call. Where there is no C compiler or the build fails, ``library()`` is None, the product plan does not offer the
 layout, and one line on stderr says why. The values are ``F.linear``'s to float rounding.
 """
 
