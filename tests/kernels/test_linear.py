@@ -34,7 +34,7 @@ from treespark.kernels.linear import (
     planned_linear,
 )
 from treespark.kernels.native import MAX_ROWS as NATIVE_ROWS
-from treespark.kernels.native import library
+from treespark.kernels.native import library, to_panels
 from treespark.models.precision import round_to_bf16
 
 
@@ -206,7 +206,7 @@ def test_measure_plan_times_every_layout_at_every_row_count_and_keeps_the_fastes
     ws = [torch.randn(48, 32, generator=g).to(torch.bfloat16).float(), torch.randn(32, 48, generator=g)]
     past = NATIVE_ROWS + 1
     plan, ms = measure_plan(ws, [pack(w) for w in ws], rows=(1, 3, past), reps=1,
-                            halves=[w.to(torch.bfloat16) for w in ws])
+                            halves=[to_panels(w) for w in ws])
     native = {NATIVE, HALF} if library() is not None else set()
     assert set(ms[1]) == set(LAYOUTS) - {NATIVE, HALF} | native, "every layout at one row"
     assert set(ms[3]) == set(LAYOUTS) - {MATVEC, NATIVE, HALF} | native, "W x runs one row only"
@@ -218,7 +218,7 @@ def test_measure_plan_times_every_layout_at_every_row_count_and_keeps_the_fastes
     with pytest.raises(ValueError, match="packed weights for"):
         measure_plan(ws, [pack(ws[0])])
     with pytest.raises(ValueError, match="half weights for"):
-        measure_plan(ws, halves=[ws[0].to(torch.bfloat16)])
+        measure_plan(ws, halves=[to_panels(ws[0])])
 
 
 def test_runner_measures_the_plan_once_per_model_and_can_be_given_one():

@@ -7,7 +7,15 @@ import torch.nn.functional as F
 
 from treespark.kernels import native
 from treespark.kernels.linear import HALF, NATIVE, ProductPlan, planned_linear
-from treespark.kernels.native import MAX_ROWS, build, can_run, library, native_linear
+from treespark.kernels.native import (
+    MAX_ROWS,
+    build,
+    can_run,
+    from_panels,
+    library,
+    native_linear,
+    to_panels,
+)
 
 needs_native = pytest.mark.skipif(library() is None, reason="no C compiler built treespark/kernels/gemv.c")
 
@@ -26,17 +34,35 @@ def test_native_linear_matches_f_linear_at_every_row_count(m):
 
 @needs_native
 @pytest.mark.parametrize("m", range(1, MAX_ROWS + 1))
-def test_a_bfloat16_copy_gives_the_same_values_as_its_float32_weight(m):
-    """A weight of bfloat16 values read from its bfloat16 copy: each value widened exactly
-    and summed in the same order, so the very same floats, at every shape and tail."""
+def test_bfloat16_panels_give_their_float32_weights_values(m):
+    """A weight of bfloat16 values read from its panels (``to_panels``): each value widened
+    exactly, so F.linear's values on the float32 weight to float rounding, at shapes whose
+    inputs are and are not a multiple of the 8-wide vector; a row's values are the same
+    floats whatever rows share its call."""
     g = torch.Generator().manual_seed(100 + m)
-    for n, k in ((576, 576), (7, 13), (130, 1536), (4, 8), (1, 3), (49, 577)):
+    for n, k in ((576, 576), (16, 13), (144, 1536), (32, 8), (48, 577), (4096, 64)):
         x = torch.randn(m, k, generator=g)
-        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16).float()
         b = torch.randn(n, generator=g)
+        panels = to_panels(w)
+        assert panels.dtype == torch.bfloat16 and panels.shape == w.shape
         for bias in (None, b):
-            assert torch.equal(native_linear(x, w, bias), native_linear(x, w.float(), bias))
-            torch.testing.assert_close(native_linear(x, w, bias), F.linear(x, w.float(), bias), rtol=1e-5, atol=1e-4)
+            y = native_linear(x, panels, bias)
+            torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+            for i in range(m):
+                assert torch.equal(native_linear(x[i:i + 1], panels, bias)[0], y[i])
+
+
+def test_panels_are_the_weight_reordered():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 10, generator=g).to(torch.bfloat16)
+    p = to_panels(w)
+    assert torch.equal(from_panels(p), w)
+    # panel 1, k = 3: rows 16 + c and 24 + c interleaved
+    flat = p.view(-1)[(1 * 10 + 3) * 16:(1 * 10 + 4) * 16]
+    assert torch.equal(flat[0::2], w[16:24, 3]) and torch.equal(flat[1::2], w[24:32, 3])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        to_panels(w[:40])
 
 
 @needs_native
@@ -61,8 +87,8 @@ def test_native_linear_falls_back_to_f_linear_where_it_does_not_apply():
     wt = torch.randn(8, 16, generator=g).T                # [16, 8], column-major
     assert not can_run(wt)
     assert torch.equal(native_linear(many[:2], wt), F.linear(many[:2], wt))
-    half = w.to(torch.bfloat16)                           # past the rows it takes: widened for F.linear
-    assert torch.equal(native_linear(many, half), F.linear(many, half.float()))
+    with pytest.raises(ValueError, match="panels"):       # panels past the rows it takes: no matrix for F.linear
+        native_linear(many, to_panels(w))
 
 
 @needs_native
@@ -78,10 +104,12 @@ def test_the_plan_can_run_every_row_count_natively():
 @needs_native
 def test_the_half_layout_reads_the_copy_and_refuses_without_one():
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(12, 9, generator=g).to(torch.bfloat16).float()
+    w = torch.randn(16, 9, generator=g).to(torch.bfloat16).float()
     x = torch.randn(3, 9, generator=g)
     plan = ProductPlan((8, 9), (HALF, NATIVE))
-    assert torch.equal(planned_linear(x, w, None, plan, half=w.to(torch.bfloat16)), native_linear(x, w))
+    half = to_panels(w)
+    assert torch.equal(planned_linear(x, w, None, plan, half=half), native_linear(x, half))
+    torch.testing.assert_close(planned_linear(x, w, None, plan, half=half), F.linear(x, w), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="bfloat16 copies"):
         planned_linear(x, w, None, plan)
 

@@ -49,7 +49,7 @@ from treespark.kernels.linear import (
     packed_linear,
 )
 from treespark.kernels.linear import LAYOUTS as PLAN_LAYOUTS
-from treespark.kernels.native import can_run, native_linear
+from treespark.kernels.native import can_panel, can_run, native_linear, to_panels
 from treespark.models.pair import ModelPair
 
 LAYOUTS = {
@@ -88,12 +88,13 @@ def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 12
         by_weight = {id(p.weight): p.packed for p in products}
         layouts[PACKED] = lambda x, w: packed_linear(x, by_weight[id(w)])
     layouts[MATVEC] = matvec_linear
-    if all(can_run(w) for w in ws):
+    if all(w.dtype == torch.float32 and can_run(w) for w in ws):
         layouts[NATIVE] = native_linear
-        # the bfloat16 copies a bfloat16-valued target reads (timed on these weights rounded:
+        # the bfloat16 panels a bfloat16-valued target reads (timed on these weights rounded:
         # the same bytes and work, whatever the values)
-        halves = {id(w): w.to(torch.bfloat16) for w in ws}
-        layouts[HALF] = lambda x, w: native_linear(x, halves[id(w)])
+        if all(can_panel(w) for w in ws):
+            halves = {id(w): to_panels(w) for w in ws}
+            layouts[HALF] = lambda x, w: native_linear(x, halves[id(w)])
     layouts[READ] = lambda x, w: w.sum()
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     out, candidates = [], {}

@@ -66,8 +66,8 @@ from treespark.models.precision import is_bf16_valued
 @dataclass(frozen=True)
 class Product:
     """One product of the forward, ``x @ weight.T + bias``; ``packed``: the weight in
-    oneDNN's layout (with the bias), ``half``: its bfloat16 copy (a weight of bfloat16
-    values: exact), where the plan multiplies by one."""
+    oneDNN's layout (with the bias), ``half``: its bfloat16 copy in panels
+    (``native.to_panels``; a weight of bfloat16 values: exact), where the plan multiplies by one."""
 
     weight: torch.Tensor        # [out, in]
     bias: torch.Tensor | None   # [out]
@@ -184,7 +184,7 @@ def _packed(p: Product) -> Product:
 
 
 def _half(p: Product) -> Product:
-    return replace(p, half=p.weight.to(torch.bfloat16))
+    return replace(p, half=native.to_panels(p.weight))
 
 
 _PRODUCTS: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[bool, bool, bool], ModelProducts]] = (
@@ -225,8 +225,9 @@ def packable(model: PreTrainedModel) -> bool:
 
 def halvable(model: PreTrainedModel) -> bool:
     """Whether every product weight of ``model`` is a float32 CPU matrix of bfloat16 values,
-    so that a bfloat16 copy holds it exactly (``treespark.models.precision``)."""
-    return all(is_bf16_valued(m.weight) for m in product_linears(model))
+    so that a bfloat16 copy holds it exactly (``treespark.models.precision``), of a multiple
+    of 16 rows (the copies are ``native.to_panels``')."""
+    return all(is_bf16_valued(m.weight) and native.can_panel(m.weight) for m in product_linears(model))
 
 
 def drop_copies(model: PreTrainedModel, packed: bool, half: bool) -> None:
@@ -244,12 +245,14 @@ PLAN_CACHE_DIR = Path.home() / ".cache" / "treespark" / "product-plans"
 
 def plan_key(weights: list[torch.Tensor], packable: bool, half: bool = False) -> str:
     """What a plan is valid for, hashed: the machine, torch and its threads, the layouts
-    it chooses from (``half``: bfloat16 copies among them), and the shapes and dtype of
-    the weights it times (not their values)."""
+    it chooses from (``half``: bfloat16 copies among them; the native kernels' build, which
+    names their sources), and the shapes and dtype of the weights it times (not their
+    values)."""
     key = {"hw": hardware_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": str(weights[0].dtype), "shapes": [list(w.shape) for w in weights], "packed": packable,
            "rows": list(PLAN_ROWS), "layouts": list(LAYOUTS),
-           "native": native.MAX_ROWS if native.library() is not None else None, "half": half}
+           "native": [native.MAX_ROWS, native.build().stem] if native.library() is not None else None,
+           "half": half}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 

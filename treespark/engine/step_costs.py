@@ -48,7 +48,7 @@ from treespark.spec.budget import Budget
 from treespark.spec.params import SamplingParams, StepStats
 
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "step-costs"
-VERSION = 6  # raised whenever what a table measures changes (6: few-row forwards on the native blocks): an older cached one is measured again
+VERSION = 7  # raised whenever what a table measures changes (7: bfloat16 products in panels): an older cached one is measured again
 
 
 @dataclass(frozen=True)

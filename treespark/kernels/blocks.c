@@ -8,7 +8,7 @@
  *   ts_attn_out_mlp: s = x + a Wo^T;  n = rms_norm(s) w;  g|u = n Wgu^T;
  *                    m = (silu(g) u) Wdown^T.
  *
- * The products are gemv.c's (float32 or bfloat16 weights, `half`); everything else is
+ * The products are gemv.c's (float32 weights, or `half`: bfloat16 panels); everything else is
  * single-threaded (a few thousand floats). The maths is the fused torch forward's
  * (treespark.kernels.layer_ops), in its order: RMSNorm is (x r) w with r = 1 / sqrt(mean(x^2)
  * + eps) as transformers computes it (the mean summed here in double, then rounded); the
@@ -21,11 +21,11 @@
 #include <stdint.h>
 
 int ts_gemv(const float *x, const float *w, const float *b, float *y, long M, long N, long K, int threads);
-int ts_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y, long M, long N, long K, int threads);
+int ts_gemv_panels(const float *x, const uint16_t *w, const float *b, float *y, long M, long N, long K, int threads);
 
 static int product(const float *x, const void *w, const float *b, int half, float *y, long M, long N, long K,
                    int threads) {
-    return half ? ts_gemv_bf16(x, (const uint16_t *)w, b, y, M, N, K, threads)
+    return half ? ts_gemv_panels(x, (const uint16_t *)w, b, y, M, N, K, threads)
                 : ts_gemv(x, (const float *)w, b, y, M, N, K, threads);
 }
 

@@ -6,7 +6,8 @@ read them at ~0.6 of what a ``sum`` over the same bytes reads (`treespark bench 
 ``gemv.c`` streams each weight once and multiplies it by every row while it sits in L1,
 split over torch's own OpenMP threads. A bfloat16 weight (the half copy of a float32
 weight whose values are bfloat16 values, ``treespark.models.precision``) is read at half
-the bytes and widened exactly: the same values as its float32 original.
+the bytes, in panels of 16 rows (``to_panels``), and widened exactly: the same values as
+its float32 original, and a few rows cost little more than one (``gemv.c``).
 
 The C files (``gemv.c``, and ``blocks.c``: a decoder layer's few-row forward around its
 attention, ``treespark.kernels.blocks``) are compiled once per machine, source and
@@ -38,6 +39,7 @@ SOURCES = (Path(__file__).with_name("gemv.c"), Path(__file__).with_name("blocks.
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "kernels"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 MAX_ROWS = 16  # the most rows ``native_linear`` takes: W's 4-row block stays in L1 over them
+PANEL = 16     # the rows of a bfloat16 panel (``to_panels``)
 PROFILER_NAME = "treespark::native_linear"  # what torch.profiler calls a product run here
 
 
@@ -85,7 +87,7 @@ def library() -> ctypes.CDLL | None:
     ptr, f32, n, i32 = ctypes.c_void_p, ctypes.c_float, ctypes.c_long, ctypes.c_int
     signatures = {
         "ts_gemv": [ptr] * 4 + [n] * 3 + [i32],
-        "ts_gemv_bf16": [ptr] * 4 + [n] * 3 + [i32],
+        "ts_gemv_panels": [ptr] * 4 + [n] * 3 + [i32],
         "ts_attn_in": [ptr, ptr, ptr, f32, ptr, ptr, i32, ptr, f32] + [ptr] * 5 + [n] * 5 + [i32],
         "ts_attn_out_mlp": [ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i32] + [ptr] * 5 + [n] * 4 + [i32],
         "ts_paged_attention": [ptr] * 4 + [n, n, ptr, f32, ptr, ptr] + [n] * 6 + [i32],
@@ -96,21 +98,48 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def can_panel(weight: torch.Tensor) -> bool:
+    """Whether ``to_panels`` takes this weight: a CPU matrix of a multiple of ``PANEL`` rows."""
+    return weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[0] % PANEL == 0 and weight.numel() > 0
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] (bfloat16 values) as the bfloat16 copy ``native_linear`` reads: [N, K],
+    its memory in panels of ``PANEL`` rows (``gemv.c``: panel j is rows 16j..16j+15,
+    k-major, the 16 weights of one k interleaved as row 16j+c, row 16j+8+c)."""
+    if not can_panel(weight):
+        raise ValueError(f"bfloat16 panels need a CPU matrix of a multiple of {PANEL} rows, "
+                         f"got {tuple(weight.shape)} on {weight.device.type}")
+    n, k = weight.shape
+    return weight.detach().to(torch.bfloat16).view(n // PANEL, 2, PANEL // 2, k).permute(0, 3, 2, 1).reshape(n, k)
+
+
+def from_panels(panels: torch.Tensor) -> torch.Tensor:
+    """``to_panels``' inverse: the bfloat16 matrix [N, K] row-major."""
+    n, k = panels.shape
+    return panels.view(n // PANEL, k, PANEL // 2, 2).permute(0, 3, 2, 1).reshape(n, k)
+
+
 def can_run(weight: torch.Tensor) -> bool:
-    """Whether ``native_linear`` takes this weight: a contiguous float32 or bfloat16 CPU
-    matrix, and the kernel built."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
-            and weight.is_contiguous() and library() is not None)
+    """Whether ``native_linear`` takes this weight: a contiguous float32 CPU matrix or a
+    bfloat16 one in panels (``to_panels``), and the kernel built."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+            and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and can_panel(weight)))
+            and library() is not None)
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32 ``x`` [..., in]: by ``gemv.c`` for up to
-    ``MAX_ROWS`` rows and a weight ``can_run`` takes (a bfloat16 weight widened exactly),
-    by ``F.linear`` otherwise (no gradients); float32 out."""
+    ``MAX_ROWS`` rows and a weight ``can_run`` takes (a bfloat16 one is ``to_panels``'
+    copy, widened exactly); a float32 weight by ``F.linear`` otherwise (no gradients);
+    float32 out. ValueError for panels it cannot run (they are no matrix for ``F.linear``)."""
     k, n = weight.shape[-1], weight.shape[0]
     m = x.numel() // k if k else 0
     if not 1 <= m <= MAX_ROWS or x.dtype != torch.float32 or not can_run(weight):
-        return F.linear(x, weight.to(x.dtype), bias)
+        if weight.dtype == torch.bfloat16:
+            raise ValueError(f"native_linear runs bfloat16 panels {tuple(weight.shape)} by 1 to {MAX_ROWS} "
+                             f"float32 rows, not {m} {x.dtype} rows")
+        return F.linear(x, weight, bias)
     rows = x.reshape(m, k).contiguous()
     if bias is not None:
         bias = bias.contiguous()
@@ -119,7 +148,7 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             torch.get_num_threads())
     # an operator to the profiler, as torch's own are (no annotation's cost when none runs)
     profiled = torch.autograd.profiler._is_profiler_enabled
-    fn = library().ts_gemv if weight.dtype == torch.float32 else library().ts_gemv_bf16
+    fn = library().ts_gemv if weight.dtype == torch.float32 else library().ts_gemv_panels
     with torch.profiler.record_function(PROFILER_NAME) if profiled else contextlib.nullcontext():
         rc = fn(*args)
     if rc != 0:

@@ -27,16 +27,18 @@ Checkpoints (reading the public layout, writing ours) are ``treespark.models.che
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treespark.kernels import blocks, native
 from treespark.kernels.attention import ContextKV, attention_bias, grouped_attention
-from treespark.kernels.layer_ops import rms_norm
-from treespark.kernels.linear import Linear, linear
+from treespark.kernels.layer_ops import rms_norm, rope_sign
+from treespark.kernels.linear import Linear, unplanned_linear
 from treespark.models.drafter_config import DSparkConfig
+from treespark.models.precision import is_bf16_valued
 from treespark.models.rotary import Rotary, apply_rope
 
 
@@ -189,7 +191,11 @@ class DSparkDrafter(nn.Module):
             self.d2t = None
         self._shared_embed: torch.Tensor | None = None
         self._shared_head: torch.Tensor | None = None
+        self._shared_head_half: torch.Tensor | None = None   # its bfloat16 panels, where they hold its values
+        self._fused: tuple[tuple, list[FusedLayer]] | None = None   # (the weights' versions, ``fused_layers``)
         self.rotary = Rotary(c)
+        with torch.device("cpu"):   # the native block pass's (CPU float32): made once, not per pass
+            self._rope_sign = rope_sign(c.head_dim, torch.device("cpu"), torch.float32)
 
     # -- shared embeddings ------------------------------------------------------------
     def attach_target_embeddings(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
@@ -204,6 +210,7 @@ class DSparkDrafter(nn.Module):
             head = lm_head.detach()
             d2t = self.draft_to_target
             self._shared_head = head[d2t.to(head.device)] if d2t is not None else head
+            self._shared_head_half = _bfloat16_copy(self._shared_head)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.config.shared_embeddings:
@@ -216,7 +223,7 @@ class DSparkDrafter(nn.Module):
         if self.config.head_shared:
             if self._shared_head is None:
                 raise RuntimeError("shared-LM-head drafter used before attach_target_embeddings()")
-            return linear(h, self._shared_head)
+            return unplanned_linear(h, self._shared_head, half=self._shared_head_half)
         return self.lm_head(h)
 
     @property
@@ -290,13 +297,59 @@ class DSparkDrafter(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         bias = None
-        for i, layer in enumerate(self.layers):
+
+        def read(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            nonlocal bias
             k, v = context.read(i, blk)                                       # [B, kvh, C, hd]
             if bias is None:  # every row sees its context and the whole block: one bias for all layers
                 seen = torch.arange(k.shape[2], device=dev)[None] < (ctx_len + blk)[:, None]   # [B, C]
                 bias = attention_bias(seen[:, None, None].expand(b, 1, blk, -1), groups, x.dtype, k.shape[2])
-            x = layer.forward_cached(x, cos, sin, k, v, positions, bias)
+            return k, v, bias
+
+        if self._on_blocks(x):
+            return self._block_layers(x, cos, sin, read, positions)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_cached(x, cos, sin, *read(i)[:2], positions, bias)
         return x
+
+    def _on_blocks(self, x: torch.Tensor) -> bool:
+        """Whether the block pass of ``x`` [B, blk, h] runs its layers on the native blocks
+        (``treespark.kernels.blocks``): float32 on the CPU, at most its rows, no gradients."""
+        return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+                and blocks.can_run(x.shape[0] * x.shape[1], self.config.hidden_act))
+
+    def fused_layers(self) -> list[FusedLayer]:
+        """Each layer's weights as ``blocks`` takes them (q|k|v and gate|up stacked, the q/k
+        norms per head): made once, again when a weight changes (a load, a training step)."""
+        key = tuple((p.data_ptr(), p._version) for p in self.layers.parameters())
+        if self._fused is None or self._fused[0] != key:
+            self._fused = key, [FusedLayer.of(layer, self.config) for layer in self.layers]
+        return self._fused[1]
+
+    def _block_layers(self, x, cos, sin, read, positions) -> torch.Tensor:
+        """``block_hidden``'s layers on the native blocks, two calls a layer around its
+        attention: the torch layers' values to float rounding (``tests/models/test_drafter_blocks.py``)."""
+        c = self.config
+        b, blk, h = x.shape
+        hq, hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        cos = cos.reshape(b * blk, hd).contiguous()
+        ssin = (sin * self._rope_sign).reshape(b * blk, hd).contiguous()
+        x = x.reshape(b * blk, h).contiguous()
+        mlp = None
+        for i, (layer, f) in enumerate(zip(self.layers, self.fused_layers(), strict=True)):
+            x, y = blocks.attn_in(x, mlp, layer.input_layernorm.weight, c.rms_norm_eps, f.qkv, None, False,
+                                  f.qk_norm, c.rms_norm_eps, cos, ssin, hq, hkv, hd)
+            y = y.view(b, blk, -1, hd).transpose(1, 2)                        # [B, Hq + 2 Hkv, blk, hd]
+            k, v, bias = read(i)
+            at = positions[:, None, :, None].expand(b, hkv, blk, hd)
+            k.scatter_(2, at, y[:, hq:hq + hkv].to(k.dtype))
+            v.scatter_(2, at, y[:, hq + hkv:].to(v.dtype))
+            out = grouped_attention(y[:, :hq], k.to(x.dtype), v.to(x.dtype), bias)   # [B, Hq, blk, hd]
+            a = out.transpose(1, 2).reshape(b * blk, -1).contiguous()
+            x, mlp = blocks.attn_out_mlp(a, layer.self_attn.o_proj.weight, None, x,
+                                         layer.post_attention_layernorm.weight, c.rms_norm_eps, f.gate_up, None,
+                                         layer.mlp.down_proj.weight, None, False)
+        return (x + mlp).view(b, blk, h)
 
     @torch.no_grad()
     def block_head(self, x: torch.Tensor) -> torch.Tensor:
@@ -348,6 +401,32 @@ class DSparkDrafter(nn.Module):
         return u + self.markov_head.bias(parents)
 
 
+@dataclass(frozen=True)
+class FusedLayer:
+    """A drafter layer's weights stacked as ``treespark.kernels.blocks`` takes them."""
+
+    qkv: torch.Tensor       # [(Hq + 2 Hkv) hd, h]
+    qk_norm: torch.Tensor   # [Hq + Hkv, hd]
+    gate_up: torch.Tensor   # [2 I, h]
+
+    @staticmethod
+    def of(layer: DSparkLayer, c: DSparkConfig) -> FusedLayer:
+        a = layer.self_attn
+        return FusedLayer(
+            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
+            qk_norm=torch.cat([a.q_norm.weight.detach().expand(c.num_attention_heads, -1),
+                               a.k_norm.weight.detach().expand(c.num_key_value_heads, -1)]).contiguous(),
+            gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().contiguous())
+
+
+def _bfloat16_copy(w: torch.Tensor) -> torch.Tensor | None:
+    """A CPU float32 weight's bfloat16 copy in panels (``native.to_panels``) where that
+    holds its values exactly (a target at ``precision: bfloat16``); None otherwise."""
+    if w.dtype != torch.float32 or not native.can_panel(w) or not is_bf16_valued(w):
+        return None
+    return native.to_panels(w)
+
+
 def grown(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
     """``drafter`` with layers appended up to ``num_layers``: each new one a copy of the
     last with its output projections (attention ``o_proj``, MLP ``down_proj``) zeroed, so
@@ -367,6 +446,7 @@ def grown(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
     out.load_state_dict(state, strict=True)   # d2t is copied into the module's own int64 buffer
     # the target's tensors where shared (the head already cut to the draft vocabulary)
     out._shared_embed, out._shared_head = drafter._shared_embed, drafter._shared_head
+    out._shared_head_half = drafter._shared_head_half
     return out.train(drafter.training)
 
 

@@ -179,8 +179,8 @@ def load_pair(
         ddir = Path(str(default_drafter_dir()))
     else:
         ddir = resolve_checkpoint(drafter)
+    set_precision(model, precision)   # first: the drafter's shared head is cut from the rounded weights
     draft = load_drafter(ddir, target=model, device=dev, dtype=dtype)
-    set_precision(model, precision)
     return ModelPair(target=model, drafter=draft, tokenizer=tokenizer,
                      calibration=calibration_for(ddir, drafter), name=precise_name(name, precision))
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from treespark.kernels.linear import SMALL_ROWS, linear
+from treespark.kernels.linear import SMALL_ROWS, unplanned_linear
 from treespark.kernels.transfer import HostTransfers
 from treespark.spec.budget import Budget
 from treespark.spec.calibration import Calibration
@@ -95,7 +95,7 @@ def score_parents(
     if fp32 and (x.shape[0] > SMALL_ROWS or x.device.type != "cpu"):  # the base, then += x W2^T in the product
         logits = base[rows, depths - 1].float().addmm_(x, w2.t())    # (the gather is a fresh tensor)
     else:                                                            # CPU, few rows: the fast layout
-        logits = linear(x, w2).float()
+        logits = unplanned_linear(x, w2).float()
         logits += base[rows, depths - 1]                             # [P, Vd], in place
     # q = softmax((logits - max) / T), never materialised except for the sampled parents'
     # rows, which are drawn from: the top-M of q are the top-M of the logits (T > 0), and

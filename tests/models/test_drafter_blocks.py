@@ -1,0 +1,103 @@
+"""The drafter's block pass on the native blocks (``DSparkDrafter._block_layers``): the
+torch layers' values, where it runs and where it does not, its stacked weights kept in
+step with the parameters; and the shared head's bfloat16 copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treespark import random_pair
+from treespark.kernels import blocks
+from treespark.kernels.attention import DenseKV
+from treespark.kernels.native import MAX_ROWS, library
+from treespark.models.drafter import DSparkDrafter, attach_from_target
+from treespark.models.drafter_config import DSparkConfig
+
+pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the native kernels are not built")
+
+
+def _drafter(layers: int = 2, block: int = 5) -> DSparkDrafter:
+    pair = random_pair(151_936, 0, block_size=block, draft_vocab=512)
+    d = pair.drafter
+    cfg = DSparkConfig(**{**d.config.__dict__, "num_hidden_layers": layers, "shared_embeddings": True})
+    out = DSparkDrafter(cfg)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+        out.d2t.copy_(d.d2t)
+    attach_from_target(out, pair.target)
+    return out.eval()
+
+
+def _context(d: DSparkDrafter, b: int, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    taps = torch.randn(b, c, d.config.context_size, generator=gen)
+    k, v = d.context_kv(taps, torch.arange(c).expand(b, c))
+    return k, v, torch.tensor([c - 3 * i for i in range(b)])
+
+
+def _counting(monkeypatch) -> list[int]:
+    calls = [0]
+    for name in ("attn_in", "attn_out_mlp"):
+        fn = getattr(blocks, name)
+
+        def counted(*args, _fn=fn, **kwargs):
+            calls[0] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(blocks, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_the_native_block_pass_gives_the_torch_layers_logits(b, monkeypatch):
+    d = _drafter()
+    k, v, lengths = _context(d, b, 24)
+    anchors = torch.arange(b) + 7
+    assert b * d.config.block_size <= MAX_ROWS
+    calls = _counting(monkeypatch)
+    native = d.block_logits(anchors, DenseKV(k, v), lengths)
+    assert calls[0] == 2 * d.config.num_hidden_layers          # two calls a layer: it ran there
+    monkeypatch.setattr(DSparkDrafter, "_on_blocks", lambda self, x: False)
+    torch_layers = d.block_logits(anchors, DenseKV(k, v), lengths)
+    assert calls[0] == 2 * d.config.num_hidden_layers
+    torch.testing.assert_close(native, torch_layers, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_past_the_kernels_and_training_run_the_torch_layers(monkeypatch):
+    d = _drafter()
+    b = MAX_ROWS // d.config.block_size + 1
+    k, v, lengths = _context(d, b, 24)
+    calls = _counting(monkeypatch)
+    d.block_logits(torch.arange(b), DenseKV(k, v), lengths)
+    x = torch.zeros(1, d.config.block_size, d.config.hidden_size)
+    with torch.enable_grad():
+        assert not d._on_blocks(x)
+    assert calls[0] == 0
+
+
+def test_the_stacked_weights_follow_a_load():
+    d = _drafter()
+    k, v, lengths = _context(d, 1, 16)
+    before = d.block_logits(torch.tensor([5]), DenseKV(k, v), lengths)
+    state = {n: t.clone() for n, t in d.state_dict().items()}
+    state["layers.0.mlp.up_proj.weight"] *= 2
+    d.load_state_dict(state)
+    after = d.block_logits(torch.tensor([5]), DenseKV(k, v), lengths)
+    with torch.no_grad():
+        fused = d.fused_layers()[0]
+    assert torch.equal(fused.gate_up[d.config.intermediate_size:], d.layers[0].mlp.up_proj.weight)
+    assert not torch.allclose(before, after)
+
+
+def test_the_shared_head_reads_a_bfloat16_copy_only_where_it_holds_its_values():
+    d = _drafter()
+    assert d._shared_head_half is None                           # float32 values: no copy
+    pair = random_pair(151_936, 0, block_size=5, draft_vocab=512)
+    head = pair.target.get_output_embeddings().weight.detach().bfloat16().float()
+    d.attach_target_embeddings(pair.target.get_input_embeddings().weight.detach(), head)
+    assert d._shared_head_half is not None and d._shared_head_half.dtype == torch.bfloat16
+    h = torch.randn(5, d.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(d.head(h), h @ d._shared_head.T, rtol=1e-5, atol=1e-4)
