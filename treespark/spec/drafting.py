@@ -207,6 +207,7 @@ class WaveDrafter:
         self.key_tokens = torch.arange(self.vocab, device=w2.device) if draft_to_target is None \
             else draft_to_target.to(w2.device, torch.long)
         self.transfers = transfers
+        self._no_keys = torch.zeros(0, 2, dtype=torch.long, device=w2.device)   # a wave without keyed rows
 
     def draft(self, base: torch.Tensor | None, rows: list[RowDraft]) -> RoundDraft:
         forest = Forest([r.root for r in rows], [r.budget for r in rows], [r.depth_limit for r in rows], self.d2t)
@@ -263,7 +264,8 @@ class WaveDrafter:
                 base, self.w1, self.w2, dev_host[:, 0].long(), dev_host[:, 1].long(),
                 dev_host[:, 2].long(), None if unit else dev_host[:, 3].float().clamp(min=1e-30),  # > 0 in fp32
                 up[4 * p:4 * p + s].long(), up[4 * p + s:o].view(s, k), up[o:o + g].long(),
-                position_keys(dev_keys[:, 0], dev_keys[:, 1], dev_keys[:, 2]), self.key_tokens)
+                position_keys(dev_keys[:, 0], dev_keys[:, 1], dev_keys[:, 2]) if g else self._no_keys,
+                self.key_tokens)
             if s:
                 chunks.append(q_rows)
                 total_chunks.append(totals)
