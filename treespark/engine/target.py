@@ -128,10 +128,7 @@ class TargetRunner:
         eps = attn.q_norm.variance_epsilon
         if attn.k_norm.variance_epsilon != eps:
             raise ValueError(f"q_norm and k_norm with different eps ({eps}, {attn.k_norm.variance_epsilon})")
-        d = self.head_dim
-        weight = torch.cat([attn.q_norm.weight.detach().expand(self.num_heads, d),
-                            attn.k_norm.weight.detach().expand(self.num_kv_heads, d)])
-        return weight, eps
+        return blocks.qk_norm_weight(attn.q_norm.weight, attn.k_norm.weight, self.num_heads, self.num_kv_heads), eps
 
     @property
     def products_described(self) -> str | None:

@@ -41,6 +41,12 @@ def _profiled(name: str):
         else contextlib.nullcontext()
 
 
+def qk_norm_weight(q_norm: torch.Tensor, k_norm: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """Qwen3's q and k norm weights [hd] each as the one per-head weight [Hq + Hkv, hd]
+    ``attn_in`` takes."""
+    return torch.cat([q_norm.detach().expand(heads, -1), k_norm.detach().expand(kv_heads, -1)]).contiguous()
+
+
 def can_run(rows: int, hidden_act: str) -> bool:
     """Whether the blocks take a forward of ``rows`` rows with this activation (and the
     library is built)."""

@@ -34,14 +34,6 @@
 
 typedef uint16_t bf16;
 
-/* the float a bfloat16 stands for, exactly */
-static inline float widen(bf16 h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -186,6 +178,14 @@ static inline void block1(const float *w, const float *x, float *y, long n, long
         for (long k = 0; k < K; ++k) s += wr[k] * xi[k];
         y[i * N + n] = s;
     }
+}
+
+/* the float a bfloat16 stands for, exactly */
+static inline float widen(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 /* the AVX2 panels' sums in the same order: over k, one accumulator an output */

@@ -290,27 +290,29 @@ class DSparkDrafter(nn.Module):
         writes the block's own there (positions ``ctx_len ..``) and attends over it: no
         concatenation, and no copy of every layer at once. Nothing is read to the host and
         no shape depends on the values: what ``treespark.engine.draft_graphs`` captures."""
-        b, blk = anchors.shape[0], self.config.block_size
-        dev = anchors.device
-        positions = ctx_len[:, None] + torch.arange(blk, device=dev)          # [B, blk]
+        positions = ctx_len[:, None] + torch.arange(self.config.block_size, device=anchors.device)   # [B, blk]
         x = self.embed(self._block_ids(anchors)).to(self.fc.weight.dtype)
         cos, sin = self.rotary(positions, x.dtype)
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        bias = None
-
-        def read(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            nonlocal bias
-            k, v = context.read(i, blk)                                       # [B, kvh, C, hd]
-            if bias is None:  # every row sees its context and the whole block: one bias for all layers
-                seen = torch.arange(k.shape[2], device=dev)[None] < (ctx_len + blk)[:, None]   # [B, C]
-                bias = attention_bias(seen[:, None, None].expand(b, 1, blk, -1), groups, x.dtype, k.shape[2])
-            return k, v, bias
-
         if self._on_blocks(x):
-            return self._block_layers(x, cos, sin, read, positions)
+            return self._block_layers(x, cos, sin, context, ctx_len, positions)
+        bias = None
         for i, layer in enumerate(self.layers):
-            x = layer.forward_cached(x, cos, sin, *read(i)[:2], positions, bias)
+            k, v, bias = self._context_layer(context, i, ctx_len, bias, x.dtype)
+            x = layer.forward_cached(x, cos, sin, k, v, positions, bias)
         return x
+
+    def _context_layer(self, context: ContextKV, i: int, ctx_len: torch.Tensor, bias: torch.Tensor | None,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s context keys and values, a copy with room for the block [B, kvh, C,
+        hd] each, and the block's attention bias: ``bias`` once made, since every row sees
+        its context and the whole block in every layer."""
+        blk = self.config.block_size
+        k, v = context.read(i, blk)
+        if bias is None:
+            seen = torch.arange(k.shape[2], device=k.device)[None] < (ctx_len + blk)[:, None]   # [B, C]
+            groups = self.config.num_attention_heads // self.config.num_key_value_heads
+            bias = attention_bias(seen[:, None, None].expand(k.shape[0], 1, blk, -1), groups, dtype, k.shape[2])
+        return k, v, bias
 
     def _on_blocks(self, x: torch.Tensor) -> bool:
         """Whether the block pass of ``x`` [B, blk, h] runs its layers on the native blocks
@@ -326,7 +328,7 @@ class DSparkDrafter(nn.Module):
             self._fused = key, [FusedLayer.of(layer, self.config) for layer in self.layers]
         return self._fused[1]
 
-    def _block_layers(self, x, cos, sin, read, positions) -> torch.Tensor:
+    def _block_layers(self, x, cos, sin, context: ContextKV, ctx_len: torch.Tensor, positions) -> torch.Tensor:
         """``block_hidden``'s layers on the native blocks, two calls a layer around its
         attention: the torch layers' values to float rounding (``tests/models/test_drafter_blocks.py``)."""
         c = self.config
@@ -335,12 +337,12 @@ class DSparkDrafter(nn.Module):
         cos = cos.reshape(b * blk, hd).contiguous()
         ssin = (sin * self._rope_sign).reshape(b * blk, hd).contiguous()
         x = x.reshape(b * blk, h).contiguous()
-        mlp = None
+        mlp = bias = None
         for i, (layer, f) in enumerate(zip(self.layers, self.fused_layers(), strict=True)):
             x, y = blocks.attn_in(x, mlp, layer.input_layernorm.weight, c.rms_norm_eps, f.qkv, None, False,
                                   f.qk_norm, c.rms_norm_eps, cos, ssin, hq, hkv, hd)
             y = y.view(b, blk, -1, hd).transpose(1, 2)                        # [B, Hq + 2 Hkv, blk, hd]
-            k, v, bias = read(i)
+            k, v, bias = self._context_layer(context, i, ctx_len, bias, x.dtype)
             at = positions[:, None, :, None].expand(b, hkv, blk, hd)
             k.scatter_(2, at, y[:, hq:hq + hkv].to(k.dtype))
             v.scatter_(2, at, y[:, hq + hkv:].to(v.dtype))
@@ -414,17 +416,15 @@ class FusedLayer:
         a = layer.self_attn
         return FusedLayer(
             qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
-            qk_norm=torch.cat([a.q_norm.weight.detach().expand(c.num_attention_heads, -1),
-                               a.k_norm.weight.detach().expand(c.num_key_value_heads, -1)]).contiguous(),
+            qk_norm=blocks.qk_norm_weight(a.q_norm.weight, a.k_norm.weight, c.num_attention_heads,
+                                          c.num_key_value_heads),
             gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().contiguous())
 
 
 def _bfloat16_copy(w: torch.Tensor) -> torch.Tensor | None:
     """A CPU float32 weight's bfloat16 copy in panels (``native.to_panels``) where that
     holds its values exactly (a target at ``precision: bfloat16``); None otherwise."""
-    if w.dtype != torch.float32 or not native.can_panel(w) or not is_bf16_valued(w):
-        return None
-    return native.to_panels(w)
+    return native.to_panels(w) if native.can_panel(w) and is_bf16_valued(w) else None
 
 
 def grown(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
