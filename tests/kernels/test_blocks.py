@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.engine.test_fused_forward import _logits, _target
+from treespark.engine.kv import PagedRows, PagedStore
 from treespark.engine.target import TargetRunner
 from treespark.kernels import blocks
 from treespark.kernels.attention import attention_bias, gather_blocks, grouped_attention
@@ -141,3 +142,57 @@ def test_a_rows_paged_attention_does_not_depend_on_the_batch():
     alone_mask = mask[:1, ..., :3 * bs]
     alone = blocks.paged_attention(q[:1], kc, vc, table[:1, :3], bs, attention_bias(alone_mask, 2, torch.float32, 3 * bs))
     assert torch.equal(both[:1], alone)
+
+
+def _paged_forward(runner: TargetRunner, seq: torch.Tensor, k: int, bs: int = 4):
+    """Rows ``seq`` [B, n] over their own shuffled blocks of one paged store: the prefix
+    in one forward (torch's operators: more than MAX_ROWS tokens), then the last ``k``
+    tokens of each row under a tree-like mask (each token its ancestors: here the row's
+    prefix, itself and every second token before it). Returns the second forward's logits
+    and taps, and the store."""
+    b, n = seq.shape
+    n0 = n - k
+    nb = -(-n // bs)
+    g = torch.Generator().manual_seed(n * 10 + k)
+    table = torch.randperm(4 * b * nb, generator=g)[:b * nb].view(b, nb) + 1      # block 0: the null block
+    store = PagedStore(runner.store_shape, (4 * b * nb + 1) * bs, torch.device("cpu"), torch.float32)
+    pos = torch.arange(n)
+    rows = PagedRows(table[:, pos // bs] * bs + pos % bs, table, bs)
+    runner.forward(seq[:, :n0], pos[None, :n0].expand(b, -1), pos[None, :n0].expand(b, -1), store, rows,
+                   torch.ones(n0, n0, dtype=torch.bool).tril()[None, None].expand(b, -1, -1, -1))
+    mask = torch.zeros(k, n, dtype=torch.bool)
+    mask[:, :n0] = True
+    for i in range(k):
+        mask[i, n0 + i] = True
+        mask[i, n0 + i % 2:n0 + i:2] = True
+    out = runner.forward(seq[:, n0:], pos[None, n0:].expand(b, -1), pos[None, n0:].expand(b, -1), store, rows,
+                         mask[None, None].expand(b, -1, -1, -1).contiguous())
+    return out.logits, out.taps, store
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("layout", [NATIVE, HALF])
+def test_the_layer_stack_in_one_call_gives_the_per_layer_calls_floats(family, layout, monkeypatch):
+    """A decoding step over a paged store runs every layer in one native call
+    (``blocks.layers``): its logits, taps and written keys and values are the per-layer
+    calls' to the bit; other forwards (the prefix: more than MAX_ROWS tokens) do not."""
+    model = _target(family)
+    if layout == HALF:
+        round_to_bf16(model)
+    plan = ProductPlan((MAX_ROWS, MAX_ROWS + 1), (layout, F_LINEAR))
+    taps = (0, 1, model.config.num_hidden_layers - 1)
+    one_call, per_layer = TargetRunner(model, taps, plan), TargetRunner(model, taps, plan)
+    monkeypatch.setattr(per_layer, "_stack", lambda attend, half: None)
+    stacked = []
+    real = blocks.layers
+    monkeypatch.setattr(blocks, "layers", lambda *a, **kw: stacked.append(1) or real(*a, **kw))
+    seq = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(9))
+    for b, k in ((1, 1), (2, 3), (1, MAX_ROWS), (2, MAX_ROWS // 2)):
+        before = len(stacked)
+        got = _paged_forward(one_call, seq[:b], k)
+        assert len(stacked) - before == 1, "the k-token forward in one call, the prefix not"
+        want = _paged_forward(per_layer, seq[:b], k)
+        assert len(stacked) - before == 1
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(got[2].k, want[2].k) and torch.equal(got[2].v, want[2].v)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from treespark.engine.attend import LayerAttention, store_attention
+from treespark.engine.attend import LayerAttention, StoreAttention, store_attention
 from treespark.engine.kv import KVStore, PagedRows, PagedStore, StoreShape
 from treespark.engine.products import (
     LayerProducts,
@@ -119,6 +119,8 @@ class TargetRunner:
         # on gemv.c (``_on_blocks``): the fused eager forward of float32 activations only
         self._blocks = (self.products is not None and fused and compile_backend is None
                         and self.dtype == torch.float32)
+        # the last paged store's layer stacks for ``blocks.layers``, by half (``_stack``)
+        self._stacks: tuple[PagedStore | None, dict[bool, blocks.LayerStack]] = (None, {})
 
     def _qk_norm(self, attn: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
         """Qwen3's q and k norms as one per-head weight [Hq + Hkv, D] and their eps (None
@@ -238,8 +240,17 @@ class TargetRunner:
             sin = sin * self._rope_sign
         x = h.reshape(b * k, -1)
         half = self._on_blocks(b * k)
-        x, mlp_out, taps = (self._torch_layers(x, cos, sin, attend, b, k) if half is None
-                            else self._block_layers(x, cos, sin, attend, b, k, half))
+        if half is None:
+            x, mlp_out, taps = self._torch_layers(x, cos, sin, attend, b, k)
+        elif (stack := self._stack(attend, half)) is not None:
+            assert isinstance(attend, StoreAttention) and attend.slots is not None and attend.table is not None
+            hd = self.head_dim
+            x, mlp_out, taps = blocks.layers(stack, x, cos.reshape(b * k, hd).contiguous(),
+                                             sin.reshape(b * k, hd).contiguous(), attend.slots, attend.table,
+                                             attend.block_size, attend.bias, attend.scale,
+                                             tuple(i for i in self.tap_layers if i < self.num_layers - 1))
+        else:
+            x, mlp_out, taps = self._block_layers(x, cos, sin, attend, b, k, half)
         x = x + mlp_out
         taps[self.num_layers - 1] = x
         tapped = torch.cat([taps[i] for i in self.tap_layers], dim=-1).view(b, k, -1)
@@ -275,6 +286,35 @@ class TargetRunner:
         if layout not in (NATIVE, HALF) or not blocks.can_run(rows, self.act):
             return None
         return layout == HALF
+
+    def _stack(self, attend: LayerAttention, half: bool) -> blocks.LayerStack | None:
+        """The layers and the store as one native call takes them (``blocks.layers``), where
+        ``attend`` is a padded batch's grouped attention over a float32 paged store on the
+        CPU (a decoding step's); None elsewhere (the per-layer blocks run it). Made once per
+        store and weight copy; only the last store's are kept."""
+        if not (isinstance(attend, StoreAttention) and attend.table is not None and attend.slots is not None
+                and attend.bias is not None and attend.bias.dtype == torch.float32
+                and isinstance(attend.store, PagedStore) and attend.store.k.dtype == torch.float32
+                and attend.store.k.device.type == "cpu"):
+            return None
+        store = attend.store
+        if self._stacks[0] is not store:
+            self._stacks = (store, {})
+        made = self._stacks[1]
+        if half not in made:
+            made[half] = blocks.LayerStack([self._layer_weights(i, store, half) for i in range(self.num_layers)],
+                                           half, self.num_heads, self.num_kv_heads, self.head_dim)
+        return made[half]
+
+    def _layer_weights(self, idx: int, store: PagedStore, half: bool) -> blocks.LayerWeights:
+        layer, lp = self.base.layers[idx], self.weights.layers[idx]
+        (qkv,), (gu,) = lp.qkv, lp.gate_up
+        norm, eps = self._qk_norms[idx] or (None, 0.0)
+        inorm, pnorm = layer.input_layernorm, layer.post_attention_layernorm
+        return blocks.LayerWeights(inorm.weight.detach(), inorm.variance_epsilon, _weight(qkv, half), qkv.bias, norm,
+                                   eps, _weight(lp.o, half), lp.o.bias, pnorm.weight.detach(),
+                                   pnorm.variance_epsilon, _weight(gu, half), gu.bias, _weight(lp.down, half),
+                                   lp.down.bias, store.k[idx], store.v[idx])
 
     def _block_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: LayerAttention,
                       b: int, k: int, half: bool) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:

@@ -19,6 +19,8 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 int ts_gemv(const float *x, const float *w, const float *b, float *y, long M, long N, long K, int threads);
 int ts_gemv_panels(const float *x, const uint16_t *w, const float *b, float *y, long M, long N, long K, int threads);
@@ -235,4 +237,81 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
                 for (long d = 0; d < hd; ++d) dst[d] *= inv;
             }
     return 0;
+}
+
+/* One decoder layer's weights and its KV store, for ts_layers (treespark.kernels.blocks.Layer
+ * mirrors it): the input norm, q|k|v (+ bias), Qwen3's per-head q/k norm weight or NULL, o (+
+ * bias), the post-attention norm, gate|up (+ bias), down (+ bias); kc, vc: this layer's
+ * paged keys and values [slots, kvh, hd]. */
+typedef struct {
+    const float *in_norm;
+    const void *wqkv;
+    const float *bqkv;
+    const float *qk_norm;
+    const void *wo;
+    const float *bo;
+    const float *post_norm;
+    const void *wgu;
+    const float *bgu;
+    const void *wdown;
+    const float *bdown;
+    float *kc;
+    float *vc;
+    float in_eps, qk_eps, post_eps;
+} ts_layer;
+
+/* A few-row forward's whole layer stack in one call: per layer ts_attn_in, the new keys and
+ * values written at their slots, ts_paged_attention over the block table, ts_attn_out_mlp;
+ * what the per-layer calls do, in their order, on the same functions: the same floats.
+ * x: [M, D] (M = B K tokens, row b's K tokens together) the embeddings in, the residual
+ * stream after the last layer's attention out; mlp: [M, D] out, the last layer's MLP output
+ * (not yet added); taps: [n, M, D], where tap_at[i] >= 0 takes the residual stream entering
+ * layer i + 1 (the output of layer i) into taps[tap_at[i]] (i < L - 1); cos, ssin: [M, hd];
+ * slots: [M] each token's slot; table [B, nb], bias [B, 1, G K, nb bs]: ts_paged_attention's.
+ * Returns 0, -1 for shapes it does not take, -2 when out of memory. */
+int ts_layers(const ts_layer *layers, long L, int half, float *x, float *mlp, float *taps, const long *tap_at,
+              const float *cos, const float *ssin, const int64_t *slots, const int64_t *table, long nb, long bs,
+              const float *bias, float scale, long B, long K, long D, long Hq, long Hkv, long hd, long I, long span,
+              int threads) {
+    if (L < 1 || B < 1 || K < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || nb < 1 || bs < 1 || span < 1) return -1;
+    const long M = B * K, N = (Hq + 2 * Hkv) * hd, A = Hq * hd;
+    const long splits = (nb + span - 1) / span, R = (Hq / Hkv) * K;
+    const long att_scratch = B * Hkv * splits * R * (span * bs + hd + 2);
+    const long total = M * D * 2 + M * N + M * A * 3 + M * 3 * I + att_scratch;
+    float *buf = (float *)malloc((size_t)total * sizeof(float));
+    if (!buf) return -2;
+    float *other = buf, *normed = other + M * D, *qkv = normed + M * D, *q = qkv + M * N, *att = q + M * A;
+    float *a = att + M * A, *gu = a + M * A, *act = gu + M * 2 * I, *ascratch = act + M * I;
+    float *xa = x, *xb = other;
+    int rc = 0;
+    for (long i = 0; i < L && rc == 0; ++i) {
+        const ts_layer *ly = layers + i;
+        /* the residual add in place (x_out = x), the norm, q|k|v, q/k norms, rotation */
+        rc = ts_attn_in(xa, i ? mlp : NULL, ly->in_norm, ly->in_eps, ly->wqkv, ly->bqkv, half, ly->qk_norm,
+                        ly->qk_eps, cos, ssin, xa, normed, qkv, M, D, Hq, Hkv, hd, threads);
+        if (rc) break;
+        if (i && tap_at[i - 1] >= 0) memcpy(taps + tap_at[i - 1] * M * D, xa, (size_t)(M * D) * sizeof(float));
+        for (long m = 0; m < M; ++m) {
+            const float *row = qkv + m * N;
+            memcpy(ly->kc + slots[m] * Hkv * hd, row + Hq * hd, (size_t)(Hkv * hd) * sizeof(float));
+            memcpy(ly->vc + slots[m] * Hkv * hd, row + (Hq + Hkv) * hd, (size_t)(Hkv * hd) * sizeof(float));
+            const long b = m / K, t = m % K;
+            for (long h = 0; h < Hq; ++h) memcpy(q + ((b * Hq + h) * K + t) * hd, row + h * hd, (size_t)hd * sizeof(float));
+        }
+        rc = ts_paged_attention(q, ly->kc, ly->vc, table, nb, bs, bias, scale, ascratch, att, B, Hq, Hkv, K, hd, span,
+                                threads);
+        if (rc) break;
+        for (long m = 0; m < M; ++m) {
+            const long b = m / K, t = m % K;
+            for (long h = 0; h < Hq; ++h) memcpy(a + m * A + h * hd, att + ((b * Hq + h) * K + t) * hd, (size_t)hd * sizeof(float));
+        }
+        rc = ts_attn_out_mlp(a, ly->wo, ly->bo, xa, ly->post_norm, ly->post_eps, ly->wgu, ly->bgu, ly->wdown,
+                             ly->bdown, half, xb, normed, gu, act, mlp, M, D, A, I, threads);
+        float *t = xa;
+        xa = xb;
+        xb = t;
+    }
+    if (rc == 0 && xa != x) memcpy(x, xa, (size_t)(M * D) * sizeof(float));
+    free(buf);
+    return rc;
 }

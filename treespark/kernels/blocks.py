@@ -13,18 +13,26 @@ the masks and the store stay ``treespark.engine.attend``'s. The products are ``n
 the float32 weights or their bfloat16 copies (``half``): for a plan that runs these rows
 ``NATIVE`` or ``HALF`` the values are the torch forward's to float rounding
 (``tests/kernels/test_blocks.py``).
+
+``layers`` runs a decoding step's whole layer stack over a paged store in one call
+(``ts_layers``: the same three functions per layer, and the keys' and values' writes at
+their slots): what's left of a step's Python per layer, ~0.1 ms (the views, the writes'
+indexing, the calls' arguments), is paid once a forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from treespark.kernels.native import MAX_ROWS, library
 
 # what torch.profiler calls them
-PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp", "treespark::paged_attention")
+PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp", "treespark::paged_attention",
+                  "treespark::layers")
 ACTIVATIONS = ("silu", "swish")  # the hidden_act names blocks.c computes
 # paged_attention cuts each row's keys into spans of this many blocks, from the first (work
 # for every thread; the same spans whatever the batch, so a row's values do not depend on it)
@@ -134,3 +142,93 @@ def paged_attention(q: torch.Tensor,       # [B, H, K, hd]
     if rc != 0:
         raise ValueError(f"ts_paged_attention refused queries {tuple(q.shape)} over {kvh} KV heads, {nb} blocks")
     return out
+
+
+class _Layer(ctypes.Structure):
+    """``blocks.c``'s ``ts_layer``: one layer's weights and KV store, as pointers."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "in_norm", "wqkv", "bqkv", "qk_norm", "wo", "bo", "post_norm", "wgu", "bgu", "wdown", "bdown", "kc", "vc")
+    ] + [(name, ctypes.c_float) for name in ("in_eps", "qk_eps", "post_eps")]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer as ``attn_in`` and ``attn_out_mlp`` take it (``half``: the
+    weights are bfloat16 panels), with its layer of a paged store."""
+
+    in_norm: torch.Tensor
+    in_eps: float
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    qk_norm: torch.Tensor | None
+    qk_eps: float
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    post_norm: torch.Tensor
+    post_eps: float
+    wgu: torch.Tensor
+    bgu: torch.Tensor | None
+    wdown: torch.Tensor
+    bdown: torch.Tensor | None
+    kc: torch.Tensor   # [slots, kvh, hd] float32
+    vc: torch.Tensor
+
+
+class LayerStack:
+    """A model's layers and its paged store as the one array of pointers ``layers`` hands
+    to ``ts_layers``: made once (per store and weight copy) and kept, with the tensors it
+    points into (so none is freed under it)."""
+
+    def __init__(self, weights: list[LayerWeights], half: bool, heads: int, kv_heads: int, head_dim: int) -> None:
+        self.weights, self.half = tuple(weights), half
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        first = weights[0]
+        self.hidden, self.inter = first.in_norm.numel(), first.wdown.shape[1]
+        for w in weights:
+            assert w.kc.dtype == w.vc.dtype == torch.float32 and w.kc.is_contiguous() and w.vc.is_contiguous()
+            assert w.kc.shape[1:] == (kv_heads, head_dim), (tuple(w.kc.shape), kv_heads, head_dim)
+        self.array = (_Layer * len(weights))(*(_Layer(
+            *(_ptr(getattr(w, f)) for f in ("in_norm", "wqkv", "bqkv", "qk_norm", "wo", "bo", "post_norm", "wgu",
+                                            "bgu", "wdown", "bdown", "kc", "vc")),
+            w.in_eps, w.qk_eps, w.post_eps) for w in weights))
+
+
+def layers(stack: LayerStack,
+           x: torch.Tensor,          # [B K, D] the embeddings (each row's K tokens together)
+           cos: torch.Tensor, ssin: torch.Tensor,   # [B K, hd] (ssin: rope_sign applied)
+           slots: torch.Tensor,      # [B, K] each token's slot in the paged store
+           table: torch.Tensor,      # [B, nb] the blocks each row reads
+           block_size: int,
+           bias: torch.Tensor,       # [B, 1, G K, nb block_size] ``attention_bias``'s
+           scale: float,
+           taps: tuple[int, ...],    # the layers (below the last) whose outputs come back
+           ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """A few-row forward's every layer in one call (``ts_layers``): per layer ``attn_in``,
+    the new keys and values written at ``slots``, ``paged_attention`` and ``attn_out_mlp``,
+    on the same functions in the same order, so the same floats as those calls made one by
+    one. Returns the residual stream after the last layer's attention [B K, D], that
+    layer's MLP output [B K, D] (not yet added) and each tapped layer's output."""
+    b, k = slots.shape
+    m, dim = x.shape
+    count = len(stack.weights)
+    assert m == b * k and dim == stack.hidden and 1 <= m <= MAX_ROWS, (tuple(x.shape), b, k)
+    assert all(0 <= i < count - 1 for i in taps), taps
+    hq, hkv, hd = stack.heads, stack.kv_heads, stack.head_dim
+    assert bias.shape == (b, 1, (hq // hkv) * k, table.shape[1] * block_size) and bias.is_contiguous()
+    x = x.contiguous().clone()
+    mlp = torch.empty_like(x)
+    out = torch.empty(len(taps), m, dim, dtype=torch.float32)
+    tap_at = torch.full((count,), -1, dtype=torch.int64)
+    for j, i in enumerate(taps):
+        tap_at[i] = j
+    slots = slots.to(torch.int64).contiguous()
+    table = table.to(torch.int64).contiguous()
+    with _profiled(PROFILER_NAMES[3]):
+        rc = library().ts_layers(ctypes.cast(stack.array, ctypes.c_void_p), count, int(stack.half), x.data_ptr(),
+                                 mlp.data_ptr(), out.data_ptr(), tap_at.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
+                                 slots.data_ptr(), table.data_ptr(), table.shape[1], block_size, bias.data_ptr(),
+                                 scale, b, k, dim, hq, hkv, hd, stack.inter, SPAN_BLOCKS, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"ts_layers refused {b} rows of {k} tokens over {table.shape[1]} blocks (rc {rc})")
+    return x, mlp, {i: out[j] for j, i in enumerate(taps)}

@@ -91,6 +91,7 @@ def library() -> ctypes.CDLL | None:
         "ts_attn_in": [ptr, ptr, ptr, f32, ptr, ptr, i32, ptr, f32] + [ptr] * 5 + [n] * 5 + [i32],
         "ts_attn_out_mlp": [ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i32] + [ptr] * 5 + [n] * 4 + [i32],
         "ts_paged_attention": [ptr] * 4 + [n, n, ptr, f32, ptr, ptr] + [n] * 6 + [i32],
+        "ts_layers": [ptr, n, i32] + [ptr] * 8 + [n, n, ptr, f32] + [n] * 8 + [i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
