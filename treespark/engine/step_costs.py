@@ -48,7 +48,7 @@ from treespark.spec.budget import Budget
 from treespark.spec.params import SamplingParams, StepStats
 
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "step-costs"
-VERSION = 7  # raised whenever what a table measures changes (7: bfloat16 products in panels): an older cached one is measured again
+VERSION = 8  # raised whenever what a table measures changes (8: a decoding step's layers in one native call): an older cached one is measured again
 
 
 @dataclass(frozen=True)
