@@ -1,6 +1,7 @@
 """Target forwards to time and count, shared by ``treespark bench ops`` and
 ``treespark.bench.compile_time``: one verify forward of ``batch`` rows x a tree after a
-prefilled context, and plain greedy decoding through the runner alone."""
+prefilled context, and plain greedy decoding through the runner alone; both over a
+paged store as the engine keeps it (each row its own blocks)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import time
 
 import torch
 
-from treespark.engine.kv import KVStore
+from treespark.engine.kv import PagedRows, PagedStore, blocks_for
 from treespark.engine.target import TargetRunner
 
 CONTEXT = 64
+BLOCK = 16                                  # the paged store's block size (the engine's default)
 TREE_PARENTS = (-1, 0, 0, 1, 1, 2, 3, 5)   # the 8-node tree of the batch-8 verify forward
 
 
@@ -28,6 +30,16 @@ def _tree_mask(parents: tuple[int, ...], context: int) -> torch.Tensor:
     return mask
 
 
+def paged_rows(runner: TargetRunner, batch: int, length: int) -> tuple[PagedStore, PagedRows]:
+    """A paged store and ``batch`` rows of ``length`` positions over it, each row its own
+    blocks in order (block 0 is the null block, as in the engine's pool)."""
+    nb = blocks_for(length, BLOCK)
+    table = 1 + torch.arange(batch * nb, device=runner.device).view(batch, nb)
+    store = PagedStore(runner.store_shape, (batch * nb + 1) * BLOCK, runner.device, runner.dtype)
+    pos = torch.arange(length, device=runner.device)
+    return store, PagedRows(table[:, pos // BLOCK] * BLOCK + pos % BLOCK, table, BLOCK)
+
+
 def _depths(parents: tuple[int, ...]) -> list[int]:
     depth: list[int] = []
     for p in parents:
@@ -40,18 +52,18 @@ def verify_call(runner: TargetRunner, batch: int, parents: tuple[int, ...], voca
     the tree ``parents`` after ``CONTEXT`` tokens; returns (closure, logits of one call)."""
     g = torch.Generator().manual_seed(0)
     k = len(parents)
-    store = KVStore(runner.store_shape, batch, CONTEXT + k, runner.device, runner.dtype)
+    store, rows = paged_rows(runner, batch, CONTEXT + k)
     ctx = torch.randint(0, vocab, (batch, CONTEXT), generator=g)
     pos = torch.arange(CONTEXT).expand(batch, -1)
-    causal = torch.ones(CONTEXT, CONTEXT, dtype=torch.bool).tril()[None, None]
-    runner.forward(ctx, pos, pos, store, slice(0, batch), causal, logits_for="none")
+    causal = torch.ones(CONTEXT, CONTEXT, dtype=torch.bool).tril()[None, None].expand(batch, -1, -1, -1)
+    runner.forward(ctx, pos, pos, store, rows, causal, logits_for="none")
     tokens = torch.randint(0, vocab, (batch, k), generator=g)
     positions = (CONTEXT + torch.tensor(_depths(parents))).expand(batch, -1)
     write = torch.arange(CONTEXT, CONTEXT + k).expand(batch, -1)
     mask = _tree_mask(parents, CONTEXT)[None, None].expand(batch, 1, -1, -1)
 
     def call() -> torch.Tensor:
-        return runner.forward(tokens, positions, write, store, slice(0, batch), mask).logits
+        return runner.forward(tokens, positions, write, store, rows, mask).logits
 
     return call, call()
 
@@ -60,17 +72,17 @@ def decode_goodput(runner: TargetRunner, batch: int, new_tokens: int, vocab: int
     """Plain greedy decoding of ``batch`` rows for ``new_tokens`` after a ``CONTEXT``-token
     prompt: tokens per second (decode steps only) and the tokens."""
     g = torch.Generator().manual_seed(1)
-    store = KVStore(runner.store_shape, batch, CONTEXT + new_tokens, runner.device, runner.dtype)
+    store, rows = paged_rows(runner, batch, CONTEXT + new_tokens)
     prompt = torch.randint(0, vocab, (batch, CONTEXT), generator=g)
     pos = torch.arange(CONTEXT).expand(batch, -1)
-    causal = torch.ones(CONTEXT, CONTEXT + new_tokens, dtype=torch.bool).tril()[None, None]
-    token = runner.forward(prompt, pos, pos, store, slice(0, batch), causal, "last").logits[:, -1].argmax(-1)
+    causal = torch.ones(CONTEXT, CONTEXT + new_tokens, dtype=torch.bool).tril()[None, None].expand(batch, -1, -1, -1)
+    token = runner.forward(prompt, pos, pos, store, rows, causal, "last").logits[:, -1].argmax(-1)
     out = [token]
     mask = torch.ones(CONTEXT + new_tokens, CONTEXT + new_tokens, dtype=torch.bool).tril()[None, None]   # row = position
     t0 = time.perf_counter()
     for step in range(new_tokens - 1):
         at = torch.full((batch, 1), CONTEXT + step)
-        logits = runner.forward(token[:, None], at, at, store, slice(0, batch),
+        logits = runner.forward(token[:, None], at, at, store, rows,
                                 mask[:, :, CONTEXT + step:CONTEXT + step + 1].expand(batch, 1, 1, -1)).logits
         token = logits[:, -1].argmax(-1)
         out.append(token)
