@@ -27,7 +27,7 @@ from treespark.engine.step_costs import measure_drafting, measure_verify
 from treespark.engine.target import TargetRunner
 from treespark.kernels import linear as linear_module
 from treespark.kernels.linear import F_LINEAR, ProductPlan
-from treespark.models.drafter import DSparkDrafter
+from treespark.models.drafter_blocks import NativeBlockPass
 from treespark.spec.params import SamplingParams
 from treespark.spec.tree import tree_batch
 
@@ -199,7 +199,7 @@ def test_padded_block_pass_gives_the_plain_block_logits_on_real_rows(pairs, fami
     real rows bit for bit the plain pass's (qwen3: at the full 151,936-token vocabulary),
     and the drafter's store untouched. Both on torch's operators, as on a GPU: on the CPU
     a pass of at most 16 rows runs the native kernels, which padding can take it past."""
-    monkeypatch.setattr(DSparkDrafter, "_on_blocks", lambda self, x: False)
+    monkeypatch.setattr(NativeBlockPass, "runs", lambda self, x: False)
     monkeypatch.setattr(linear_module, "on_native", lambda x, weight: False)
     pair = pairs[family]
     _, scene = _scene(pair)

@@ -1,4 +1,4 @@
-"""The drafter's block pass on the native blocks (``DSparkDrafter._block_layers``): the
+"""The drafter's block pass on the native blocks (``treespark.models.drafter_blocks``): the
 torch layers' values, where it runs and where it does not, its stacked weights kept in
 step with the parameters; and the shared head's bfloat16 copy."""
 
@@ -12,6 +12,7 @@ from treespark.kernels import blocks
 from treespark.kernels.attention import DenseKV
 from treespark.kernels.native import MAX_ROWS, library
 from treespark.models.drafter import DSparkDrafter, attach_from_target
+from treespark.models.drafter_blocks import NativeBlockPass
 from treespark.models.drafter_config import DSparkConfig
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the native kernels are not built")
@@ -59,7 +60,7 @@ def test_the_native_block_pass_gives_the_torch_layers_logits(b, monkeypatch):
     calls = _counting(monkeypatch)
     native = d.block_logits(anchors, DenseKV(k, v), lengths)
     assert calls[0] == 2 * d.config.num_hidden_layers          # two calls a layer: it ran there
-    monkeypatch.setattr(DSparkDrafter, "_on_blocks", lambda self, x: False)
+    monkeypatch.setattr(NativeBlockPass, "runs", lambda self, x: False)
     torch_layers = d.block_logits(anchors, DenseKV(k, v), lengths)
     assert calls[0] == 2 * d.config.num_hidden_layers
     torch.testing.assert_close(native, torch_layers, rtol=1e-4, atol=1e-4)
@@ -73,7 +74,7 @@ def test_rows_past_the_kernels_and_training_run_the_torch_layers(monkeypatch):
     d.block_logits(torch.arange(b), DenseKV(k, v), lengths)
     x = torch.zeros(1, d.config.block_size, d.config.hidden_size)
     with torch.enable_grad():
-        assert not d._on_blocks(x)
+        assert not d.native.runs(x)
     assert calls[0] == 0
 
 
@@ -86,7 +87,7 @@ def test_the_stacked_weights_follow_a_load():
     d.load_state_dict(state)
     after = d.block_logits(torch.tensor([5]), DenseKV(k, v), lengths)
     with torch.no_grad():
-        fused = d.fused_layers()[0]
+        fused = d.native.fused_layers(d.layers)[0]
     assert torch.equal(fused.gate_up[d.config.intermediate_size:], d.layers[0].mlp.up_proj.weight)
     assert not torch.allclose(before, after)
 

@@ -27,16 +27,17 @@ Checkpoints (reading the public layout, writing ours) are ``treespark.models.che
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treespark.kernels import blocks, native
+from treespark.kernels import native
 from treespark.kernels.attention import ContextKV, attention_bias, grouped_attention
-from treespark.kernels.layer_ops import rms_norm, rope_sign
+from treespark.kernels.layer_ops import rms_norm
 from treespark.kernels.linear import Linear, unplanned_linear
+from treespark.models.drafter_blocks import NativeBlockPass
 from treespark.models.drafter_config import DSparkConfig
 from treespark.models.precision import is_bf16_valued
 from treespark.models.rotary import Rotary, apply_rope
@@ -192,10 +193,8 @@ class DSparkDrafter(nn.Module):
         self._shared_embed: torch.Tensor | None = None
         self._shared_head: torch.Tensor | None = None
         self._shared_head_half: torch.Tensor | None = None   # its bfloat16 panels, where they hold its values
-        self._fused: tuple[tuple, list[FusedLayer]] | None = None   # (the weights' versions, ``fused_layers``)
         self.rotary = Rotary(c)
-        with torch.device("cpu"):   # the native block pass's (CPU float32): made once, not per pass
-            self._rope_sign = rope_sign(c.head_dim, torch.device("cpu"), torch.float32)
+        self.native = NativeBlockPass(c)   # the block pass on the native blocks, where it runs
 
     # -- shared embeddings ------------------------------------------------------------
     def attach_target_embeddings(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
@@ -293,8 +292,8 @@ class DSparkDrafter(nn.Module):
         positions = ctx_len[:, None] + torch.arange(self.config.block_size, device=anchors.device)   # [B, blk]
         x = self.embed(self._block_ids(anchors)).to(self.fc.weight.dtype)
         cos, sin = self.rotary(positions, x.dtype)
-        if self._on_blocks(x):
-            return self._block_layers(x, cos, sin, context, ctx_len, positions)
+        if self.native.runs(x):
+            return self.native(self.layers, x, cos, sin, context, ctx_len, positions, self._context_layer)
         bias = None
         for i, layer in enumerate(self.layers):
             k, v, bias = self._context_layer(context, i, ctx_len, bias, x.dtype)
@@ -313,45 +312,6 @@ class DSparkDrafter(nn.Module):
             groups = self.config.num_attention_heads // self.config.num_key_value_heads
             bias = attention_bias(seen[:, None, None].expand(k.shape[0], 1, blk, -1), groups, dtype, k.shape[2])
         return k, v, bias
-
-    def _on_blocks(self, x: torch.Tensor) -> bool:
-        """Whether the block pass of ``x`` [B, blk, h] runs its layers on the native blocks
-        (``treespark.kernels.blocks``): float32 on the CPU, at most its rows, no gradients."""
-        return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-                and blocks.can_run(x.shape[0] * x.shape[1], self.config.hidden_act))
-
-    def fused_layers(self) -> list[FusedLayer]:
-        """Each layer's weights as ``blocks`` takes them (q|k|v and gate|up stacked, the q/k
-        norms per head): made once, again when a weight changes (a load, a training step)."""
-        key = tuple((p.data_ptr(), p._version) for p in self.layers.parameters())
-        if self._fused is None or self._fused[0] != key:
-            self._fused = key, [FusedLayer.of(layer, self.config) for layer in self.layers]
-        return self._fused[1]
-
-    def _block_layers(self, x, cos, sin, context: ContextKV, ctx_len: torch.Tensor, positions) -> torch.Tensor:
-        """``block_hidden``'s layers on the native blocks, two calls a layer around its
-        attention: the torch layers' values to float rounding (``tests/models/test_drafter_blocks.py``)."""
-        c = self.config
-        b, blk, h = x.shape
-        hq, hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        cos = cos.reshape(b * blk, hd).contiguous()
-        ssin = (sin * self._rope_sign).reshape(b * blk, hd).contiguous()
-        x = x.reshape(b * blk, h).contiguous()
-        mlp = bias = None
-        for i, (layer, f) in enumerate(zip(self.layers, self.fused_layers(), strict=True)):
-            x, y = blocks.attn_in(x, mlp, layer.input_layernorm.weight, c.rms_norm_eps, f.qkv, None, False,
-                                  f.qk_norm, c.rms_norm_eps, cos, ssin, hq, hkv, hd)
-            y = y.view(b, blk, -1, hd).transpose(1, 2)                        # [B, Hq + 2 Hkv, blk, hd]
-            k, v, bias = self._context_layer(context, i, ctx_len, bias, x.dtype)
-            at = positions[:, None, :, None].expand(b, hkv, blk, hd)
-            k.scatter_(2, at, y[:, hq:hq + hkv].to(k.dtype))
-            v.scatter_(2, at, y[:, hq + hkv:].to(v.dtype))
-            out = grouped_attention(y[:, :hq], k.to(x.dtype), v.to(x.dtype), bias)   # [B, Hq, blk, hd]
-            a = out.transpose(1, 2).reshape(b * blk, -1).contiguous()
-            x, mlp = blocks.attn_out_mlp(a, layer.self_attn.o_proj.weight, None, x,
-                                         layer.post_attention_layernorm.weight, c.rms_norm_eps, f.gate_up, None,
-                                         layer.mlp.down_proj.weight, None, False)
-        return (x + mlp).view(b, blk, h)
 
     @torch.no_grad()
     def block_head(self, x: torch.Tensor) -> torch.Tensor:
@@ -401,24 +361,6 @@ class DSparkDrafter(nn.Module):
         u = self._backbone(self._block_ids(tokens[anchors]), positions, ctx_k, ctx_v, mask[:, None])
         parents = tokens[positions]                                           # [nb, blk]
         return u + self.markov_head.bias(parents)
-
-
-@dataclass(frozen=True)
-class FusedLayer:
-    """A drafter layer's weights stacked as ``treespark.kernels.blocks`` takes them."""
-
-    qkv: torch.Tensor       # [(Hq + 2 Hkv) hd, h]
-    qk_norm: torch.Tensor   # [Hq + Hkv, hd]
-    gate_up: torch.Tensor   # [2 I, h]
-
-    @staticmethod
-    def of(layer: DSparkLayer, c: DSparkConfig) -> FusedLayer:
-        a = layer.self_attn
-        return FusedLayer(
-            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
-            qk_norm=blocks.qk_norm_weight(a.q_norm.weight, a.k_norm.weight, c.num_attention_heads,
-                                          c.num_key_value_heads),
-            gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().contiguous())
 
 
 def _bfloat16_copy(w: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,96 @@
+"""The drafter's block pass on the native blocks (``treespark.kernels.blocks``).
+
+At the rows of a CPU drafting step (one block of ``block_size`` rows a request, up to
+``MAX_ROWS`` in all) the drafter's layers run as the target's do: ``attn_in`` and
+``attn_out_mlp`` around an attention over the layer's context keys and values, with the
+block's own written into them. The values are the torch layers' to float rounding
+(``tests/models/test_drafter_blocks.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from treespark.kernels import blocks
+from treespark.kernels.attention import ContextKV, grouped_attention
+from treespark.kernels.layer_ops import rope_sign
+from treespark.models.drafter_config import DSparkConfig
+
+# (context, layer, ctx_len, bias or None, dtype) -> the layer's context keys and values, a
+# copy with room for the block, and the block's bias (``DSparkDrafter._context_layer``)
+ContextLayer = Callable[[ContextKV, int, torch.Tensor, torch.Tensor | None, torch.dtype],
+                        tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """A drafter layer's weights stacked as ``treespark.kernels.blocks`` takes them."""
+
+    qkv: torch.Tensor       # [(Hq + 2 Hkv) hd, h]
+    qk_norm: torch.Tensor   # [Hq + Hkv, hd]
+    gate_up: torch.Tensor   # [2 I, h]
+
+    @staticmethod
+    def of(layer: nn.Module, c: DSparkConfig) -> FusedLayer:
+        a = layer.self_attn
+        return FusedLayer(
+            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
+            qk_norm=blocks.qk_norm_weight(a.q_norm.weight, a.k_norm.weight, c.num_attention_heads,
+                                          c.num_key_value_heads),
+            gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().contiguous())
+
+
+class NativeBlockPass:
+    """A drafter's block pass on the native blocks, and the stacked weights it reads."""
+
+    def __init__(self, config: DSparkConfig) -> None:
+        self.config = config
+        self._fused: tuple[tuple, list[FusedLayer]] | None = None   # (the weights' versions, ``fused_layers``)
+        with torch.device("cpu"):   # CPU float32 only: made once, not per pass
+            self._rope_sign = rope_sign(config.head_dim, torch.device("cpu"), torch.float32)
+
+    def runs(self, x: torch.Tensor) -> bool:
+        """Whether the block pass of ``x`` [B, blk, h] runs here: float32 on the CPU, at
+        most ``MAX_ROWS`` rows, no gradients, the library built."""
+        return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+                and blocks.can_run(x.shape[0] * x.shape[1], self.config.hidden_act))
+
+    def fused_layers(self, layers: nn.ModuleList) -> list[FusedLayer]:
+        """Each layer's weights as ``blocks`` takes them (q|k|v and gate|up stacked, the q/k
+        norms per head): made once, again when a weight changes (a load, a training step)."""
+        key = tuple((p.data_ptr(), p._version) for p in layers.parameters())
+        if self._fused is None or self._fused[0] != key:
+            self._fused = key, [FusedLayer.of(layer, self.config) for layer in layers]
+        return self._fused[1]
+
+    def __call__(self, layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 context: ContextKV, ctx_len: torch.Tensor, positions: torch.Tensor,
+                 context_layer: ContextLayer) -> torch.Tensor:
+        """The block's last hidden states [B, blk, h] from its embeddings ``x`` [B, blk, h]:
+        per layer two native calls around its attention over ``context_layer``'s keys and
+        values, the block's own written at ``positions`` [B, blk]."""
+        c = self.config
+        b, blk, h = x.shape
+        hq, hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        cos = cos.reshape(b * blk, hd).contiguous()
+        ssin = (sin * self._rope_sign).reshape(b * blk, hd).contiguous()
+        x = x.reshape(b * blk, h).contiguous()
+        mlp = bias = None
+        for i, (layer, f) in enumerate(zip(layers, self.fused_layers(layers), strict=True)):
+            x, y = blocks.attn_in(x, mlp, layer.input_layernorm.weight, c.rms_norm_eps, f.qkv, None, False,
+                                  f.qk_norm, c.rms_norm_eps, cos, ssin, hq, hkv, hd)
+            y = y.view(b, blk, -1, hd).transpose(1, 2)                        # [B, Hq + 2 Hkv, blk, hd]
+            k, v, bias = context_layer(context, i, ctx_len, bias, x.dtype)
+            at = positions[:, None, :, None].expand(b, hkv, blk, hd)
+            k.scatter_(2, at, y[:, hq:hq + hkv].to(k.dtype))
+            v.scatter_(2, at, y[:, hq + hkv:].to(v.dtype))
+            out = grouped_attention(y[:, :hq], k.to(x.dtype), v.to(x.dtype), bias)   # [B, Hq, blk, hd]
+            a = out.transpose(1, 2).reshape(b * blk, -1).contiguous()
+            x, mlp = blocks.attn_out_mlp(a, layer.self_attn.o_proj.weight, None, x,
+                                         layer.post_attention_layernorm.weight, c.rms_norm_eps, f.gate_up, None,
+                                         layer.mlp.down_proj.weight, None, False)
+        return (x + mlp).view(b, blk, h)
