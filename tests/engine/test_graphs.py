@@ -295,14 +295,12 @@ def test_graphed_engine_samples_what_the_eager_engine_samples(mimic16):
     assert len(engine.draft_graphs.shapes) > 1   # the drafts came from the padded block pass
 
 
-def test_the_step_cost_table_times_the_graphed_forward_over_the_null_block(mimic16):
+def test_the_step_cost_table_times_the_graphed_forward(mimic16):
     with pytest.warns(UserWarning):
         engine = _engine(mimic16, Budget(0.0, 8, 3), True)
     measure_verify(engine, (1, 2), (1, 4, 9), deadline=time.perf_counter() - 1, context=16)
     # 16 + k keys: two blocks; 9 tokens pad to 16
     assert engine.graphs.shapes == {BucketShape(b, k, 2) for b in (1, 2) for k in (1, 4, 16)}
-    bs = engine.kv.block_size
-    assert not engine.kv.target.k[:, bs:].any() and engine.kv.target.k[:, :bs].any()   # the null block alone
 
 
 def test_the_step_cost_table_times_the_graphed_block_pass(mimic16):
@@ -310,7 +308,7 @@ def test_the_step_cost_table_times_the_graphed_block_pass(mimic16):
     with pytest.warns(UserWarning):
         engine = _engine(mimic16, Budget(0.0, 8, 3), True)
     verify = measure_verify(engine, (1,), (1, 4, 9), deadline=time.perf_counter() - 1, context=16)
-    base, row, node, _ = measure_drafting(engine, verify, deadline=time.perf_counter() - 1)
+    m = measure_drafting(engine, verify, deadline=time.perf_counter() - 1)
     # one and four rows always run (past the deadline too), their tails at fewer
     assert {1, 4} <= {s.rows for s in engine.draft_graphs.shapes} <= {1, 2, 3, 4}
-    assert min(base, row, node) >= 0.0
+    assert min(m.draft_base_s, m.draft_row_s, m.draft_node_s, m.step_base_s, m.step_row_s) >= 0.0

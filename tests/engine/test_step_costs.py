@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
 from treespark.engine.config import EngineConfig
 from treespark.engine.core import Engine
-from treespark.engine.step_costs import StepCostTable, fingerprint, startup_step_costs
+from treespark.engine.step_costs import (
+    StepCostTable,
+    fingerprint,
+    measure_verify,
+    startup_step_costs,
+    with_step_work,
+)
 from treespark.kernels.linear import F_LINEAR, SMALL, ProductPlan
+from treespark.pricing.costmodel import CostModel
 from treespark.spec.params import SamplingParams
 
 
@@ -24,6 +34,8 @@ def test_measured_once_then_read_from_the_cache(pair64, tmp_path):
     assert all(t > 0 for row in v.seconds for t in row)
     assert min(first.draft_base_s, first.draft_row_s, first.draft_node_s, first.host_node_s) >= 0
     assert first.draft_base_s + first.draft_row_s + first.draft_node_s > 0   # drafting is not free
+    assert min(first.step_base_s, first.step_row_s) >= 0
+    assert first.step_base_s + first.step_row_s > 0      # a step is more than its forward
     again = startup_step_costs(small_engine(pair64), time_budget_s=20, cache_dir=tmp_path)
     assert again.source == "cache" and again.fingerprint == first.fingerprint
     assert again.verify == first.verify
@@ -106,3 +118,35 @@ def test_the_drafting_fit_follows_the_faster_steps_not_a_neighbours_bursts():
     assert abs(plain[0] - 8e-3) > 2e-3                              # the bursts move a plain fit
     assert abs(fit[0] - 8e-3) < 0.6e-3 and abs(fit[1] - 0.7e-3) < 0.1e-3 and abs(fit[2] - 0.05e-3) < 0.02e-3
     assert np.allclose(lower_fit(x, own), [8e-3, 0.7e-3, 0.05e-3])  # exact steps: their costs
+
+
+def test_a_steps_fixed_work_is_added_to_every_cell():
+    forward = CostModel((1, 4), (1, 2), ((0.010, 0.012), (0.020, 0.030)))
+    step = with_step_work(forward, 0.004, 0.001)
+    assert [list(r) for r in step.seconds] == [pytest.approx([0.015, 0.017]), pytest.approx([0.028, 0.038])]
+    assert step.batch_sizes == forward.batch_sizes and step.tokens == forward.tokens
+
+
+def test_the_timed_forwards_leave_the_requests_blocks_alone(pair64):
+    """The verify cells are timed over the paged store, on blocks no request holds and
+    the prefix cache does not keep: a running request's keys and values, and a finished
+    one's cached blocks, are the same after."""
+    engine = small_engine(pair64)
+    engine.add_request("done", [1 + i % 60 for i in range(39)], SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("running", [3 + i % 50 for i in range(20)], SamplingParams(max_tokens=30))
+    for _ in range(3):
+        engine.step()
+    pool = engine.kv.pool
+    kept = [b for b in range(1, pool.num_blocks) if pool.ref[b] > 0 or pool.key[b] is not None]
+    assert kept and any(pool.key[b] is not None for b in kept) and any(pool.ref[b] > 0 for b in kept)
+    bs = engine.kv.block_size
+    slots = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in kept])
+    before = engine.kv.target.k[:, slots].clone(), engine.kv.target.v[:, slots].clone()
+    written = engine.kv.target.k.clone()
+    measure_verify(engine, (1, 4), (1, 4, 9), deadline=time.perf_counter() - 1, context=32)
+    assert torch.equal(engine.kv.target.k[:, slots], before[0]) and torch.equal(engine.kv.target.v[:, slots], before[1])
+    assert not torch.equal(engine.kv.target.k, written)          # it wrote elsewhere
+    while engine.has_unfinished():
+        engine.step()

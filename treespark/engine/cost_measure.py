@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from treespark.engine.graphs import GraphedForward
-from treespark.engine.kv import KVStore, PagedKV, blocks_for
+from treespark.engine.kv import KVStore, PagedKV, PagedRows, blocks_for
 from treespark.engine.target import TargetRunner
 from treespark.pricing.costmodel import CostModel, interp, monotone
 
@@ -84,16 +84,38 @@ def time_forward(runner, store, bs: int, k: int, context: int, repeats: int,
                     runner.device, repeats, warmup)
 
 
+def idle_rows(kv: PagedKV, bs: int, length: int) -> PagedRows:
+    """``bs`` rows of ``length`` positions over blocks of the pool that no request holds
+    and the prefix cache does not keep, each row its own where there are enough (they
+    wrap around where there are not; the null block where there are none): a timed
+    forward reads as many keys and writes as many slots as a served one, and nothing it
+    writes is read again (the startup table's, before the replica serves)."""
+    pool = kv.pool
+    idle = [b for b in range(1, pool.num_blocks) if pool.ref[b] == 0 and pool.key[b] is None]
+    n = bs * blocks_for(length, kv.block_size)
+    ids = [idle[i % len(idle)] for i in range(n)] if idle else [0] * n
+    table = torch.tensor(ids, dtype=torch.long).view(bs, -1).to(kv.device)
+    return kv.rows(table, length)
+
+
+def time_paged_forward(runner: TargetRunner, kv: PagedKV, bs: int, k: int, context: int, repeats: int,
+                       generator=None, warmup: bool = True) -> float:
+    """``time_forward`` over the engine's paged store (``idle_rows``): the forward the
+    engine verifies with, on the path it takes there (on a CPU, a decoding step's layers
+    in one native call, ``treespark.kernels.blocks.layers``)."""
+    tokens, positions, mask = chain_batch(bs, k, context, runner.vocab_size, runner.device, generator)
+    rows = idle_rows(kv, bs, context + k)
+    return _fastest(lambda: runner.forward(tokens, positions, positions, kv.target, rows, mask), runner.device,
+                    repeats, warmup)
+
+
 def time_graphed_forward(graphs: GraphedForward, kv: PagedKV, bs: int, k: int, context: int, repeats: int,
                          generator=None, warmup: bool = True) -> float:
-    """``time_forward`` for the verify forward replayed from CUDA graphs (padded to its
-    bucket, captured on its first call), over the paged store's null block alone: a
-    block table of block 0 reads as many keys and writes as many slots as real blocks
-    would, and nothing is kept there."""
+    """``time_paged_forward`` for the verify forward replayed from CUDA graphs (padded to
+    its bucket, captured on its first call)."""
     runner = graphs.runner
     tokens, positions, mask = chain_batch(bs, k, context, runner.vocab_size, runner.device, generator)
-    table = torch.zeros(bs, blocks_for(context + k, kv.block_size), dtype=torch.long, device=runner.device)
-    rows = kv.rows(table, context + k)
+    rows = idle_rows(kv, bs, context + k)
     return _fastest(lambda: graphs.forward(tokens, positions, positions, rows, mask), runner.device, repeats,
                     warmup)
 

@@ -8,14 +8,18 @@ per-step allocation (``treespark.engine.step_alloc``) prices every step on.
    in milliseconds, and a replica on other hardware measures its own;
 2. otherwise measures, in at most ``time_budget_s`` (20 s by default):
    * the verify forward ``T(bs, k)`` on a grid (``GRID_TOKENS``; each cell the fastest of a
-     few forwards, ``treespark.engine.cost_measure.time_forward``; cells past the budget or
-     above ``max_step_tokens`` are extrapolated along k);
+     few forwards over the engine's paged store, on the path a served step takes,
+     ``treespark.engine.cost_measure.time_paged_forward``; cells past the budget or above
+     ``max_step_tokens`` are extrapolated along k);
    * drafting and host costs, from real engine steps on a few synthetic requests under
      fixed budgets at one and four rows at least (the drafting the engine serves with: with
      ``cuda_graphs``, the block pass replayed from its graphs; steps that captured one are
      left out): ``draft_s = base + row * bs + node * nodes`` fitted to the faster half of
-     the steps (``lower_fit``), and the host seconds per verified draft node beyond the
-     forward (the slope of ``verify_s - T`` on the nodes);
+     the steps (``lower_fit``), the host seconds per verified draft node beyond the
+     forward (the slope of ``verify_s - T`` on the nodes), and a plain step's time beyond
+     its forward by rows (scheduling, sampling, the commit, the drafter's context: ~5 ms
+     of a ~18 ms step at one row on a two-core EPYC), added to every verify cell
+     (``with_step_work``): the table prices steps, not forwards;
    A replica measures as it starts, beside Ray's own processes and its neighbours starting:
    other work only ever adds to a timing, so the fastest timings are the step's own. (In a
    starting service the verify forward at one row then reads ~25 % above one process's
@@ -32,15 +36,14 @@ import datetime
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from treespark.engine.cost_measure import time_forward, time_graphed_forward
-from treespark.engine.kv import KVStore
+from treespark.engine.cost_measure import time_graphed_forward, time_paged_forward
 from treespark.kernels.machine import hardware_name, read_cached, write_cached
 from treespark.pricing.allocate import StepCosts
 from treespark.pricing.costmodel import CostModel, interp, monotone
@@ -48,14 +51,14 @@ from treespark.spec.budget import Budget
 from treespark.spec.params import SamplingParams, StepStats
 
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "step-costs"
-VERSION = 8  # raised whenever what a table measures changes (8: a decoding step's layers in one native call): an older cached one is measured again
+VERSION = 9  # raised whenever what a table measures changes (9: the verify cells over the paged store, a step's fixed work added): an older cached one is measured again
 
 
 @dataclass(frozen=True)
 class StepCostTable:
     """What a replica measured: the verify table and the drafting and host costs."""
 
-    verify: CostModel
+    verify: CostModel          # a step's verify forward and its fixed work beyond it (``with_step_work``)
     draft_base_s: float
     draft_row_s: float
     draft_node_s: float
@@ -63,6 +66,8 @@ class StepCostTable:
     fingerprint: str
     measured_s: float          # seconds the measurement took (0 when read from the cache)
     source: str                # "measured" or "cache"
+    step_base_s: float = 0.0   # that fixed work, in ``verify`` already: base + row * rows
+    step_row_s: float = 0.0
 
     def step_costs(self, max_nodes: int) -> StepCosts:
         return StepCosts(self.verify, node_s=self.host_node_s, max_nodes=max_nodes,
@@ -132,15 +137,14 @@ def measure_verify(engine, batch_sizes, tokens, *, deadline: float, max_passes: 
     whole; later ones stop at the deadline, cell by cell); each cell its fastest timing
     (other processes only ever add to one),
     made non-decreasing in k and bs (``isotonic``). Cells above ``max_step_tokens`` are
-    extrapolated along k. Timed: the forward the engine verifies with (the runner's over
-    a dense store; with ``cuda_graphs`` the replayed one, ``time_graphed_forward``)."""
+    extrapolated along k. Timed: the forward the engine verifies with, over its paged
+    store (``time_paged_forward``; with ``cuda_graphs`` the replayed one,
+    ``time_graphed_forward``)."""
     runner = engine.runner
     g = torch.Generator().manual_seed(0)
     if engine.graphs is None:
-        store = KVStore(runner.store_shape, max(batch_sizes), context + max(tokens) + 1, runner.device, runner.dtype)
-
         def timed(b: int, k: int, warmup: bool) -> float:
-            return time_forward(runner, store, b, k, context, 1, g, warmup=warmup)
+            return time_paged_forward(runner, engine.kv, b, k, context, 1, g, warmup=warmup)
     else:
         def timed(b: int, k: int, warmup: bool) -> float:
             return time_graphed_forward(engine.graphs, engine.kv, b, k, context, 1, g, warmup=warmup)
@@ -181,14 +185,35 @@ def lower_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 ONE_ROW_TOKENS = 32  # tokens of each one-row request: the fit's steps that always run (~30 a budget)
 
 
-def measure_drafting(engine, verify: CostModel, *, deadline: float,
-                     seed: int = 0) -> tuple[float, float, float, float]:
-    """(draft_base_s, draft_row_s, draft_node_s, host_node_s) from engine steps on
+@dataclass(frozen=True)
+class MeasuredSteps:
+    """What ``measure_drafting`` fits to engine steps, in seconds."""
+
+    draft_base_s: float   # a drafting step's drafting: base + row * rows + node * nodes
+    draft_row_s: float
+    draft_node_s: float
+    host_node_s: float    # the verify stage's host work per verified draft node, beyond the forward
+    step_base_s: float    # a plain step beyond its forward (scheduling, sampling, the commit,
+    step_row_s: float     # the drafter's context): base + row * rows
+
+
+def with_step_work(verify: CostModel, step_base_s: float, step_row_s: float) -> CostModel:
+    """The verify table with a step's fixed work beyond the forward added to every cell
+    (``step_base_s + step_row_s * bs``): what a step costs, which the allocation weighs
+    tokens against. Without it a plain step reads cheaper than it is, and every node
+    drafted dearer."""
+    return replace(verify, seconds=tuple(tuple(t + step_base_s + step_row_s * b for t in row)
+                                         for b, row in zip(verify.batch_sizes, verify.seconds, strict=True)))
+
+
+def measure_drafting(engine, verify: CostModel, *, deadline: float, seed: int = 0) -> MeasuredSteps:
+    """Drafting, host and step costs (``MeasuredSteps``) from engine steps on
     synthetic requests (random prompts) under plain, chain and tree budgets: one row
     (``ONE_ROW_TOKENS`` steps a budget, enough that a few slow steps do not set the
     drafting cost or the slope per node) and four always (without two batch sizes the
     cost per row cannot be told from the cost per step), the largest batch while
-    ``deadline`` allows; fitted by ``lower_fit``. The steps
+    ``deadline`` allows; fitted by ``lower_fit``; and the plain steps' time beyond
+    ``verify``'s forward, by rows (``with_step_work``). The steps
     draft and verify as the engine serves (with ``cuda_graphs``, from the replayed
     passes); a step that captured a CUDA graph (its warm-up and capture: once per bucket)
     is left out."""
@@ -227,7 +252,14 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float,
     pts = [(sum(s.tree_sizes), s.verify_s - verify.time(s.batch_size, max(s.tree_sizes) + 1)) for s in decode]
     if len({n for n, _ in pts}) > 1:
         host = float(lower_fit(np.array([[1.0, n] for n, _ in pts]), np.array([r for _, r in pts]))[1])
-    return base, row, node, host
+    # a plain step beyond its forward, by rows (one and four rows always ran plain steps)
+    step_base = step_row = 0.0
+    plain = [(s.batch_size, s.step_s - verify.time(s.batch_size, 1)) for s in decode
+             if s.draft_waves == 0 and max(s.tree_sizes, default=0) == 0]
+    if len({b for b, _ in plain}) > 1:
+        step_base, step_row = (float(v) for v in lower_fit(np.array([[1.0, b] for b, _ in plain]),
+                                                             np.array([y for _, y in plain])))
+    return MeasuredSteps(base, row, node, host, step_base, step_row)
 
 
 def startup_step_costs(engine, *, time_budget_s: float = 20.0, cache_dir: Path | None = CACHE_DIR) -> StepCostTable:
@@ -244,9 +276,11 @@ def startup_step_costs(engine, *, time_budget_s: float = 20.0, cache_dir: Path |
             pass  # a table of an older layout: measure again
     t0 = time.perf_counter()
     deadline = t0 + 0.6 * time_budget_s
-    verify = measure_verify(engine, *grid, deadline=deadline)
-    base, row, node, host = measure_drafting(engine, verify, deadline=t0 + 0.95 * time_budget_s)
-    table = StepCostTable(verify, base, row, node, host, fp, time.perf_counter() - t0, "measured")
+    forward = measure_verify(engine, *grid, deadline=deadline)
+    m = measure_drafting(engine, forward, deadline=t0 + 0.95 * time_budget_s)
+    table = StepCostTable(with_step_work(forward, m.step_base_s, m.step_row_s), m.draft_base_s, m.draft_row_s,
+                          m.draft_node_s, m.host_node_s, fp, time.perf_counter() - t0, "measured",
+                          m.step_base_s, m.step_row_s)
     if path is not None:
         write_cached(path, table.to_json())
     return table
