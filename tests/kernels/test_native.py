@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from treespark.kernels import native
-from treespark.kernels.linear import HALF, NATIVE, ProductPlan, planned_linear
+from treespark.kernels.linear import HALF, NATIVE, Linear, ProductPlan, planned_linear
 from treespark.kernels.native import (
     MAX_ROWS,
     build,
@@ -145,3 +145,22 @@ def test_the_profiler_sees_a_native_product_as_an_operator():
     ev = {e.key: e for e in prof.key_averages()}
     assert native.PROFILER_NAME in ev and ev[native.PROFILER_NAME].count == 1
     assert ev[native.PROFILER_NAME].self_cpu_time_total > 0
+
+
+@needs_native
+def test_a_linear_reads_its_weights_exact_panels_and_follows_the_weight():
+    """``Linear`` multiplies a few float32 rows by its weight's exact bfloat16 panels where
+    they hold it, and finds them again when the weight moves."""
+    lin = Linear(64, 32, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.bfloat16().float())
+    panels = lin.panels()
+    assert panels is not None and panels.dtype == torch.bfloat16
+    assert torch.equal(native.from_panels(panels).float(), lin.weight)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        lin.weight.add_(1e-3)                       # a training step: no longer bfloat16 values
+    assert lin.panels() is None
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)

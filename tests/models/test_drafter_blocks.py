@@ -102,3 +102,22 @@ def test_the_shared_head_reads_a_bfloat16_copy_only_where_it_holds_its_values():
     h = torch.randn(5, d.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(d.head(h), h @ d._shared_head.T, rtol=1e-5, atol=1e-4)
+
+
+def test_a_drafter_stored_in_bfloat16_drafts_on_panels(monkeypatch):
+    """Weights of bfloat16 values (the shipped drafter's): the block pass's four products
+    read exact bfloat16 panels, and its logits are the float32 products' to float rounding."""
+    from treespark.kernels import linear as linear_module
+
+    d = _drafter()
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(p.bfloat16().float())
+    fused = d.native.fused_layers(d.layers)[0]
+    assert fused.half and fused.qkv.dtype == fused.o.dtype == fused.gate_up.dtype == fused.down.dtype == torch.bfloat16
+    k, v, lengths = _context(d, 2, 24)
+    anchors = torch.tensor([3, 9])
+    panels = d.block_logits(anchors, DenseKV(k, v), lengths)
+    monkeypatch.setattr(NativeBlockPass, "runs", lambda self, x: False)
+    monkeypatch.setattr(linear_module, "on_native", lambda x, weight: False)
+    torch.testing.assert_close(panels, d.block_logits(anchors, DenseKV(k, v), lengths), rtol=1e-4, atol=1e-4)

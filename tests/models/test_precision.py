@@ -13,11 +13,10 @@ from treespark.engine.core import Engine
 from treespark.engine.products import halvable, model_products, product_plan
 from treespark.engine.target import TargetRunner
 from treespark.kernels.linear import F_LINEAR, HALF, NATIVE, ProductPlan, measure_plan
-from treespark.kernels.native import library, to_panels
+from treespark.kernels.native import is_bf16_valued, library, to_panels
 from treespark.models.pair import pair_by_name, random_pair
 from treespark.models.precision import (
     BF16,
-    is_bf16_valued,
     product_weights,
     round_to_bf16,
     set_precision,

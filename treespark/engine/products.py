@@ -60,7 +60,6 @@ from treespark.kernels.linear import (
 )
 from treespark.kernels.machine import hardware_name, read_cached, write_cached
 from treespark.models.linears import product_linears
-from treespark.models.precision import is_bf16_valued
 
 
 @dataclass(frozen=True)
@@ -227,7 +226,7 @@ def halvable(model: PreTrainedModel) -> bool:
     """Whether every product weight of ``model`` is a float32 CPU matrix of bfloat16 values,
     so that a bfloat16 copy holds it exactly (``treespark.models.precision``), of a multiple
     of 16 rows (the copies are ``native.to_panels``')."""
-    return all(is_bf16_valued(m.weight) and native.can_panel(m.weight) for m in product_linears(model))
+    return all(native.is_bf16_valued(m.weight) and native.can_panel(m.weight) for m in product_linears(model))
 
 
 def drop_copies(model: PreTrainedModel, packed: bool, half: bool) -> None:

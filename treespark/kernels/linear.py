@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespark.kernels.native import MAX_ROWS as NATIVE_ROWS
-from treespark.kernels.native import can_run, native_linear
+from treespark.kernels.native import can_run, exact_panels, native_linear
 
 SMALL_ROWS = 64  # at or below this many rows, CPU products run as W @ x^T
 
@@ -155,10 +155,22 @@ def unplanned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) whose products go through
-    ``unplanned_linear``."""
+    ``unplanned_linear``: on the native kernel, on the weight's exact bfloat16 panels where
+    they hold it (``exact_panels``: a drafter stored in bfloat16), found once per weight
+    version and kept beside it (not in the state dict)."""
+
+    _panels: tuple | None = None   # (the weight's storage, version, dtype and device; its panels or None)
+
+    def panels(self) -> torch.Tensor | None:
+        """The weight's exact bfloat16 panels, or None where they would not hold it."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._panels is None or self._panels[0] != key:
+            self._panels = key, exact_panels(w.detach())
+        return self._panels[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return unplanned_linear(x, self.weight, self.bias)
+        return unplanned_linear(x, self.weight, self.bias, half=self.panels() if on_native(x, self.weight) else None)
 
 
 F_LINEAR, SMALL, PACKED = "F.linear", "treespark.kernels.linear", "oneDNN packed"

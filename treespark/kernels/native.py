@@ -104,6 +104,23 @@ def can_panel(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[0] % PANEL == 0 and weight.numel() > 0
 
 
+def is_bf16_valued(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a float32 CPU tensor every value of which is a bfloat16 value
+    (its low 16 bits zero), so that a bfloat16 copy holds it exactly. (The low halves are
+    the even 16-bit words: a little-endian CPU, as x86 and Arm are.)"""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return False
+    low = weight.detach().contiguous().view(torch.int16).view(-1)[0::2]
+    return not bool(low.any())
+
+
+def exact_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight``'s bfloat16 copy in panels (``to_panels``) where it holds every value
+    exactly (``is_bf16_valued``: a target at ``precision: bfloat16``, a drafter stored in
+    bfloat16): the same products at half the bytes; None otherwise."""
+    return to_panels(weight) if can_panel(weight) and is_bf16_valued(weight) else None
+
+
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] (bfloat16 values) as the bfloat16 copy ``native_linear`` reads: [N, K],
     its memory in panels of ``PANEL`` rows (``gemv.c``: panel j is rows 16j..16j+15,

@@ -39,7 +39,6 @@ from treespark.kernels.layer_ops import rms_norm
 from treespark.kernels.linear import Linear, unplanned_linear
 from treespark.models.drafter_blocks import NativeBlockPass
 from treespark.models.drafter_config import DSparkConfig
-from treespark.models.precision import is_bf16_valued
 from treespark.models.rotary import Rotary, apply_rope
 
 
@@ -209,7 +208,7 @@ class DSparkDrafter(nn.Module):
             head = lm_head.detach()
             d2t = self.draft_to_target
             self._shared_head = head[d2t.to(head.device)] if d2t is not None else head
-            self._shared_head_half = _bfloat16_copy(self._shared_head)
+            self._shared_head_half = native.exact_panels(self._shared_head)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.config.shared_embeddings:
@@ -361,12 +360,6 @@ class DSparkDrafter(nn.Module):
         u = self._backbone(self._block_ids(tokens[anchors]), positions, ctx_k, ctx_v, mask[:, None])
         parents = tokens[positions]                                           # [nb, blk]
         return u + self.markov_head.bias(parents)
-
-
-def _bfloat16_copy(w: torch.Tensor) -> torch.Tensor | None:
-    """A CPU float32 weight's bfloat16 copy in panels (``native.to_panels``) where that
-    holds its values exactly (a target at ``precision: bfloat16``); None otherwise."""
-    return native.to_panels(w) if native.can_panel(w) and is_bf16_valued(w) else None
 
 
 def grown(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from treespark.kernels import blocks
+from treespark.kernels import blocks, native
 from treespark.kernels.attention import ContextKV, grouped_attention
 from treespark.kernels.layer_ops import rope_sign
 from treespark.models.drafter_config import DSparkConfig
@@ -28,20 +28,30 @@ ContextLayer = Callable[[ContextKV, int, torch.Tensor, torch.Tensor | None, torc
 
 @dataclass(frozen=True)
 class FusedLayer:
-    """A drafter layer's weights stacked as ``treespark.kernels.blocks`` takes them."""
+    """A drafter layer's weights as ``treespark.kernels.blocks`` takes them: q|k|v and
+    gate|up stacked, and all four products on their exact bfloat16 panels (``half``)
+    where those hold every weight (a drafter stored in bfloat16), else float32."""
 
     qkv: torch.Tensor       # [(Hq + 2 Hkv) hd, h]
     qk_norm: torch.Tensor   # [Hq + Hkv, hd]
+    o: torch.Tensor         # [h, Hq hd]
     gate_up: torch.Tensor   # [2 I, h]
+    down: torch.Tensor      # [h, I]
+    half: bool
 
     @staticmethod
     def of(layer: nn.Module, c: DSparkConfig) -> FusedLayer:
         a = layer.self_attn
-        return FusedLayer(
-            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
-            qk_norm=blocks.qk_norm_weight(a.q_norm.weight, a.k_norm.weight, c.num_attention_heads,
-                                          c.num_key_value_heads),
-            gate_up=torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().contiguous())
+        full = (torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
+                a.o_proj.weight.detach(),
+                torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().contiguous(),
+                layer.mlp.down_proj.weight.detach())
+        panels = [native.exact_panels(w) for w in full]
+        half = all(p is not None for p in panels)
+        qkv, o, gate_up, down = panels if half else full
+        return FusedLayer(qkv=qkv, qk_norm=blocks.qk_norm_weight(a.q_norm.weight, a.k_norm.weight,
+                                                                 c.num_attention_heads, c.num_key_value_heads),
+                          o=o, gate_up=gate_up, down=down, half=half)
 
 
 class NativeBlockPass:
@@ -81,7 +91,7 @@ class NativeBlockPass:
         x = x.reshape(b * blk, h).contiguous()
         mlp = bias = None
         for i, (layer, f) in enumerate(zip(layers, self.fused_layers(layers), strict=True)):
-            x, y = blocks.attn_in(x, mlp, layer.input_layernorm.weight, c.rms_norm_eps, f.qkv, None, False,
+            x, y = blocks.attn_in(x, mlp, layer.input_layernorm.weight, c.rms_norm_eps, f.qkv, None, f.half,
                                   f.qk_norm, c.rms_norm_eps, cos, ssin, hq, hkv, hd)
             y = y.view(b, blk, -1, hd).transpose(1, 2)                        # [B, Hq + 2 Hkv, blk, hd]
             k, v, bias = context_layer(context, i, ctx_len, bias, x.dtype)
@@ -90,7 +100,6 @@ class NativeBlockPass:
             v.scatter_(2, at, y[:, hq + hkv:].to(v.dtype))
             out = grouped_attention(y[:, :hq], k.to(x.dtype), v.to(x.dtype), bias)   # [B, Hq, blk, hd]
             a = out.transpose(1, 2).reshape(b * blk, -1).contiguous()
-            x, mlp = blocks.attn_out_mlp(a, layer.self_attn.o_proj.weight, None, x,
-                                         layer.post_attention_layernorm.weight, c.rms_norm_eps, f.gate_up, None,
-                                         layer.mlp.down_proj.weight, None, False)
+            x, mlp = blocks.attn_out_mlp(a, f.o, None, x, layer.post_attention_layernorm.weight, c.rms_norm_eps,
+                                         f.gate_up, None, f.down, None, f.half)
         return (x + mlp).view(b, blk, h)

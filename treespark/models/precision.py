@@ -26,16 +26,6 @@ FLOAT32, BF16 = "float32", "bfloat16"
 PRECISIONS = (FLOAT32, BF16)
 
 
-def is_bf16_valued(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is a float32 CPU tensor every value of which is a bfloat16 value
-    (its low 16 bits zero), so that a bfloat16 copy holds it exactly. (The low halves are
-    the even 16-bit words: a little-endian CPU, as x86 and Arm are.)"""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return False
-    low = weight.detach().contiguous().view(torch.int16).view(-1)[0::2]
-    return not bool(low.any())
-
-
 def product_weights(model: nn.Module) -> list[nn.Parameter]:
     """The weights of ``model``'s products (``product_linears``), each tensor once, in order."""
     seen, out = set(), []
