@@ -119,7 +119,9 @@ class TargetRunner:
         # on gemv.c (``_on_blocks``): the fused eager forward of float32 activations only
         self._blocks = (self.products is not None and fused and compile_backend is None
                         and self.dtype == torch.float32)
+        # each layer's weights as the native blocks take them, by half (``_block_weights``), and
         # the last paged store's layer stacks for ``blocks.layers``, by half (``_stack``)
+        self._block_weights_by: dict[bool, list[blocks.LayerWeights]] = {}
         self._stacks: tuple[PagedStore | None, dict[bool, blocks.LayerStack]] = (None, {})
 
     def _qk_norm(self, attn: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
@@ -247,8 +249,7 @@ class TargetRunner:
             hd = self.head_dim
             x, mlp_out, taps = blocks.layers(stack, x, cos.reshape(b * k, hd).contiguous(),
                                              sin.reshape(b * k, hd).contiguous(), attend.slots, attend.table,
-                                             attend.block_size, attend.bias, attend.scale,
-                                             tuple(i for i in self.tap_layers if i < self.num_layers - 1))
+                                             attend.block_size, attend.bias, attend.scale)
         else:
             x, mlp_out, taps = self._block_layers(x, cos, sin, attend, b, k, half)
         x = x + mlp_out
@@ -302,19 +303,26 @@ class TargetRunner:
             self._stacks = (store, {})
         made = self._stacks[1]
         if half not in made:
-            made[half] = blocks.LayerStack([self._layer_weights(i, store, half) for i in range(self.num_layers)],
-                                           half, self.num_heads, self.num_kv_heads, self.head_dim)
+            made[half] = blocks.LayerStack(self._block_weights(half), store.k, store.v, half, self.num_heads,
+                                           self.num_kv_heads, self.head_dim,
+                                           tuple(i for i in self.tap_layers if i < self.num_layers - 1))
         return made[half]
 
-    def _layer_weights(self, idx: int, store: PagedStore, half: bool) -> blocks.LayerWeights:
-        layer, lp = self.base.layers[idx], self.weights.layers[idx]
-        (qkv,), (gu,) = lp.qkv, lp.gate_up
-        norm, eps = self._qk_norms[idx] or (None, 0.0)
-        inorm, pnorm = layer.input_layernorm, layer.post_attention_layernorm
-        return blocks.LayerWeights(inorm.weight.detach(), inorm.variance_epsilon, _weight(qkv, half), qkv.bias, norm,
-                                   eps, _weight(lp.o, half), lp.o.bias, pnorm.weight.detach(),
-                                   pnorm.variance_epsilon, _weight(gu, half), gu.bias, _weight(lp.down, half),
-                                   lp.down.bias, store.k[idx], store.v[idx])
+    def _block_weights(self, half: bool) -> list[blocks.LayerWeights]:
+        """Each layer's weights as the native blocks take them (``half``: the bfloat16
+        copies), made once."""
+        if half not in self._block_weights_by:
+            out = []
+            for idx, (layer, lp) in enumerate(zip(self.base.layers, self.weights.layers, strict=True)):
+                (qkv,), (gu,) = lp.qkv, lp.gate_up
+                norm, eps = self._qk_norms[idx] or (None, 0.0)
+                inorm, pnorm = layer.input_layernorm, layer.post_attention_layernorm
+                out.append(blocks.LayerWeights(
+                    inorm.weight.detach(), inorm.variance_epsilon, _weight(qkv, half), qkv.bias, norm, eps,
+                    _weight(lp.o, half), lp.o.bias, pnorm.weight.detach(), pnorm.variance_epsilon,
+                    _weight(gu, half), gu.bias, _weight(lp.down, half), lp.down.bias))
+            self._block_weights_by[half] = out
+        return self._block_weights_by[half]
 
     def _block_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: LayerAttention,
                       b: int, k: int, half: bool) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
@@ -324,21 +332,17 @@ class TargetRunner:
         cos, sin = cos.reshape(b * k, hd).contiguous(), sin.reshape(b * k, hd).contiguous()   # [B K, hd]
         taps: dict[int, torch.Tensor] = {}
         mlp_out = None
-        for idx, (layer, lp) in enumerate(zip(self.base.layers, self.weights.layers, strict=True)):
-            qkv, (gu,) = lp.qkv[0], lp.gate_up
-            norm, eps = self._qk_norms[idx] or (None, 0.0)
-            inorm, pnorm = layer.input_layernorm, layer.post_attention_layernorm
-            x, y = blocks.attn_in(x, mlp_out, inorm.weight, inorm.variance_epsilon, _weight(qkv, half), qkv.bias,
-                                  half, norm, eps, cos, sin, hq, hkv, hd)
+        for idx, w in enumerate(self._block_weights(half)):
+            x, y = blocks.attn_in(x, mlp_out, w.in_norm, w.in_eps, w.wqkv, w.bqkv, half, w.qk_norm, w.qk_eps, cos, sin,
+                                  hq, hkv, hd)
             if idx - 1 in self.tap_layers:
                 taps[idx - 1] = x
             y = y.view(b, k, -1, hd).transpose(1, 2)                            # [B, Hq + 2 Hkv, K, hd]
             attend.write(idx, y[:, hq:hq + hkv], y[:, hq + hkv:])
             out = attend(idx, y[:, :hq])                                        # [B, Hq, K, hd]
             a = out.transpose(1, 2).reshape(b * k, -1).contiguous()
-            x, mlp_out = blocks.attn_out_mlp(a, _weight(lp.o, half), lp.o.bias, x, pnorm.weight,
-                                             pnorm.variance_epsilon, _weight(gu, half), gu.bias,
-                                             _weight(lp.down, half), lp.down.bias, half)
+            x, mlp_out = blocks.attn_out_mlp(a, w.wo, w.bo, x, w.post_norm, w.post_eps, w.wgu, w.bgu, w.wdown,
+                                             w.bdown, half)
         return x, mlp_out, taps
 
     @torch.no_grad()

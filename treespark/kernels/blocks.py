@@ -154,8 +154,8 @@ class _Layer(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer as ``attn_in`` and ``attn_out_mlp`` take it (``half``: the
-    weights are bfloat16 panels), with its layer of a paged store."""
+    """One decoder layer as ``attn_in`` and ``attn_out_mlp`` take it (the products float32
+    weights, or bfloat16 panels for ``half``)."""
 
     in_norm: torch.Tensor
     in_eps: float
@@ -171,27 +171,31 @@ class LayerWeights:
     bgu: torch.Tensor | None
     wdown: torch.Tensor
     bdown: torch.Tensor | None
-    kc: torch.Tensor   # [slots, kvh, hd] float32
-    vc: torch.Tensor
 
 
 class LayerStack:
     """A model's layers and its paged store as the one array of pointers ``layers`` hands
-    to ``ts_layers``: made once (per store and weight copy) and kept, with the tensors it
-    points into (so none is freed under it)."""
+    to ``ts_layers``, and the layers whose outputs come back (``taps``, each below the
+    last): made once (per store and weight copy) and kept, with the tensors it points into
+    (so none is freed under it)."""
 
-    def __init__(self, weights: list[LayerWeights], half: bool, heads: int, kv_heads: int, head_dim: int) -> None:
-        self.weights, self.half = tuple(weights), half
+    def __init__(self, weights: list[LayerWeights], keys: torch.Tensor, values: torch.Tensor, half: bool,
+                 heads: int, kv_heads: int, head_dim: int, taps: tuple[int, ...]) -> None:
+        """``keys``, ``values``: the paged store's [layers, slots, kvh, hd] float32."""
+        self.weights, self.keys, self.values, self.half = tuple(weights), keys, values, half
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         first = weights[0]
         self.hidden, self.inter = first.in_norm.numel(), first.wdown.shape[1]
-        for w in weights:
-            assert w.kc.dtype == w.vc.dtype == torch.float32 and w.kc.is_contiguous() and w.vc.is_contiguous()
-            assert w.kc.shape[1:] == (kv_heads, head_dim), (tuple(w.kc.shape), kv_heads, head_dim)
+        assert keys.dtype == values.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()
+        assert keys.shape[0] == len(weights) and keys.shape[2:] == (kv_heads, head_dim), (tuple(keys.shape), kv_heads)
+        assert all(0 <= i < len(weights) - 1 for i in taps), taps
+        self.taps = taps
+        self.tap_at = torch.full((len(weights),), -1, dtype=torch.int64)   # each layer's row of the taps out, or -1
+        self.tap_at[list(taps)] = torch.arange(len(taps))
         self.array = (_Layer * len(weights))(*(_Layer(
             *(_ptr(getattr(w, f)) for f in ("in_norm", "wqkv", "bqkv", "qk_norm", "wo", "bo", "post_norm", "wgu",
-                                            "bgu", "wdown", "bdown", "kc", "vc")),
-            w.in_eps, w.qk_eps, w.post_eps) for w in weights))
+                                            "bgu", "wdown", "bdown")), _ptr(keys[i]), _ptr(values[i]),
+            w.in_eps, w.qk_eps, w.post_eps) for i, w in enumerate(weights)))
 
 
 def layers(stack: LayerStack,
@@ -202,33 +206,28 @@ def layers(stack: LayerStack,
            block_size: int,
            bias: torch.Tensor,       # [B, 1, G K, nb block_size] ``attention_bias``'s
            scale: float,
-           taps: tuple[int, ...],    # the layers (below the last) whose outputs come back
            ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """A few-row forward's every layer in one call (``ts_layers``): per layer ``attn_in``,
     the new keys and values written at ``slots``, ``paged_attention`` and ``attn_out_mlp``,
     on the same functions in the same order, so the same floats as those calls made one by
     one. Returns the residual stream after the last layer's attention [B K, D], that
-    layer's MLP output [B K, D] (not yet added) and each tapped layer's output."""
+    layer's MLP output [B K, D] (not yet added) and each of ``stack.taps``' outputs."""
     b, k = slots.shape
     m, dim = x.shape
     count = len(stack.weights)
     assert m == b * k and dim == stack.hidden and 1 <= m <= MAX_ROWS, (tuple(x.shape), b, k)
-    assert all(0 <= i < count - 1 for i in taps), taps
     hq, hkv, hd = stack.heads, stack.kv_heads, stack.head_dim
     assert bias.shape == (b, 1, (hq // hkv) * k, table.shape[1] * block_size) and bias.is_contiguous()
     x = x.contiguous().clone()
     mlp = torch.empty_like(x)
-    out = torch.empty(len(taps), m, dim, dtype=torch.float32)
-    tap_at = torch.full((count,), -1, dtype=torch.int64)
-    for j, i in enumerate(taps):
-        tap_at[i] = j
+    out = torch.empty(len(stack.taps), m, dim, dtype=torch.float32)
     slots = slots.to(torch.int64).contiguous()
     table = table.to(torch.int64).contiguous()
     with _profiled(PROFILER_NAMES[3]):
         rc = library().ts_layers(ctypes.cast(stack.array, ctypes.c_void_p), count, int(stack.half), x.data_ptr(),
-                                 mlp.data_ptr(), out.data_ptr(), tap_at.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
+                                 mlp.data_ptr(), out.data_ptr(), stack.tap_at.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
                                  slots.data_ptr(), table.data_ptr(), table.shape[1], block_size, bias.data_ptr(),
                                  scale, b, k, dim, hq, hkv, hd, stack.inter, SPAN_BLOCKS, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"ts_layers refused {b} rows of {k} tokens over {table.shape[1]} blocks (rc {rc})")
-    return x, mlp, {i: out[j] for j, i in enumerate(taps)}
+    return x, mlp, {i: out[j] for j, i in enumerate(stack.taps)}
