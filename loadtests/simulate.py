@@ -241,7 +241,8 @@ def simulate(policy: BudgetPolicy, cost: CostModel, traces: Traces, cfg: SimConf
 def per_step_sim(cost: CostModel, max_batch: int, prior: AcceptanceProfile, draft_node_s: float = 0.0,
                  theta_from: str = "cluster") -> PerStepSim:
     """The per-step policy as the replicas run it (32 nodes, 4 wide), its theta from ``theta_from``."""
-    return PerStepSim(StepCosts(cost, max_nodes=32, draft_node_s=draft_node_s), prior,
+    draft = CostModel.affine(0.0, draft_node_s) if draft_node_s > 0 else None    # per row and node of cap
+    return PerStepSim(StepCosts(cost, max_nodes=32, draft=draft), prior,
                       PerStepPolicy(max_nodes=32, max_branch=4, max_batch=max_batch), theta_from=theta_from)
 
 

@@ -61,10 +61,10 @@ def install_allocator(engine: Any, args: AppArgs) -> dict[str, Any]:
                                cache_dir=CACHE_DIR if args.policy.cost_cache else None)
     fit = CostFit() if args.policy.online_costs else None
     engine.set_allocator(StepAllocator(table.step_costs(args.max_tree_nodes), fit=fit))
-    v = table.verify
+    v, d = table.verify, table.draft
     return {"fingerprint": table.fingerprint, "source": table.source, "measured_s": table.measured_s,
             "device": v.device, "threads": v.threads,
             "products": engine.runner.products_described, "verify_1x1_s": v.time(1, 1),
-            "verify_max_batch_x1_s": v.time(v.batch_sizes[-1], 1), "draft_base_s": table.draft_base_s,
-            "draft_row_s": table.draft_row_s, "draft_node_s": table.draft_node_s,
+            "verify_max_batch_x1_s": v.time(v.batch_sizes[-1], 1),
+            "draft_1x1_s": d.time(1, 1) if d else 0.0, "draft_1x32_s": d.time(1, 32) if d else 0.0,
             "host_node_s": table.host_node_s, "table": table.to_json()}

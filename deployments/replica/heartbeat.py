@@ -153,7 +153,11 @@ class Heartbeat:
         self.budget: Budget = self.policy.budget_for(LoadSnapshot.idle(), self.replica_id)
         self.budget_source = "local"
         self.loop.set_budget(self.budget)
-        self.allocating = True              # False while the controller pins a fixed override
+        # False while the controller pins a fixed override: the replica then reports no
+        # calibration records, since the refit is of the map its own allocation drafts with, and a
+        # two-scalar map fitted to other trees' edges misfits its own (pooled with a comparison's
+        # 32-node screens, the refit drafted 0.36 nodes a step at one row where the stored map drafted 2.6)
+        self.allocating = True
         self.calibration: tuple[float, float] | None = None
         # the stored map: its sibling offsets stay fixed, the controller refits (a, b) around them
         self.stored_calibration: Calibration = self.bundle.engine.calibration
@@ -211,8 +215,9 @@ class Heartbeat:
         for s in window:
             self.counters.add(steps=1, rounds=s.batch_size, draft_tokens=sum(s.tree_sizes),
                               accepted_tokens=sum(s.accepted))
-            used = s.calibration_records + (s.sampled_records if self._refit_sampled else ())
-            records.extend(calibration_records(list(used), self.stored_calibration))
+            if self.allocating:   # (a pinned fixed override's trees are not what this replica serves)
+                used = s.calibration_records + (s.sampled_records if self._refit_sampled else ())
+                records.extend(calibration_records(list(used), self.stored_calibration))
             rounds.extend(round_records(s))
         emitted = self.counters.take_emitted()
         counters = self.counters.snapshot()

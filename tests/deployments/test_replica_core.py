@@ -86,6 +86,23 @@ def test_heartbeat_sends_sampled_records_only_without_a_sampled_map(factory, per
         core.shutdown()
 
 
+def test_no_calibration_records_while_a_fixed_override_pins_the_trees():
+    """The refit is of the map the replica's own allocation drafts with: steps run under a
+    pinned fixed override (``allocating`` off) report no records; their rounds still count."""
+    core = _core()
+    try:
+        core.heartbeat.apply_allocating(False)
+        asyncio.run(_collect(core, {"prompt": "ab", "max_tokens": 6}))
+        report = core.heartbeat.make_report(1.0)
+        assert report["tree"]["steps"] > 0 and report["round_records"]
+        assert report["calibration_records"] == []
+        core.heartbeat.apply_allocating(True)
+        asyncio.run(_collect(core, {"prompt": "ab", "max_tokens": 6}))
+        assert len(core.heartbeat.make_report(1.0)["calibration_records"]) > 0
+    finally:
+        core.shutdown()
+
+
 def test_round_records_are_keyed_by_each_rows_node_cap():
     from deployments.replica.heartbeat import round_records
     from treespark.spec.params import StepStats

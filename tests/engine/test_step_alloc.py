@@ -169,7 +169,7 @@ def test_probes_keep_their_cost_at_the_share_of_plain_decoding_at_every_batch():
     keeps its extra seconds at ``probe_share`` of plain decoding's, so at 16 rows, where a
     padded verify costs much more than a one-token one, probes are rarer than at one."""
     model = CostModel((1, 16), (1, 5), ((0.036, 0.044), (0.098, 0.255)))
-    costs = StepCosts(model, max_nodes=8, draft_base_s=0.009, draft_row_s=0.0007, draft_node_s=0.0001)
+    costs = StepCosts(model, max_nodes=8, draft=CostModel.affine(0.009, 0.0001))
     for bs in (1, 16):
         alloc = StepAllocator(costs)
         alloc._profile = [0.01] * 8                        # nothing pays: plain decoding planned
@@ -182,7 +182,7 @@ def test_probes_keep_their_cost_at_the_share_of_plain_decoding_at_every_batch():
                 probes.append(step)
         every = alloc.probe_every(bs)
         row = costs.verify_row(bs)
-        extra = row[4] - row[0] + costs.drafting_s(bs, 4 * bs)
+        extra = row[4] - row[0] + costs.drafting_s(bs, 4)
         assert probes and all(b - a == every for a, b in zip(probes, probes[1:], strict=False))
         assert extra / every <= alloc.probe_share * row[0] < extra / (every - 1)   # the rarest within the share
     assert StepAllocator(costs).probe_every(16) > 3 * StepAllocator(costs).probe_every(1)
@@ -206,3 +206,32 @@ def test_plain_steps_replan_nothing_until_the_profile_the_batch_or_the_price_mov
     alloc._profile_version += 1                                           # the profile moved (``cut``)
     alloc.drafting(["a"], [Budget(0.0, 16, 4)], [True], 0.2)
     assert calls == [(2, 0.0), (1, 0.0), (1, 0.2), (1, 0.2)]
+
+
+def chain_draft(scores: list[float]):
+    """A one-row ``RoundDraft``: a chain whose nodes score ``scores``."""
+    from treespark.spec.drafting import RoundDraft
+    from treespark.spec.tree import DraftTree
+
+    n = len(scores)
+    tree = DraftTree(tokens=list(range(n + 1)), parents=[-1, *range(n)], depths=list(range(n + 1)),
+                     q=[1.0, *scores], survival=[1.0, *scores], children=[[i + 1] for i in range(n)] + [[]])
+    return RoundDraft(trees=[tree], q_row_of=[[-1] * (n + 1)], draft_ids=[list(range(n + 1))], scores=[list(scores)])
+
+
+def test_a_probe_after_a_long_plain_run_renews_a_stale_forecast():
+    """A forecast that plans plain decoding, then the traffic changes: the first probe's
+    tree (one wave of drafting, seen ``probe_every`` plain steps later) is most of what
+    the profile holds after it, so the next step drafts. Weighed as one drafted tree
+    among ten, the stale forecast would keep the replica plain through probe after probe."""
+    costs = StepCosts(CostModel.affine(0.01, 0.0005), max_nodes=8, draft=CostModel.affine(0.004, 0.0002))
+    alloc = StepAllocator(costs)
+    alloc._profile = [0.05] * 8
+    budget = [Budget(0.0, 8, 4)]
+    plain = 0
+    while (cap := alloc.drafting(["a"], budget, [True], 0.0)[0].node_cap) == 0:
+        plain += 1
+    assert alloc.plan.pad == 0 and cap == step_alloc.PROBE_NODES and plain == alloc.probe_every(1) - 1
+    alloc.cut(["a"], [0.0], [True], chain_draft([0.9, 0.8, 0.7, 0.6]), 0.0)
+    assert alloc._profile[0] > 0.85 and alloc._profile[3] > 0.55
+    assert alloc.drafting(["a"], budget, [True], 0.0)[0].node_cap >= 2 and alloc.plan.pad >= 1

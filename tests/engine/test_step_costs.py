@@ -32,8 +32,11 @@ def test_measured_once_then_read_from_the_cache(pair64, tmp_path):
     v = first.verify
     assert v.batch_sizes == (1, 2, 4) and v.tokens == (1, 2, 3, 4, 6, 8, 9)  # dense at few tokens
     assert all(t > 0 for row in v.seconds for t in row)
-    assert min(first.draft_base_s, first.draft_row_s, first.draft_node_s, first.host_node_s) >= 0
-    assert first.draft_base_s + first.draft_row_s + first.draft_node_s > 0   # drafting is not free
+    d = first.draft
+    assert d.batch_sizes == (1, 4) and d.tokens == (1, 2, 4, 8)       # every cap up to the engine's largest
+    assert all(t > 0 for row in d.seconds for t in row)                # drafting is not free
+    assert all(a <= b for row in d.seconds for a, b in zip(row, row[1:], strict=False))   # nor cheaper at a larger cap
+    assert first.host_node_s >= 0
     assert min(first.step_base_s, first.step_row_s) >= 0
     assert first.step_base_s + first.step_row_s > 0      # a step is more than its forward
     again = startup_step_costs(small_engine(pair64), time_budget_s=20, cache_dir=tmp_path)

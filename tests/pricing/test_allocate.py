@@ -14,6 +14,11 @@ from treespark.pricing.costmodel import CostModel
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = CostModel.load(ROOT / "configs/costmodel-smollm2-2threads.json")
+# drafting of the shipped drafter by (rows, node cap), as timed here (two-core EPYC, real prompts)
+DRAFT_CPU = CostModel((1, 4, 16), (1, 2, 4, 8, 16, 32),
+                      ((0.0035, 0.0044, 0.0057, 0.0057, 0.0069, 0.0100),
+                       (0.0104, 0.0106, 0.0119, 0.0119, 0.0161, 0.0185),
+                       (0.0217, 0.0243, 0.0278, 0.0291, 0.0358, 0.0443)))
 
 
 def tree_scores(rng: np.random.Generator, n: int, lo: float = 0.2, hi: float = 1.0) -> list[float]:
@@ -51,12 +56,12 @@ def test_trees_shrink_to_chains_then_plain_as_the_batch_grows():
     """On the measured 2-thread CPU table, with drafting priced (about what the shipped
     drafter costs here): wide trees alone, a few nodes at batch 4, plain from 8."""
     rng = np.random.default_rng(1)
-    costs = StepCosts(CPU, max_nodes=32, draft_base_s=0.006, draft_row_s=0.001, draft_node_s=0.0004)
+    costs = StepCosts(CPU, max_nodes=32, draft=DRAFT_CPU)
     tree = tree_scores(rng, 32, 0.1, 0.8)     # about the shipped drafter's acceptance
     pads = {bs: plan_drafting([tree] * bs, costs).pad for bs in (1, 2, 4, 8, 16)}
     assert pads[1] >= 8 and pads[1] > pads[2] > pads[4] >= 1 and pads[8] == pads[16] == 0
     # once drafted (its cost spent), verifying still shrinks with the batch
-    per_row = {bs: allocate([tree] * bs, costs, draft_s=0.006 + 0.001 * bs).nodes / bs for bs in (1, 4, 16)}
+    per_row = {bs: allocate([tree] * bs, costs, draft_s=costs.drafting_s(bs, 32)).nodes / bs for bs in (1, 4, 16)}
     assert per_row[1] > per_row[4] >= per_row[16]
 
 
@@ -107,3 +112,20 @@ def test_a_full_batch_verifies_part_of_its_candidates():
     scores = [tree_scores(rng, 32) for _ in range(16)]
     a = allocate(scores, costs, draft_s=0.05)
     assert 0 < a.nodes < 16 * 32 and a.goodput > a.plain_goodput
+
+
+def test_a_small_plan_is_priced_at_the_drafting_of_its_own_cap():
+    """Drafting takes one wave at a cap of 1 and ~5 at 32: a small plan pays its own
+    cap's. Priced at the large cap's (a cost linear in nodes fitted to large trees did
+    about that: 6.1 ms a one-node draft against 3.5 measured), the same forecast plans
+    plain decoding: the served default then decoded plain at one user."""
+    # the served default's step table at one row (tokens 1 .. 8) and a forecast its trees gave
+    verify = CostModel((1,), tuple(range(1, 9)), ((0.01738, 0.01789, 0.02069, 0.02069, 0.0275, 0.03432, 0.03804,
+                                                    0.04176),))
+    profile = [0.32, 0.15, 0.08, 0.06, 0.05, 0.04]
+    by_cap = StepCosts(verify, max_nodes=32, draft=DRAFT_CPU)
+    flat = StepCosts(verify, max_nodes=32, draft=CostModel((1,), (1,), ((DRAFT_CPU.time(1, 32),),)))
+    plan = plan_drafting([profile], by_cap)
+    assert plan.pad >= 1 and plan.goodput > plan.plain_goodput
+    assert plan_drafting([profile], flat).pad == 0
+    assert by_cap.drafting_s(1, 2) < by_cap.drafting_s(1, 32) and by_cap.drafting_s(1, 0) == 0.0

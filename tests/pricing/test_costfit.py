@@ -12,8 +12,8 @@ from treespark.pricing.allocate import StepCosts, allocate
 from treespark.pricing.costfit import CostFit, guard, node_bin, predict_step, served_ratios
 from treespark.pricing.costmodel import CostModel
 
-TABLE = StepCosts(CostModel.affine(0.02, 0.002), node_s=0.0002, max_nodes=16,
-                  draft_base_s=0.004, draft_row_s=0.001, draft_node_s=0.0003)
+DRAFT = CostModel.affine(0.004, 0.0003)     # drafting: 4 ms + 0.3 ms a row and node of cap
+TABLE = StepCosts(CostModel.affine(0.02, 0.002), node_s=0.0002, max_nodes=16, draft=DRAFT)
 
 
 def run_steps(fit: CostFit, true: StepCosts, n: int, rng: np.random.Generator, *, draft: bool = True,
@@ -22,9 +22,9 @@ def run_steps(fit: CostFit, true: StepCosts, n: int, rng: np.random.Generator, *
     for _ in range(n):
         bs = int(rng.integers(1, 9))
         sizes = tuple(int(x) for x in rng.integers(0, 9, bs)) if draft else (0,) * bs
-        drafted = sum(sizes) + int(rng.integers(0, 8)) if draft else 0
-        p = predict_step(TABLE, bs, drafted, draft, sizes)
-        t = predict_step(true, bs, drafted, draft, sizes)
+        cap = 1 + max(sizes) + int(rng.integers(0, 8)) if draft else 0
+        p = predict_step(TABLE, bs, cap, sizes)
+        t = predict_step(true, bs, cap, sizes)
         e = 1 + noise * rng.standard_normal(2)
         fit.observe(p, t.draft * e[0], (t.base + t.extra) * e[1], rows=bs, nodes=sum(sizes))
 
@@ -32,7 +32,7 @@ def run_steps(fit: CostFit, true: StepCosts, n: int, rng: np.random.Generator, *
 def test_a_uniform_slowdown_is_learnt_and_changes_no_allocation():
     fit, rng = CostFit(), np.random.default_rng(0)
     slow = StepCosts(CostModel.affine(0.03, 0.003), node_s=0.0003, max_nodes=16,
-                     draft_base_s=0.006, draft_row_s=0.0015, draft_node_s=0.00045)   # everything x 1.5
+                     draft=CostModel.affine(0.006, 0.00045))   # everything x 1.5
     run_steps(fit, slow, 400, rng)
     base, extra = fit.verify_factors()
     assert fit.draft == pytest.approx(1.5, rel=0.03)
@@ -68,9 +68,9 @@ def test_no_steps_leave_the_table_and_one_stall_does_not_set_the_price():
     fit = CostFit()
     assert fit.draft == 1.0 and fit.verify_factors() == pytest.approx((1.0, 1.0))
     same = fit.corrected(TABLE)
-    assert same.verify_row(3) == pytest.approx(TABLE.verify_row(3)) and same.draft_node_s == TABLE.draft_node_s
+    assert same.verify_row(3) == pytest.approx(TABLE.verify_row(3)) and same.drafting_s(4, 8) == TABLE.drafting_s(4, 8)
     run_steps(fit, TABLE, 200, np.random.default_rng(3))
-    p = predict_step(TABLE, 4, 12, True, (3, 3, 2, 4))
+    p = predict_step(TABLE, 4, 8, (3, 3, 2, 4))
     fit.observe(p, 100 * p.draft, 100 * (p.base + p.extra))     # a 100x stall (a GC pause, a preemption)
     base, extra = fit.verify_factors()
     assert fit.draft < 1.1 and base < 1.1 and extra < 1.2
@@ -88,7 +88,7 @@ def test_too_few_steps_leave_the_table():
     """A few steps twice the table move the raw fit, not the table priced on."""
     fit, rng = CostFit(), np.random.default_rng(4)
     twice = replace(TABLE, base_scale=2.0, extra_scale=2.0, node_s=2 * TABLE.node_s,
-                    draft_base_s=0.008, draft_row_s=0.002, draft_node_s=0.0006, _rows={})
+                    draft_scale=2.0, _rows={})
     run_steps(fit, twice, 8, rng)
     assert fit.verify_factors()[0] > 1.3
     f = fit.factors()
@@ -124,7 +124,7 @@ def test_one_row_count_dearer_than_its_cell_is_corrected_there_alone():
         assert corrected.verify_row(bs)[0] == pytest.approx(rows4.verify_row(bs)[0], rel=0.06)
     # 12 rows: 5 steps, below min_samples: no residual of its own
     for _ in range(5):
-        p = predict_step(TABLE, 12, 0, False, (0,) * 12)
+        p = predict_step(TABLE, 12, 0, (0,) * 12)
         fit.observe(p, 0.0, 3 * p.base, rows=12)
     assert 12 not in fit.factors().rows
 
@@ -132,7 +132,7 @@ def test_one_row_count_dearer_than_its_cell_is_corrected_there_alone():
 def test_cells_show_the_table_the_correction_and_the_clock():
     fit, rng = CostFit(), np.random.default_rng(7)
     slow = replace(TABLE, base_scale=1.5, extra_scale=1.5, node_s=1.5 * TABLE.node_s,
-                   draft_base_s=0.006, draft_row_s=0.0015, draft_node_s=0.00045, _rows={})
+                   draft_scale=1.5, _rows={})
     run_steps(fit, slow, 800, rng, noise=0.0)
     cells = fit.cells()
     assert {(c.rows, c.nodes) for c in cells} <= {(bs, node_bin(n)) for bs in range(1, 9) for n in range(65)}
@@ -146,11 +146,11 @@ def test_cells_show_the_table_the_correction_and_the_clock():
 
 
 def test_prediction_splits_the_table():
-    p = predict_step(TABLE, 2, 10, True, (4, 1))
+    p = predict_step(TABLE, 2, 8, (4, 1))
     row = TABLE.verify_row(2)
-    assert p.draft == pytest.approx(0.004 + 0.002 + 0.003)
+    assert p.draft == pytest.approx(0.004 + 0.0003 * 2 * 8)     # by rows and the node cap, not the nodes
     assert p.base == pytest.approx(row[0]) and p.extra == pytest.approx(row[4] - row[0] + 0.0002 * 5)
-    assert predict_step(TABLE, 2, 0, False, (0, 0)) == type(p)(0.0, row[0], 0.0)
+    assert predict_step(TABLE, 2, 0, (0, 0)) == type(p)(0.0, row[0], 0.0)
 
 
 def test_the_engine_feeds_the_fit_and_prices_on_the_corrected_table(mimic16):

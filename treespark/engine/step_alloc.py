@@ -3,8 +3,8 @@
 The maths is ``treespark.pricing.allocate`` (numpy, no model); this is its engine side,
 two calls per decode step:
 
-* before drafting, ``drafting`` caps each row's drafting budget at the pad
-  ``plan_drafting`` finds worth drafting (drafting priced too) for rows whose trees
+* before drafting, ``drafting`` caps each row's drafting budget at ``DRAFT_ROOM`` times
+  the pad ``plan_drafting`` finds worth drafting (drafting priced too, at that cap) for rows whose trees
   score like the replica's recent ones (a running mean, rank by rank, of the drafted
   trees' scores: what a tree is worth here, not one round's luck); a pad of 0 is plain decoding,
   no drafter call, but for a small probe now and then, so the forecasts follow the
@@ -41,7 +41,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from treespark.pricing.allocate import Allocation, DraftPlan, StepCosts, allocate, plan_drafting
+from treespark.pricing.allocate import (
+    DRAFT_ROOM,
+    Allocation,
+    DraftPlan,
+    StepCosts,
+    allocate,
+    plan_drafting,
+)
 from treespark.pricing.costfit import CostFit, predict_step
 from treespark.spec.budget import Budget
 from treespark.spec.drafting import RoundDraft
@@ -61,12 +68,13 @@ class StepAllocator:
     policy_s: float = 0.0                      # CPU seconds of this step's two calls (and observe)
     probe_share: float = 0.01                  # the most of plain decoding's time the probes take
     _plain_steps: int = 0
-    profile_decay: float = 0.9                 # weight of the past in the per-rank mean of drafted trees
+    profile_decay: float = 0.9                 # weight of the past in the per-rank mean, per drafted tree and plain step
     _history: dict[str, list[float]] = field(default_factory=dict)   # each T > 0 row's last candidates
     _profile: list[float] | None = None        # drafted trees' scores by rank (best first), a running mean
     _profile_version: int = 0                  # how many times the profile has moved
+    _aged: int = 0                             # plain steps since the profile last moved
     _planned: tuple | None = None              # (what the last plan was made on, the plan): plain steps replan nothing
-    _drafted_nodes: int = 0                    # this step's drafted nodes (before the cut)
+    _drafted_cap: int = 0                      # the most nodes this step let a row draft
     _observe_s: float = 0.0                    # the last ``observe``'s seconds
 
     def __post_init__(self) -> None:
@@ -85,8 +93,7 @@ class StepAllocator:
             return    # (a step with prefill chunks in its verify forward is not a decode step's cost)
         t0 = time.thread_time()
         drafted = stats.draft_waves > 0
-        pred = predict_step(self.table, stats.batch_size, self._drafted_nodes if drafted else 0, drafted,
-                            stats.tree_sizes)
+        pred = predict_step(self.table, stats.batch_size, self._drafted_cap if drafted else 0, stats.tree_sizes)
         # the drafting stage includes this allocation's own seconds: priced as drafting
         self.fit.observe(pred, stats.draft_s if drafted else 0.0, stats.verify_s, rows=stats.batch_size,
                          nodes=sum(stats.tree_sizes))
@@ -99,21 +106,23 @@ class StepAllocator:
         """Each row's drafting budget for this step: ``budgets[i]`` with its node_cap cut to
         twice the planned pad (room to grow), or plain decoding where nothing pays."""
         t0 = time.thread_time()
-        self._drafted_nodes = 0
         observed, self._observe_s = self._observe_s, 0.0
         if self._profile is None:
             self.plan, self.policy_s = None, time.thread_time() - t0 + observed
+            self._drafted_cap = max((b.node_cap for b in budgets), default=0)
             return list(budgets)
         key = (len(ids), theta, id(self.costs), self._profile_version)
         if self._planned is None or self._planned[0] != key:   # else nothing it plans on has moved
             self._planned = key, plan_drafting([self._profile] * len(ids), self.costs, theta=theta)
         self.plan = self._planned[1]
-        cap = 2 * self.plan.pad
+        cap = DRAFT_ROOM * self.plan.pad
         self._plain_steps = self._plain_steps + 1 if cap == 0 else 0
         if cap == 0 and self._plain_steps % self.probe_every(len(ids)) == 0:
             cap = PROBE_NODES   # the forecasts are only as new as the last draft: refresh them now and then
+        self._aged += cap == 0
         out = [Budget(b.theta, min(b.node_cap, cap), b.branch_cap) if f and b.node_cap > cap else b
                for b, f in zip(budgets, follows, strict=True)]
+        self._drafted_cap = max((b.node_cap for b in out), default=0)
         self.policy_s = time.thread_time() - t0 + observed
         return out
 
@@ -123,7 +132,7 @@ class StepAllocator:
         ``probe_share`` of a plain step's, on ``costs``."""
         c = self.costs
         row = c.verify_row(max(bs, 1))
-        extra = row[min(PROBE_NODES, len(row) - 1)] - row[0] + c.drafting_s(bs, bs * PROBE_NODES)
+        extra = row[min(PROBE_NODES, len(row) - 1)] - row[0] + c.drafting_s(bs, PROBE_NODES)
         return max(1, math.ceil(extra / (self.probe_share * row[0]))) if row[0] > 0 else 1
 
     def cut(self, ids: Sequence[str], temperatures: Sequence[float], follows: Sequence[bool],
@@ -135,8 +144,7 @@ class StepAllocator:
         t0 = time.thread_time()
         sampled = [t > 0 for t in temperatures]
         c = self.costs
-        self._drafted_nodes = sum(len(s) for s in drafted.scores)
-        draft_s = c.drafting_s(len(ids), self._drafted_nodes)
+        draft_s = c.drafting_s(len(ids), self._drafted_cap)
         alloc = allocate(drafted.scores, c, draft_s=draft_s, theta=theta, sampled=sampled,
                          proxies=[self._history.get(i) for i in ids])
         history = {i: s for i, s in zip(ids, drafted.scores, strict=True) if s}
@@ -146,8 +154,13 @@ class StepAllocator:
         for s in drafted.scores:
             ranked = sorted(s, reverse=True)[:n]
             ranked += [0.0] * (n - len(ranked))
+            # plain steps age the profile as drafted trees do: a probe after a long plain run is
+            # most of what is known now, not a tenth of it (a stale low forecast kept a replica
+            # plain through probe after probe)
+            keep = self.profile_decay ** (1 + self._aged)
+            self._aged = 0
             self._profile = ranked if self._profile is None else \
-                [self.profile_decay * p + (1 - self.profile_decay) * x for p, x in zip(self._profile, ranked, strict=True)]
+                [keep * p + (1 - keep) * x for p, x in zip(self._profile, ranked, strict=True)]
             self._profile_version += 1
         counts = [c if f else t.size for c, f, t in zip(alloc.counts, follows, drafted.trees, strict=True)]
         out = drafted if all(c >= t.size for c, t in zip(counts, drafted.trees, strict=True)) \

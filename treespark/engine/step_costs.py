@@ -14,9 +14,9 @@ per-step allocation (``treespark.engine.step_alloc``) prices every step on.
    * drafting and host costs, from real engine steps on a few synthetic requests under
      fixed budgets at one and four rows at least (the drafting the engine serves with: with
      ``cuda_graphs``, the block pass replayed from its graphs; steps that captured one are
-     left out): ``draft_s = base + row * bs + node * nodes`` fitted to the faster half of
-     the steps (``lower_fit``), the host seconds per verified draft node beyond the
-     forward (the slope of ``verify_s - T`` on the nodes), and a plain step's time beyond
+     left out): drafting's seconds by rows and node cap (``DRAFT_CAPS``, a ``CostModel``:
+     each cell the mean of its faster half of steps), the host seconds per verified draft
+     node beyond the forward (the slope of ``verify_s - T`` on the nodes), and a plain step's time beyond
      its forward by rows (scheduling, sampling, the commit, the drafter's context: ~5 ms
      of a ~18 ms step at one row on a two-core EPYC), added to every verify cell
      (``with_step_work``): the table prices steps, not forwards;
@@ -25,7 +25,9 @@ per-step allocation (``treespark.engine.step_alloc``) prices every step on.
    starting service the verify forward at one row then reads ~25 % above one process's
    and two tokens ~40 % above: so do served steps, and the table keeps it. Before four
    rows always ran, a service's fit saw one row only and split drafting evenly between
-   step and row: 5.3 + 5.3 ms a row, ~90 ms at 16 rows against ~27 measured.);
+   step and row: 5.3 + 5.3 ms a row, ~90 ms at 16 rows against ~27 measured. A fit of
+   ``base + row * bs + node * nodes`` to chain-4 and 16-node trees priced a one-node draft
+   at 6.1 ms against 3.5 measured: drafting's time follows its waves, so its cap.);
 3. stores it (a ``filelock`` guards the cache file: two replicas starting together on
    one machine measure once each at worst, and never leave a torn file).
 """
@@ -47,11 +49,11 @@ from treespark.engine.cost_measure import time_graphed_forward, time_paged_forwa
 from treespark.kernels.machine import hardware_name, read_cached, write_cached
 from treespark.pricing.allocate import StepCosts
 from treespark.pricing.costmodel import CostModel, interp, monotone
-from treespark.spec.budget import Budget
+from treespark.spec.budget import DEFAULT_BRANCH_CAP, Budget
 from treespark.spec.params import SamplingParams, StepStats
 
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "step-costs"
-VERSION = 9  # raised whenever what a table measures changes (9: the verify cells over the paged store, a step's fixed work added): an older cached one is measured again
+VERSION = 10  # raised whenever what a table measures changes (10: drafting by rows and node cap): an older cached one is measured again
 
 
 @dataclass(frozen=True)
@@ -59,9 +61,7 @@ class StepCostTable:
     """What a replica measured: the verify table and the drafting and host costs."""
 
     verify: CostModel          # a step's verify forward and its fixed work beyond it (``with_step_work``)
-    draft_base_s: float
-    draft_row_s: float
-    draft_node_s: float
+    draft: CostModel | None    # a drafting step's drafting seconds by (rows, node cap); None: nothing drafted
     host_node_s: float
     fingerprint: str
     measured_s: float          # seconds the measurement took (0 when read from the cache)
@@ -70,18 +70,17 @@ class StepCostTable:
     step_row_s: float = 0.0
 
     def step_costs(self, max_nodes: int) -> StepCosts:
-        return StepCosts(self.verify, node_s=self.host_node_s, max_nodes=max_nodes,
-                         draft_base_s=self.draft_base_s, draft_row_s=self.draft_row_s,
-                         draft_node_s=self.draft_node_s)
+        return StepCosts(self.verify, node_s=self.host_node_s, max_nodes=max_nodes, draft=self.draft)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["verify"] = self.verify.to_json()
+        d["verify"], d["draft"] = self.verify.to_json(), None if self.draft is None else self.draft.to_json()
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StepCostTable:
-        return cls(**{**d, "verify": CostModel.from_json(d["verify"])})
+        draft = None if d["draft"] is None else CostModel.from_json(d["draft"])
+        return cls(**{**d, "verify": CostModel.from_json(d["verify"]), "draft": draft})
 
 
 def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
@@ -182,16 +181,15 @@ def lower_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.maximum(c, 0.0)
 
 
-ONE_ROW_TOKENS = 32  # tokens of each one-row request: the fit's steps that always run (~30 a budget)
+ONE_ROW_TOKENS = 16  # tokens of each one-row request: the steps that always run (~15 a budget)
+DRAFT_CAPS = (1, 2, 4, 8, 16, 32)   # node caps the drafting table times (and the engine's largest)
 
 
 @dataclass(frozen=True)
 class MeasuredSteps:
-    """What ``measure_drafting`` fits to engine steps, in seconds."""
+    """What ``measure_drafting`` finds in engine steps, in seconds."""
 
-    draft_base_s: float   # a drafting step's drafting: base + row * rows + node * nodes
-    draft_row_s: float
-    draft_node_s: float
+    draft: CostModel | None   # a drafting step's drafting by (rows, node cap) (``drafting_table``)
     host_node_s: float    # the verify stage's host work per verified draft node, beyond the forward
     step_base_s: float    # a plain step beyond its forward (scheduling, sampling, the commit,
     step_row_s: float     # the drafter's context): base + row * rows
@@ -206,30 +204,53 @@ def with_step_work(verify: CostModel, step_base_s: float, step_row_s: float) -> 
                                          for b, row in zip(verify.batch_sizes, verify.seconds, strict=True)))
 
 
+def faster_half(ys: list[float]) -> float:
+    """The mean of the timings at or below their median: another process's work only
+    ever adds to a step's time."""
+    med = float(np.median(ys))
+    return float(np.mean([y for y in ys if y <= med]))
+
+
+def drafting_table(engine, points: dict[tuple[int, int], list[float]], rows: list[int],
+                   caps: tuple[int, ...]) -> CostModel | None:
+    """The drafting ``CostModel`` from drafting seconds per (rows, node cap): every row
+    count with each cap timed (one and four rows always are), each cell its faster half
+    (``faster_half``), non-decreasing in cap and rows; None where no row count has every cap
+    (an engine that drafts nothing)."""
+    have = [b for b in rows if all(points.get((b, c)) for c in caps)]
+    if not have:
+        return None
+    seconds = [[faster_half(points[(b, c)]) for c in caps] for b in have]
+    return CostModel(tuple(have), caps, monotone(seconds), pair=engine.pair.name, device=str(engine.device),
+                     threads=torch.get_num_threads(),
+                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
 def measure_drafting(engine, verify: CostModel, *, deadline: float, seed: int = 0) -> MeasuredSteps:
     """Drafting, host and step costs (``MeasuredSteps``) from engine steps on
-    synthetic requests (random prompts) under plain, chain and tree budgets: one row
-    (``ONE_ROW_TOKENS`` steps a budget, enough that a few slow steps do not set the
-    drafting cost or the slope per node) and four always (without two batch sizes the
-    cost per row cannot be told from the cost per step), the largest batch while
-    ``deadline`` allows; fitted by ``lower_fit``; and the plain steps' time beyond
-    ``verify``'s forward, by rows (``with_step_work``). The steps
-    draft and verify as the engine serves (with ``cuda_graphs``, from the replayed
-    passes); a step that captured a CUDA graph (its warm-up and capture: once per bucket)
-    is left out."""
+    synthetic requests (random prompts) under a tree budget of each cap in ``DRAFT_CAPS``
+    and plain decoding: one row (``ONE_ROW_TOKENS`` steps a budget) and four always
+    (without two batch sizes the cost per row cannot be told from the cost per step),
+    the largest batch while ``deadline`` allows; drafting tabled by ``drafting_table``, the
+    rest fitted by ``lower_fit``: the plain steps' time beyond ``verify``'s forward, by
+    rows (``with_step_work``). The steps draft and verify as the engine serves (with
+    ``cuda_graphs``, from the replayed passes); a step that captured a CUDA graph (its
+    warm-up and capture: once per bucket) is left out."""
     steps: list[tuple[StepStats, int | None]] = []   # each with the graphs captured by its end
     before = engine.graph_captures
     prev_hook, prev_alloc = engine.on_step, engine.allocator
     engine.on_step, engine.allocator = lambda s: steps.append((s, engine.graph_captures)), None
     g = torch.Generator().manual_seed(seed)
+    top = engine.config.max_tree_nodes
+    caps = tuple(sorted({c for c in DRAFT_CAPS if c < top} | {top})) if top > 0 else (1,)
     try:
         always = min(4, engine.config.max_batch_size)
         rows = sorted({1, always, engine.config.max_batch_size})
-        budgets = [Budget.chain(4), Budget(0.0, min(16, engine.config.max_tree_nodes), 4), Budget.off()]
+        budgets = [Budget(0.0, c, DEFAULT_BRANCH_CAP) for c in caps] + [Budget.off()]
         for bs in rows:
             for budget in budgets:
                 if time.perf_counter() > deadline and bs > always:
-                    break  # one and four rows under each budget always run: enough for a fit
+                    break  # one and four rows under each budget always run: enough for a table
                 for i in range(bs):
                     prompt = torch.randint(0, engine.vocab_size, (24,), generator=g).tolist()
                     engine.add_request(f"__costs-{bs}-{budget.node_cap}-{i}", prompt,
@@ -240,12 +261,11 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float, seed: int = 
         engine.on_step, engine.allocator = prev_hook, prev_alloc
     ends = [before] + [c for _, c in steps]
     decode = [s for (s, c), start in zip(steps, ends, strict=False) if s.prefill_tokens == 0 and c == start]
-    drafting = [s for s in decode if s.draft_waves > 0]
-    base = row = node = 0.0
-    if len(drafting) >= 3:
-        x = np.array([[1.0, s.batch_size, sum(s.tree_sizes)] for s in drafting])
-        y = np.array([s.draft_s for s in drafting])
-        base, row, node = (float(v) for v in lower_fit(x, y))
+    points: dict[tuple[int, int], list[float]] = {}
+    for s in decode:
+        if s.draft_waves > 0:
+            points.setdefault((s.batch_size, max(s.node_caps)), []).append(s.draft_s)
+    draft = drafting_table(engine, points, rows, caps)
     # host seconds per verified draft node: the slope of (verify stage - forward) on the
     # draft nodes (a plain step's host work is per step, not per node)
     host = 0.0
@@ -259,7 +279,7 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float, seed: int = 
     if len({b for b, _ in plain}) > 1:
         step_base, step_row = (float(v) for v in lower_fit(np.array([[1.0, b] for b, _ in plain]),
                                                              np.array([y for _, y in plain])))
-    return MeasuredSteps(base, row, node, host, step_base, step_row)
+    return MeasuredSteps(draft, host, step_base, step_row)
 
 
 def startup_step_costs(engine, *, time_budget_s: float = 20.0, cache_dir: Path | None = CACHE_DIR) -> StepCostTable:
@@ -278,8 +298,8 @@ def startup_step_costs(engine, *, time_budget_s: float = 20.0, cache_dir: Path |
     deadline = t0 + 0.6 * time_budget_s
     forward = measure_verify(engine, *grid, deadline=deadline)
     m = measure_drafting(engine, forward, deadline=t0 + 0.95 * time_budget_s)
-    table = StepCostTable(with_step_work(forward, m.step_base_s, m.step_row_s), m.draft_base_s, m.draft_row_s,
-                          m.draft_node_s, m.host_node_s, fp, time.perf_counter() - t0, "measured",
+    table = StepCostTable(with_step_work(forward, m.step_base_s, m.step_row_s), m.draft, m.host_node_s,
+                          fp, time.perf_counter() - t0, "measured",
                           m.step_base_s, m.step_row_s)
     if path is not None:
         write_cached(path, table.to_json())

@@ -9,7 +9,8 @@ nodes, and pays
 
     step(k) = D + T(bs, max_r k_r + 1) + h * sum_r k_r
 
-(``D``: the step's drafting and host seconds; ``T``: the verify forward of ``bs`` rows
+(``D``: the step's drafting and host seconds, from the replica's drafting table by rows
+and each row's node cap, ``StepCosts.drafting_s``; ``T``: the verify forward of ``bs`` rows
 padded to the largest tree, from the replica's cost table; ``h``: host seconds per
 verified node), and expects to emit ``bs + sum of the chosen scores`` tokens. The
 goodput-optimal choice takes the global top ``B`` of all rows' candidates (by score,
@@ -41,29 +42,35 @@ import numpy as np
 
 from treespark.pricing.costmodel import CostModel
 
+DRAFT_ROOM = 2   # a plan of pad kappa drafts each row up to DRAFT_ROOM * kappa nodes (room to grow)
+
 
 @dataclass
 class StepCosts:
     """A replica's step costs: the verify forward ``cost`` (T(bs, k)), ``node_s`` host
-    seconds per verified node, and drafting: ``draft_base_s + draft_row_s * bs`` per step
-    that drafts at all (the backbone pass, the waves' fixed costs) plus ``draft_node_s``
-    per drafted node. Rows of ``T(bs, k + 1)`` for k = 0 .. ``max_nodes`` are cached per
-    batch size (the allocation runs every step)."""
+    seconds per verified node, and ``draft``: the seconds a step that drafts at all
+    spends drafting, by its rows and each row's node cap (a ``CostModel`` over (rows, node
+    cap); None: drafting is free), times ``draft_scale`` (an online correction). Drafting
+    is priced by the cap, not by the nodes it yields: its waves (one per depth the tree
+    can reach) set its time, and a cap of 1 is one wave where a cap of 32 is ~5 (default
+    pair, one row: 3.5 vs 8.3 ms). Rows of ``T(bs, k + 1)`` for k = 0 .. ``max_nodes`` are
+    cached per batch size (the allocation runs every step)."""
 
     cost: CostModel
     node_s: float = 0.0
     max_nodes: int = 64
-    draft_base_s: float = 0.0
-    draft_row_s: float = 0.0
-    draft_node_s: float = 0.0
+    draft: CostModel | None = None
+    draft_scale: float = 1.0   # online correction (``costfit.CostFit``) of ``draft``
     base_scale: float = 1.0    # online corrections (``costfit.CostFit``): T(bs, 1) x base_scale,
     extra_scale: float = 1.0   # T(bs, k + 1) - T(bs, 1) x extra_scale
     row_scale: dict[int, float] = field(default_factory=dict)   # the verify row of bs rows x row_scale[bs] (absent: 1)
     _rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
-    def drafting_s(self, bs: int, nodes: int) -> float:
-        """Seconds of a step that drafts ``nodes`` nodes for ``bs`` rows."""
-        return self.draft_base_s + self.draft_row_s * bs + self.draft_node_s * nodes
+    def drafting_s(self, bs: int, cap: int) -> float:
+        """Seconds of a step that drafts ``bs`` rows of at most ``cap`` nodes each (0: no drafting)."""
+        if self.draft is None or cap <= 0 or bs <= 0:
+            return 0.0
+        return self.draft_scale * self.draft.time(bs, cap)
 
     def verify_row(self, bs: int) -> np.ndarray:
         """[max_nodes + 1] seconds: ``T(bs, k + 1)`` for trees of k = 0 .. max_nodes nodes."""
@@ -112,10 +119,9 @@ def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, t
     """The argmax over (kappa, B): the top B candidates with at most kappa per row. For a
     pad kappa and a node count the cost is fixed and the top scores are best, so this is
     the optimum over all per-row counts. ``ahead``: a step not drafted yet, so drafting
-    is priced too (nothing when no node is taken)."""
+    is priced too, at the cap a pad drafts under (``DRAFT_ROOM``; nothing when no node is
+    taken)."""
     bs = len(scores)
-    node_s = costs.node_s + (costs.draft_node_s if ahead else 0.0)
-    fixed = costs.drafting_s(bs, 0) if ahead else 0.0
     lens = [min(len(s), costs.max_nodes) for s in scores]
     if not any(lens):
         t0 = draft_s + costs.verify_row(max(bs, 1))[0]
@@ -135,11 +141,12 @@ def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, t
     idx = np.empty_like(by_row)                               # a candidate's rank within its row
     idx[by_row] = np.arange(len(rows)) - np.searchsorted(rows[by_row], rows[by_row])
     kappa = np.arange(1, int(idx.max(initial=-1)) + 2)[:, None]   # [K, 1] pads worth trying
+    fixed = np.array([[costs.drafting_s(bs, min(DRAFT_ROOM * int(k), costs.max_nodes)) if ahead else 0.0] for k in kappa[:, 0]])
     taken = idx[None, :] < kappa                              # [K, N]
     tokens = bs + np.cumsum(np.where(taken, s[None, :], 0.0), axis=1)
     nodes = np.cumsum(taken, axis=1)
     pad = np.minimum(np.maximum.accumulate(idx + 1)[None, :], kappa)
-    good = tokens / (draft_s + fixed + t[pad] + node_s * nodes)  # [K, N]
+    good = tokens / (draft_s + fixed + t[pad] + costs.node_s * nodes)  # [K, N]
     k, m = np.unravel_index(int(np.argmax(good)), good.shape)
     if good[k, m] <= plain:
         return _Best(rows, s, 0, 0, plain, plain)

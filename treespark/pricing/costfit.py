@@ -8,8 +8,8 @@ scales alike), but a non-uniform one does: drafting dearer than the table says, 
 every verified token dearer than the step's fixed part. ``CostFit`` learns three
 factors from the steps the engine runs:
 
-* ``draft``: measured drafting seconds / the table's (``draft_base + draft_row * bs +
-  draft_node * drafted``), on steps that drafted;
+* ``draft``: measured drafting seconds / the table's (``StepCosts.drafting_s``: by rows
+  and the step's node cap), on steps that drafted;
 * ``base`` and ``extra``: the verify stage (forward, acceptance, commit) regressed as
 
       measured = base * T(bs, 1) + extra * (T(bs, k + 1) - T(bs, 1) + h * nodes)
@@ -65,14 +65,14 @@ class StepPrediction:
     extra: float      # the verified draft nodes: T(bs, k + 1) - T(bs, 1) + h * nodes
 
 
-def predict_step(costs: StepCosts, batch_size: int, drafted_nodes: int, drafted: bool,
+def predict_step(costs: StepCosts, batch_size: int, drafted_cap: int,
                  verified: tuple[int, ...]) -> StepPrediction:
-    """The table's prediction for a decode step of ``batch_size`` rows that drafted
-    ``drafted_nodes`` nodes (``drafted``: the drafter ran at all) and verified
+    """The table's prediction for a decode step of ``batch_size`` rows that drafted under
+    a node cap of ``drafted_cap`` a row (0: the drafter did not run) and verified
     ``verified[r]`` draft nodes of row r."""
     row = costs.verify_row(max(batch_size, 1))
     pad = min(max(verified, default=0), costs.max_nodes)
-    draft = costs.drafting_s(batch_size, drafted_nodes) if drafted else 0.0
+    draft = costs.drafting_s(batch_size, drafted_cap)
     return StepPrediction(draft, float(row[0]), float(row[pad] - row[0]) + costs.node_s * sum(verified))
 
 
@@ -233,9 +233,7 @@ class CostFit:
         T(bs, 1)))``; host seconds per verified node x ``extra``."""
         f = self.factors()
         return replace(costs, node_s=costs.node_s * f.extra, base_scale=f.base, extra_scale=f.extra,
-                       row_scale=dict(f.rows),
-                       draft_base_s=costs.draft_base_s * f.draft, draft_row_s=costs.draft_row_s * f.draft,
-                       draft_node_s=costs.draft_node_s * f.draft, _rows={})
+                       row_scale=dict(f.rows), draft_scale=costs.draft_scale * f.draft, _rows={})
 
 
 def served_ratios(cells: list[CostCell]) -> tuple[float, float] | None:
