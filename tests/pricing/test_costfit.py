@@ -47,7 +47,7 @@ def test_dearer_verified_tokens_are_learnt_and_cut_the_trees():
     """In service every verified token costs 3x the table's, the fixed part 1.2x: the fit
     finds both, and the corrected table verifies fewer nodes."""
     fit, rng = CostFit(), np.random.default_rng(1)
-    true = replace(TABLE, base_scale=1.2, extra_scale=3.0, node_s=3 * TABLE.node_s, _rows={})
+    true = replace(TABLE, base_scale=1.2, extra_scale=3.0, node_s=3 * TABLE.node_s)
     run_steps(fit, true, 600, rng)
     base, extra = fit.verify_factors()
     assert base == pytest.approx(1.2, rel=0.05) and extra == pytest.approx(3.0, rel=0.05) and fit.draft == pytest.approx(1.0, rel=0.03)
@@ -87,8 +87,7 @@ def test_guard_uses_a_factor_only_on_enough_samples_and_within_its_bound():
 def test_too_few_steps_leave_the_table():
     """A few steps twice the table move the raw fit, not the table priced on."""
     fit, rng = CostFit(), np.random.default_rng(4)
-    twice = replace(TABLE, base_scale=2.0, extra_scale=2.0, node_s=2 * TABLE.node_s,
-                    draft_scale=2.0, _rows={})
+    twice = replace(TABLE, base_scale=2.0, extra_scale=2.0, node_s=2 * TABLE.node_s, draft_scale=2.0)
     run_steps(fit, twice, 8, rng)
     assert fit.verify_factors()[0] > 1.3
     f = fit.factors()
@@ -101,7 +100,7 @@ def test_too_few_steps_leave_the_table():
 def test_the_fit_follows_drift():
     """1.5x the table for 400 steps, then the table again: the correction comes back."""
     fit, rng = CostFit(), np.random.default_rng(5)
-    slow = replace(TABLE, base_scale=1.5, extra_scale=1.5, node_s=1.5 * TABLE.node_s, _rows={})
+    slow = replace(TABLE, base_scale=1.5, extra_scale=1.5, node_s=1.5 * TABLE.node_s)
     run_steps(fit, slow, 400, rng, draft=False)
     assert fit.factors().base == pytest.approx(1.5, rel=0.03)
     run_steps(fit, TABLE, 400, rng, draft=False)
@@ -115,7 +114,7 @@ def test_one_row_count_dearer_than_its_cell_is_corrected_there_alone():
     what it says, every other row count as it says. Only rows[4] moves; a row count seen
     too rarely keeps the factors alone."""
     fit, rng = CostFit(), np.random.default_rng(6)
-    rows4 = replace(TABLE, row_scale={4: 2.0}, _rows={})
+    rows4 = replace(TABLE, row_scale={4: 2.0})
     run_steps(fit, rows4, 2000, rng, draft=False)
     f = fit.factors()
     assert f.rows[4] == pytest.approx(2.0 / f.base, rel=0.05)
@@ -132,7 +131,7 @@ def test_one_row_count_dearer_than_its_cell_is_corrected_there_alone():
 def test_cells_show_the_table_the_correction_and_the_clock():
     fit, rng = CostFit(), np.random.default_rng(7)
     slow = replace(TABLE, base_scale=1.5, extra_scale=1.5, node_s=1.5 * TABLE.node_s,
-                   draft_scale=1.5, _rows={})
+                   draft_scale=1.5)
     run_steps(fit, slow, 800, rng, noise=0.0)
     cells = fit.cells()
     assert {(c.rows, c.nodes) for c in cells} <= {(bs, node_bin(n)) for bs in range(1, 9) for n in range(65)}

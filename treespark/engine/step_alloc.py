@@ -42,11 +42,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from treespark.pricing.allocate import (
-    DRAFT_ROOM,
     Allocation,
     DraftPlan,
     StepCosts,
     allocate,
+    draft_cap,
     plan_drafting,
 )
 from treespark.pricing.costfit import CostFit, predict_step
@@ -115,7 +115,7 @@ class StepAllocator:
         if self._planned is None or self._planned[0] != key:   # else nothing it plans on has moved
             self._planned = key, plan_drafting([self._profile] * len(ids), self.costs, theta=theta)
         self.plan = self._planned[1]
-        cap = DRAFT_ROOM * self.plan.pad
+        cap = draft_cap(self.plan.pad)
         self._plain_steps = self._plain_steps + 1 if cap == 0 else 0
         if cap == 0 and self._plain_steps % self.probe_every(len(ids)) == 0:
             cap = PROBE_NODES   # the forecasts are only as new as the last draft: refresh them now and then

@@ -170,7 +170,10 @@ class Linear(nn.Linear):
         return self._panels[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return unplanned_linear(x, self.weight, self.bias, half=self.panels() if on_native(x, self.weight) else None)
+        if not on_native(x, self.weight):
+            return linear(x, self.weight, self.bias)
+        half = self.panels()
+        return native_linear(x, self.weight if half is None else half, self.bias)
 
 
 F_LINEAR, SMALL, PACKED = "F.linear", "treespark.kernels.linear", "oneDNN packed"

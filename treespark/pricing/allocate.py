@@ -45,6 +45,11 @@ from treespark.pricing.costmodel import CostModel
 DRAFT_ROOM = 2   # a plan of pad kappa drafts each row up to DRAFT_ROOM * kappa nodes (room to grow)
 
 
+def draft_cap(pad):
+    """The node cap a plan of ``pad`` (an int or an array) drafts each row under."""
+    return DRAFT_ROOM * pad
+
+
 @dataclass
 class StepCosts:
     """A replica's step costs: the verify forward ``cost`` (T(bs, k)), ``node_s`` host
@@ -64,13 +69,25 @@ class StepCosts:
     base_scale: float = 1.0    # online corrections (``costfit.CostFit``): T(bs, 1) x base_scale,
     extra_scale: float = 1.0   # T(bs, k + 1) - T(bs, 1) x extra_scale
     row_scale: dict[int, float] = field(default_factory=dict)   # the verify row of bs rows x row_scale[bs] (absent: 1)
-    _rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    # caches per batch size (new in every copy: ``dataclasses.replace`` leaves them behind)
+    _rows: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _draft_rows: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def drafting_s(self, bs: int, cap: int) -> float:
         """Seconds of a step that drafts ``bs`` rows of at most ``cap`` nodes each (0: no drafting)."""
-        if self.draft is None or cap <= 0 or bs <= 0:
-            return 0.0
-        return self.draft_scale * self.draft.time(bs, cap)
+        return float(self.drafting_row(bs)[min(max(cap, 0), self.max_nodes)]) if bs > 0 else 0.0
+
+    def drafting_row(self, bs: int) -> np.ndarray:
+        """[max_nodes + 1] seconds: ``drafting_s(bs, cap)`` for caps 0 .. max_nodes (cached per
+        batch size: the plan prices every pad's cap each time it is made)."""
+        row = self._draft_rows.get(bs)
+        if row is None:
+            caps = range(1, self.max_nodes + 1)
+            row = np.array([0.0, *(self.draft.time(bs, c) for c in caps)]) if self.draft is not None \
+                else np.zeros(self.max_nodes + 1)
+            row = self.draft_scale * row
+            self._draft_rows[bs] = row
+        return row
 
     def verify_row(self, bs: int) -> np.ndarray:
         """[max_nodes + 1] seconds: ``T(bs, k + 1)`` for trees of k = 0 .. max_nodes nodes."""
@@ -141,7 +158,7 @@ def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, t
     idx = np.empty_like(by_row)                               # a candidate's rank within its row
     idx[by_row] = np.arange(len(rows)) - np.searchsorted(rows[by_row], rows[by_row])
     kappa = np.arange(1, int(idx.max(initial=-1)) + 2)[:, None]   # [K, 1] pads worth trying
-    fixed = np.array([[costs.drafting_s(bs, min(DRAFT_ROOM * int(k), costs.max_nodes)) if ahead else 0.0] for k in kappa[:, 0]])
+    fixed = costs.drafting_row(bs)[np.minimum(draft_cap(kappa), costs.max_nodes)] if ahead else 0.0   # [K, 1]
     taken = idx[None, :] < kappa                              # [K, N]
     tokens = bs + np.cumsum(np.where(taken, s[None, :], 0.0), axis=1)
     nodes = np.cumsum(taken, axis=1)
