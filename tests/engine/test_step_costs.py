@@ -52,6 +52,16 @@ def test_measured_once_then_read_from_the_cache(pair64, tmp_path):
         engine.step()
 
 
+def test_a_one_row_engines_table_prices_its_steps_work_too(pair64):
+    """One row: no second batch size to split the step's work by rows, so it is the
+    row's, added to every cell (without it, a bench's one-row table read a plain step
+    cheaper than it is and every drafted node dearer)."""
+    engine = Engine(pair64, EngineConfig(max_batch_size=1, max_context=96, max_tree_nodes=8))
+    table = startup_step_costs(engine, time_budget_s=6, cache_dir=None)
+    assert table.verify.batch_sizes == (1,) and table.draft.batch_sizes == (1,)
+    assert table.step_base_s > 0 and table.step_row_s == 0.0
+
+
 def test_other_threads_or_batch_sizes_are_another_fingerprint(pair64):
     engine = small_engine(pair64)
     grid = ((1, 2, 4), (1, 2, 4, 8, 9))

@@ -3,15 +3,16 @@
 The maths is ``treespark.pricing.allocate`` (numpy, no model); this is its engine side,
 two calls per decode step:
 
-* before drafting, ``drafting`` caps each row's drafting budget at ``DRAFT_ROOM`` times
-  the pad ``plan_drafting`` finds worth drafting (drafting priced too, at that cap) for rows whose trees
-  score like the replica's recent ones (a running mean, rank by rank, of the drafted
-  trees' scores: what a tree is worth here, not one round's luck); a pad of 0 is plain decoding,
+* before drafting, ``drafting`` caps each row's drafting budget at the cap (``draft_cap``:
+  twice the pad, room to grow) of the pad ``plan_drafting`` finds worth drafting (drafting
+  priced too, at that cap) for rows whose trees score like the replica's recent ones (a
+  running mean, rank by rank, of the drafted trees' scores, aged by plain steps as well:
+  what a tree is worth here now, not one round's luck); a pad of 0 is plain decoding,
   no drafter call, but for a small probe now and then, so the forecasts follow the
   traffic: a ``PROBE_NODES``-node draft of every row, as rarely as keeps its cost (the
   padded verify and the drafting over plain steps, priced on ``costs``) at ``probe_share``
-  of plain decoding's time: every ~48 plain steps at one row on the served default's table
-  (two-core EPYC, bfloat16 weights), ~185 at 16 rows (a probe
+  of plain decoding's time: every ~56 plain steps at one row on the served default's table
+  (two-core EPYC, bfloat16 weights), ~400 at 4-16 rows (a probe
   every 32 plain steps had cost ~5.6 % at 16 rows, where a probe step is ~2.8x a plain one);
 * after drafting, ``cut`` hands every row's candidate scores to ``allocate`` with the
   seconds drafting took, and cuts each tree to its share (``RoundDraft.trimmed``).

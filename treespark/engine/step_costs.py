@@ -272,13 +272,16 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float, seed: int = 
     pts = [(sum(s.tree_sizes), s.verify_s - verify.time(s.batch_size, max(s.tree_sizes) + 1)) for s in decode]
     if len({n for n, _ in pts}) > 1:
         host = float(lower_fit(np.array([[1.0, n] for n, _ in pts]), np.array([r for _, r in pts]))[1])
-    # a plain step beyond its forward, by rows (one and four rows always ran plain steps)
+    # a plain step beyond its forward, by rows (one and four rows always ran plain steps; an
+    # engine of one row: that row's, the same for every step)
     step_base = step_row = 0.0
     plain = [(s.batch_size, s.step_s - verify.time(s.batch_size, 1)) for s in decode
              if s.draft_waves == 0 and max(s.tree_sizes, default=0) == 0]
     if len({b for b, _ in plain}) > 1:
         step_base, step_row = (float(v) for v in lower_fit(np.array([[1.0, b] for b, _ in plain]),
                                                              np.array([y for _, y in plain])))
+    elif plain:
+        step_base = float(lower_fit(np.ones((len(plain), 1)), np.array([y for _, y in plain]))[0])
     return MeasuredSteps(draft, host, step_base, step_row)
 
 
