@@ -105,7 +105,7 @@ class StepAllocator:
     def drafting(self, ids: Sequence[str], budgets: Sequence[Budget], follows: Sequence[bool],
                  theta: float) -> list[Budget]:
         """Each row's drafting budget for this step: ``budgets[i]`` with its node_cap cut to
-        twice the planned pad (room to grow), or plain decoding where nothing pays."""
+        the planned pad's ``draft_cap``, or plain decoding where nothing pays."""
         t0 = time.thread_time()
         observed, self._observe_s = self._observe_s, 0.0
         if self._profile is None:

@@ -164,9 +164,15 @@ def measure_verify(engine, batch_sizes, tokens, *, deadline: float, max_passes: 
         col = isotonic([row[j] for row in seconds])
         for i, row in enumerate(seconds):
             row[j] = col[i]
-    return CostModel(tuple(batch_sizes), tuple(tokens), monotone(seconds), context=context,
-                     pair=engine.pair.name, device=str(engine.device), threads=torch.get_num_threads(),
-                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    return measured_table(engine, batch_sizes, tokens, seconds, context=context)
+
+
+def measured_table(engine, batch_sizes, tokens, seconds, **kw: Any) -> CostModel:
+    """A ``CostModel`` of seconds timed on ``engine`` now (made non-decreasing, ``monotone``),
+    stamped with its pair, device, threads and time."""
+    return CostModel(tuple(batch_sizes), tuple(tokens), monotone(seconds), pair=engine.pair.name,
+                     device=str(engine.device), threads=torch.get_num_threads(),
+                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **kw)
 
 
 def lower_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -205,10 +211,8 @@ def with_step_work(verify: CostModel, step_base_s: float, step_row_s: float) -> 
 
 
 def faster_half(ys: list[float]) -> float:
-    """The mean of the timings at or below their median: another process's work only
-    ever adds to a step's time."""
-    med = float(np.median(ys))
-    return float(np.mean([y for y in ys if y <= med]))
+    """The mean of the faster half of timings of one thing (``lower_fit`` on a constant)."""
+    return float(lower_fit(np.ones((len(ys), 1)), np.asarray(ys, dtype=np.float64))[0])
 
 
 def drafting_table(engine, points: dict[tuple[int, int], list[float]], rows: list[int],
@@ -220,10 +224,7 @@ def drafting_table(engine, points: dict[tuple[int, int], list[float]], rows: lis
     have = [b for b in rows if all(points.get((b, c)) for c in caps)]
     if not have:
         return None
-    seconds = [[faster_half(points[(b, c)]) for c in caps] for b in have]
-    return CostModel(tuple(have), caps, monotone(seconds), pair=engine.pair.name, device=str(engine.device),
-                     threads=torch.get_num_threads(),
-                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    return measured_table(engine, have, caps, [[faster_half(points[(b, c)]) for c in caps] for b in have])
 
 
 def measure_drafting(engine, verify: CostModel, *, deadline: float, seed: int = 0) -> MeasuredSteps:
@@ -281,7 +282,7 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float, seed: int = 
         step_base, step_row = (float(v) for v in lower_fit(np.array([[1.0, b] for b, _ in plain]),
                                                              np.array([y for _, y in plain])))
     elif plain:
-        step_base = float(lower_fit(np.ones((len(plain), 1)), np.array([y for _, y in plain]))[0])
+        step_base = faster_half([y for _, y in plain])
     return MeasuredSteps(draft, host, step_base, step_row)
 
 

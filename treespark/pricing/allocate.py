@@ -42,12 +42,11 @@ import numpy as np
 
 from treespark.pricing.costmodel import CostModel
 
-DRAFT_ROOM = 2   # a plan of pad kappa drafts each row up to DRAFT_ROOM * kappa nodes (room to grow)
-
 
 def draft_cap(pad):
-    """The node cap a plan of ``pad`` (an int or an array) drafts each row under."""
-    return DRAFT_ROOM * pad
+    """The node cap a plan of ``pad`` (an int or an array) drafts each row under: twice
+    the pad, room for the trees to grow."""
+    return 2 * pad
 
 
 @dataclass
@@ -136,7 +135,7 @@ def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, t
     """The argmax over (kappa, B): the top B candidates with at most kappa per row. For a
     pad kappa and a node count the cost is fixed and the top scores are best, so this is
     the optimum over all per-row counts. ``ahead``: a step not drafted yet, so drafting
-    is priced too, at the cap a pad drafts under (``DRAFT_ROOM``; nothing when no node is
+    is priced too, at the cap a pad drafts under (``draft_cap``; nothing when no node is
     taken)."""
     bs = len(scores)
     lens = [min(len(s), costs.max_nodes) for s in scores]

@@ -233,7 +233,7 @@ class CostFit:
         T(bs, 1)))``; host seconds per verified node x ``extra``."""
         f = self.factors()
         return replace(costs, node_s=costs.node_s * f.extra, base_scale=f.base, extra_scale=f.extra,
-                       row_scale=dict(f.rows), draft_scale=costs.draft_scale * f.draft)
+                       row_scale=dict(f.rows), draft_scale=f.draft)
 
 
 def served_ratios(cells: list[CostCell]) -> tuple[float, float] | None:
