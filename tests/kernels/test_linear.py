@@ -189,6 +189,9 @@ def test_choose_plan_keeps_the_fastest_layout_per_row_count():
     assert choose_plan({1: {F_LINEAR: 92.0, MATVEC: 75.0, PACKED: 120.0},
                         4: {F_LINEAR: 60.0, PACKED: 50.0}}).layouts == (MATVEC, PACKED)
     assert choose_plan({1: {F_LINEAR: 92.0, MATVEC: 90.0}}).layouts == (F_LINEAR,)
+    # native float32 over its bfloat16 copies (the same values, half the bytes) only by the margin
+    assert choose_plan({3: {F_LINEAR: 90.0, NATIVE: 20.0, HALF: 21.0}}).layouts == (HALF,)
+    assert choose_plan({3: {F_LINEAR: 90.0, NATIVE: 18.0, HALF: 21.0}}).layouts == (NATIVE,)
 
 
 def test_plan_sample_takes_whole_layers_up_to_the_budget_and_the_head():
