@@ -34,3 +34,26 @@ def test_llamacpp_times_greedy_and_prompt_lookup_on_the_default_gguf():
         r = time_llamacpp(fetch_gguf(progress=False), prompts, 4, stop_token_ids=(), n_threads=1,
                           lookup_tokens=lookup)
         assert r.tokens == 8 and r.wall_s > 0  # no stop token: every prompt runs to its budget
+
+
+def test_a_llamacpp_process_that_ends_without_a_result_fails_its_rows_not_the_bench(monkeypatch, tmp_path):
+    import treespark.bench.wallclock as wallclock
+    from treespark.bench.llamacpp import LlamaCppFailed
+
+    # the child process: a GGUF that is not there (or no llama_cpp) ends it with an error
+    with pytest.raises(LlamaCppFailed, match="exit code 1"):
+        time_llamacpp(tmp_path / "missing.gguf", [[1, 2, 3]], 2, stop_token_ids=(), n_threads=1)
+
+    def dies(*args, **kwargs):
+        raise LlamaCppFailed("llama.cpp's process ended with signal SIGILL (no output)")
+
+    monkeypatch.setattr(wallclock, "llama_cpp_version", lambda: "0.3.36")
+    monkeypatch.setattr(wallclock, "time_llamacpp", dies)
+    logged = []
+    table = wallclock_benchmark(random_pair(64, 0, block_size=4), n_prompts=1, max_tokens=3, chains=(1,),
+                                temperatures=(0.0,), profile_s=None, gguf=tmp_path / "target.gguf",
+                                bandwidth_bytes=1 << 16, log=logged.append)
+    skipped = [line for line in table.split("\n\n") if " skipped: " in line]
+    assert skipped == [f"llama.cpp {kind} skipped: llama.cpp's process ended with signal SIGILL (no output)."
+                       for kind in ("greedy", "prompt lookup")]
+    assert "served default / llama.cpp" not in table

@@ -9,11 +9,19 @@ one request at a time from an empty KV cache, prefill included in the time. Its 
 speculative mode, as llama-cpp-python exposes it, is prompt lookup
 (``LlamaPromptLookupDecoding``: drafts copied from an earlier n-gram match in the
 context, verified in one forward).
+
+llama.cpp runs in a child process (``python -m treespark.bench.llamacpp``): a build that
+dies in its own code (a native build whose instructions the machine refuses, seen as
+SIGILL on an AMX Xeon whose kernel does not grant AMX) fails its rows, not the bench.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +49,30 @@ def llama_cpp_version() -> str | None:
         return None
 
 
+class LlamaCppFailed(RuntimeError):
+    """llama.cpp's child process ended without a result (the message says how)."""
+
+
 def time_llamacpp(gguf: Path, prompts: list[list[int]], max_tokens: int, *, stop_token_ids: tuple[int, ...],
                   n_threads: int, lookup_tokens: int = 0) -> LlamaCppRun:
     """Batch-1 greedy decoding of each prompt (token ids) by llama.cpp on ``gguf``, after
-    an untimed warm-up request. ``lookup_tokens`` > 0: llama-cpp-python's prompt lookup
-    decoding, drafting that many tokens a round. Raises ImportError without the extra."""
+    an untimed warm-up request, in a child process (``_time_here``). ``lookup_tokens`` >
+    0: llama-cpp-python's prompt lookup decoding, drafting that many tokens a round.
+    Raises LlamaCppFailed where the child ends without a result (without the extra, too)."""
+    args = {"gguf": str(gguf), "prompts": prompts, "max_tokens": max_tokens, "stop_token_ids": list(stop_token_ids),
+            "n_threads": n_threads, "lookup_tokens": lookup_tokens}
+    res = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(args), capture_output=True, text=True)
+    if res.returncode != 0:
+        how = f"signal {signal.Signals(-res.returncode).name}" if res.returncode < 0 else f"exit code {res.returncode}"
+        last = res.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise LlamaCppFailed(f"llama.cpp's process ended with {how} ({last[0][:200]})")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    return LlamaCppRun(out["tokens"], out["wall_s"])
+
+
+def _time_here(gguf: Path, prompts: list[list[int]], max_tokens: int, *, stop_token_ids: tuple[int, ...],
+               n_threads: int, lookup_tokens: int = 0) -> LlamaCppRun:
+    """``time_llamacpp``'s measurement, in this process."""
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -71,3 +98,10 @@ def time_llamacpp(gguf: Path, prompts: list[list[int]], max_tokens: int, *, stop
         return LlamaCppRun(tokens, time.perf_counter() - t0)
     finally:
         llm.close()
+
+
+if __name__ == "__main__":   # the child of ``time_llamacpp``: its arguments as JSON on stdin, the run on stdout
+    a = json.loads(sys.stdin.read())
+    r = _time_here(Path(a["gguf"]), a["prompts"], a["max_tokens"], stop_token_ids=tuple(a["stop_token_ids"]),
+                   n_threads=a["n_threads"], lookup_tokens=a["lookup_tokens"])
+    print(json.dumps({"tokens": r.tokens, "wall_s": r.wall_s}))

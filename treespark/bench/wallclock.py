@@ -12,7 +12,7 @@ import torch
 
 from treespark.bench.common import markdown_table, served_allocator, served_budget, served_table
 from treespark.bench.device_timing import read_bandwidth
-from treespark.bench.llamacpp import INSTALL_HINT, llama_cpp_version, time_llamacpp
+from treespark.bench.llamacpp import INSTALL_HINT, LlamaCppFailed, llama_cpp_version, time_llamacpp
 from treespark.engine.run import RunResult, run_engine
 from treespark.engine.step_alloc import StepAllocator
 from treespark.models.pair import ModelPair
@@ -92,8 +92,13 @@ def _llamacpp_rows(pair: ModelPair, gguf: Path | None, prompts, max_tokens: int,
                  f"reads them), {threads} threads like ours, prompt lookup drafting 10 tokens a round.")
     results = {}
     for name, lookup in (("llama.cpp greedy", 0), ("llama.cpp prompt lookup", 10)):
-        r = time_llamacpp(gguf, prompts, max_tokens, stop_token_ids=tuple(pair.stop_token_ids),
-                          n_threads=threads, lookup_tokens=lookup)
+        try:
+            r = time_llamacpp(gguf, prompts, max_tokens, stop_token_ids=tuple(pair.stop_token_ids),
+                              n_threads=threads, lookup_tokens=lookup)
+        except LlamaCppFailed as e:
+            notes.append(f"{name} skipped: {e}.")
+            log(notes[-1])
+            continue
         results[name] = r.tokens_per_s
         log(f"T=0 {name}: {r.tokens_per_s:.2f} tok/s ({r.tokens} tokens)")
     return results
