@@ -213,3 +213,28 @@ def test_sampled_drafts_are_drawn_at_the_calibrations_scale(pair64):
 
     sharp, plain = first_children_q(0.05), first_children_q(1.0)
     assert sharp > 0.95 and plain < 0.5, (sharp, plain)
+
+
+def test_the_block_head_runs_no_deeper_than_the_rows_may_draft(mimic16, monkeypatch):
+    """A row drafts no deeper than its node cap: a batch of chains of 2 and 1 asks the
+    drafter for two depths of base logits, not its whole block; plain rows, for none."""
+    asked = []
+    block_logits = type(mimic16.drafter).block_logits
+
+    def spy(self, anchors, context, ctx_len, depths=None):
+        asked.append(depths)
+        return block_logits(self, anchors, context, ctx_len, depths)
+
+    monkeypatch.setattr(type(mimic16.drafter), "block_logits", spy)
+    assert mimic16.drafter.config.block_size > 2
+    engine = Engine(mimic16, EngineConfig(max_batch_size=2, max_context=64), budget=Budget.off())
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=12), budget=Budget.chain(2))
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=12), budget=Budget.chain(1))
+    engine.add_request("c", [6], SamplingParams(max_tokens=12))
+    tokens = {"a": [], "b": [], "c": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert asked and max(asked) == 2   # (fewer as the requests near their max_tokens)
+    for rid, p in (("a", [1, 2, 3]), ("b", [4, 5]), ("c", [6])):
+        assert tokens[rid] == generate(mimic16, p, max_new_tokens=12, budget=Budget.off()).token_ids

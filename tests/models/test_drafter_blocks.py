@@ -121,3 +121,14 @@ def test_a_drafter_stored_in_bfloat16_drafts_on_panels(monkeypatch):
     monkeypatch.setattr(NativeBlockPass, "runs", lambda self, x: False)
     monkeypatch.setattr(linear_module, "on_native", lambda x, weight: False)
     torch.testing.assert_close(panels, d.block_logits(anchors, DenseKV(k, v), lengths), rtol=1e-4, atol=1e-4)
+
+
+def test_the_head_runs_over_the_depths_asked_for_only():
+    d = _drafter()
+    k, v, lengths = _context(d, 2, 24)
+    anchors = torch.tensor([3, 9])
+    full = d.block_logits(anchors, DenseKV(k, v), lengths)
+    assert full.shape[1] == d.config.block_size
+    two = d.block_logits(anchors, DenseKV(k, v), lengths, 2)
+    assert two.shape == (2, 2, full.shape[-1])
+    torch.testing.assert_close(two, full[:, :2], rtol=1e-5, atol=1e-5)

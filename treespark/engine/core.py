@@ -354,16 +354,19 @@ class Engine:
         """One drafter backbone pass for the batch (its context gathered from the blocks of
         ``table``), then the trees in depth waves."""
         block = self.drafter.config.block_size
-        rows = [RowDraft(root=r.root, budget=b, depth_limit=min(block, r.params.max_tokens - len(r.output) - 1),
+        # a row drafts no deeper than its node cap (a node at depth d has d - 1 ancestors) nor its block
+        rows = [RowDraft(root=r.root, budget=b, depth_limit=min(block, r.params.max_tokens - len(r.output) - 1,
+                                                                b.node_cap),
                          temperature=self.calibration.draft_temperature(r.params.temperature),
                          calibration=self.calibration.at(r.params.temperature), sampler=r.sampler,
                          key=PositionKey.of(r.params.seed, r.next_index) if r.params.keyed else None)
                 for r, b in zip(batch, budgets, strict=True)]
         base = None
-        if any(not b.is_off and row.depth_limit > 0 for b, row in zip(budgets, rows, strict=True)):
+        deepest = max((row.depth_limit for b, row in zip(budgets, rows, strict=True) if not b.is_off), default=0)
+        if deepest > 0:
             context = PagedContext(self.kv.drafter, table, self.kv.block_size, max(lengths))
             drafter = self.drafter if self.draft_graphs is None else self.draft_graphs
-            base = drafter.block_logits(anchors, context, lengths_d)
+            base = drafter.block_logits(anchors, context, lengths_d, deepest)
         return self.waves.draft(base, rows)
 
     def _verify_forward(self, batch: list[Request], trees: list[DraftTree], lengths: list[int],

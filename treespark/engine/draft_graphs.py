@@ -82,17 +82,19 @@ class GraphedDraft(BucketGraphs[DraftInputs, torch.Tensor]):
                      anchors: torch.Tensor,     # [B]
                      context: PagedContext,     # over ``store``: the batch's table and longest context
                      ctx_len: torch.Tensor,     # [B]
+                     depths: int | None = None,
                      ) -> torch.Tensor:
-        """``DSparkDrafter.block_logits``: [B, block_size, Vd] float32 (fresh)."""
+        """``DSparkDrafter.block_logits``: [B, depths, Vd] float32 (fresh; the head runs
+        outside the graph, over the first ``depths`` positions, None: all)."""
         assert context.store is self.store and context.block_size == self.block_size and context.tokens is not None
         b, blk = anchors.shape[0], self.drafter.config.block_size
         nb = blocks_for(context.tokens + blk, self.block_size)
         shape = self.buckets.shape(b, blk, nb)
         if shape is None:
-            return self.drafter.block_logits(anchors, context, ctx_len)
+            return self.drafter.block_logits(anchors, context, ctx_len, depths)
         inputs = self._inputs(shape, lambda: DraftInputs.empty(shape, anchors.device))
         inputs.fill(anchors, ctx_len, table_columns(context.table, nb))
-        return self.drafter.block_head(self._run(shape)[:b])
+        return self.drafter.block_head(self._run(shape)[:b, :depths])
 
     def body(self, inputs: DraftInputs) -> torch.Tensor:
         """The padded pass's hidden states [Bp, block_size, h] over the static buffers."""

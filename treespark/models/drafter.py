@@ -276,10 +276,13 @@ class DSparkDrafter(nn.Module):
         anchors: torch.Tensor,     # [B] the root token of each row
         context: ContextKV,        # the rows' cached context keys and values, read a layer at a time
         ctx_len: torch.Tensor,     # [B] committed positions of each row
+        depths: int | None = None,
     ) -> torch.Tensor:
-        """Base logits U: [B, block_size, Vd]; row k is for depth k + 1: ``block_head``
-        of ``block_hidden``."""
-        return self.block_head(self.block_hidden(anchors, context, ctx_len))
+        """Base logits U: [B, depths, Vd] (``depths`` None: block_size); row k is for depth
+        k + 1: ``block_head`` of ``block_hidden``'s first ``depths`` positions. The block's
+        every position is computed (each attends to the whole block); a step that drafts no
+        deeper than ``depths`` runs the head over those rows only (its largest product)."""
+        return self.block_head(self.block_hidden(anchors, context, ctx_len)[:, :depths])
 
     @torch.no_grad()
     def block_hidden(self, anchors: torch.Tensor, context: ContextKV, ctx_len: torch.Tensor) -> torch.Tensor:
