@@ -66,5 +66,6 @@ def install_allocator(engine: Any, args: AppArgs) -> dict[str, Any]:
             "device": v.device, "threads": v.threads,
             "products": engine.runner.products_described, "verify_1x1_s": v.time(1, 1),
             "verify_max_batch_x1_s": v.time(v.batch_sizes[-1], 1),
-            "draft_1x1_s": d.time(1, 1) if d else 0.0, "draft_1x32_s": d.time(1, 32) if d else 0.0,
+            "draft_1x1_s": d.time(1, 1) if d else 0.0,     # one row drafting at a cap of 1, and of the engine's most
+            "draft_1xmax_s": d.time(1, args.max_tree_nodes) if d else 0.0, "max_tree_nodes": args.max_tree_nodes,
             "host_node_s": table.host_node_s, "table": table.to_json()}

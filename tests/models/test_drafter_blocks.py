@@ -87,8 +87,8 @@ def test_the_stacked_weights_follow_a_load():
     d.load_state_dict(state)
     after = d.block_logits(torch.tensor([5]), DenseKV(k, v), lengths)
     with torch.no_grad():
-        fused = d.native.fused_layers(d.layers)[0]
-    assert torch.equal(fused.gate_up[d.config.intermediate_size:], d.layers[0].mlp.up_proj.weight)
+        fused, _ = d.native.fused_layers(d.layers)[0]
+    assert torch.equal(fused.wgu[d.config.intermediate_size:], d.layers[0].mlp.up_proj.weight)
     assert not torch.allclose(before, after)
 
 
@@ -113,8 +113,8 @@ def test_a_drafter_stored_in_bfloat16_drafts_on_panels(monkeypatch):
     with torch.no_grad():
         for p in d.parameters():
             p.copy_(p.bfloat16().float())
-    fused = d.native.fused_layers(d.layers)[0]
-    assert fused.half and fused.qkv.dtype == fused.o.dtype == fused.gate_up.dtype == fused.down.dtype == torch.bfloat16
+    fused, half = d.native.fused_layers(d.layers)[0]
+    assert half and fused.wqkv.dtype == fused.wo.dtype == fused.wgu.dtype == fused.wdown.dtype == torch.bfloat16
     k, v, lengths = _context(d, 2, 24)
     anchors = torch.tensor([3, 9])
     panels = d.block_logits(anchors, DenseKV(k, v), lengths)

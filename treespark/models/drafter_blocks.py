@@ -10,7 +10,6 @@ block's own written into them. The values are the torch layers' to float roundin
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,32 +25,22 @@ ContextLayer = Callable[[ContextKV, int, torch.Tensor, torch.Tensor | None, torc
                         tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-@dataclass(frozen=True)
-class FusedLayer:
-    """A drafter layer's weights as ``treespark.kernels.blocks`` takes them: q|k|v and
-    gate|up stacked, and all four products on their exact bfloat16 panels (``half``)
-    where those hold every weight (a drafter stored in bfloat16), else float32."""
-
-    qkv: torch.Tensor       # [(Hq + 2 Hkv) hd, h]
-    qk_norm: torch.Tensor   # [Hq + Hkv, hd]
-    o: torch.Tensor         # [h, Hq hd]
-    gate_up: torch.Tensor   # [2 I, h]
-    down: torch.Tensor      # [h, I]
-    half: bool
-
-    @staticmethod
-    def of(layer: nn.Module, c: DSparkConfig) -> FusedLayer:
-        a = layer.self_attn
-        full = (torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
-                a.o_proj.weight.detach(),
-                torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().contiguous(),
-                layer.mlp.down_proj.weight.detach())
-        panels = [native.exact_panels(w) for w in full]
-        half = all(p is not None for p in panels)
-        qkv, o, gate_up, down = panels if half else full
-        return FusedLayer(qkv=qkv, qk_norm=blocks.qk_norm_weight(a.q_norm.weight, a.k_norm.weight,
-                                                                 c.num_attention_heads, c.num_key_value_heads),
-                          o=o, gate_up=gate_up, down=down, half=half)
+def layer_weights(layer: nn.Module, c: DSparkConfig) -> tuple[blocks.LayerWeights, bool]:
+    """A drafter layer's weights as ``treespark.kernels.blocks`` takes them (q|k|v and
+    gate|up stacked, the q/k norms per head, no biases), and whether all four products
+    read their exact bfloat16 panels (a drafter stored in bfloat16) rather than float32."""
+    a = layer.self_attn
+    full = (torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
+            a.o_proj.weight.detach(),
+            torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach().contiguous(),
+            layer.mlp.down_proj.weight.detach())
+    panels = [native.exact_panels(w) for w in full]
+    half = all(p is not None for p in panels)
+    qkv, o, gate_up, down = panels if half else full
+    eps = c.rms_norm_eps
+    qk_norm = blocks.qk_norm_weight(a.q_norm.weight, a.k_norm.weight, c.num_attention_heads, c.num_key_value_heads)
+    return blocks.LayerWeights(layer.input_layernorm.weight.detach(), eps, qkv, None, qk_norm, eps, o, None,
+                               layer.post_attention_layernorm.weight.detach(), eps, gate_up, None, down, None), half
 
 
 class NativeBlockPass:
@@ -59,7 +48,7 @@ class NativeBlockPass:
 
     def __init__(self, config: DSparkConfig) -> None:
         self.config = config
-        self._fused: tuple[tuple, list[FusedLayer]] | None = None   # (the weights' versions, ``fused_layers``)
+        self._fused: tuple[tuple, list[tuple[blocks.LayerWeights, bool]]] | None = None   # (versions, ``fused_layers``)
         with torch.device("cpu"):   # CPU float32 only: made once, not per pass
             self._rope_sign = rope_sign(config.head_dim, torch.device("cpu"), torch.float32)
 
@@ -69,12 +58,12 @@ class NativeBlockPass:
         return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
                 and blocks.can_run(x.shape[0] * x.shape[1], self.config.hidden_act))
 
-    def fused_layers(self, layers: nn.ModuleList) -> list[FusedLayer]:
+    def fused_layers(self, layers: nn.ModuleList) -> list[tuple[blocks.LayerWeights, bool]]:
         """Each layer's weights as ``blocks`` takes them (q|k|v and gate|up stacked, the q/k
         norms per head): made once, again when a weight changes (a load, a training step)."""
         key = tuple((p.data_ptr(), p._version) for p in layers.parameters())
         if self._fused is None or self._fused[0] != key:
-            self._fused = key, [FusedLayer.of(layer, self.config) for layer in layers]
+            self._fused = key, [layer_weights(layer, self.config) for layer in layers]
         return self._fused[1]
 
     def __call__(self, layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -90,9 +79,9 @@ class NativeBlockPass:
         ssin = (sin * self._rope_sign).reshape(b * blk, hd).contiguous()
         x = x.reshape(b * blk, h).contiguous()
         mlp = bias = None
-        for i, (layer, f) in enumerate(zip(layers, self.fused_layers(layers), strict=True)):
-            x, y = blocks.attn_in(x, mlp, layer.input_layernorm.weight, c.rms_norm_eps, f.qkv, None, f.half,
-                                  f.qk_norm, c.rms_norm_eps, cos, ssin, hq, hkv, hd)
+        for i, (w, half) in enumerate(self.fused_layers(layers)):
+            x, y = blocks.attn_in(x, mlp, w.in_norm, w.in_eps, w.wqkv, w.bqkv, half, w.qk_norm, w.qk_eps, cos, ssin,
+                                  hq, hkv, hd)
             y = y.view(b, blk, -1, hd).transpose(1, 2)                        # [B, Hq + 2 Hkv, blk, hd]
             k, v, bias = context_layer(context, i, ctx_len, bias, x.dtype)
             at = positions[:, None, :, None].expand(b, hkv, blk, hd)
@@ -100,6 +89,6 @@ class NativeBlockPass:
             v.scatter_(2, at, y[:, hq + hkv:].to(v.dtype))
             out = grouped_attention(y[:, :hq], k.to(x.dtype), v.to(x.dtype), bias)   # [B, Hq, blk, hd]
             a = out.transpose(1, 2).reshape(b * blk, -1).contiguous()
-            x, mlp = blocks.attn_out_mlp(a, f.o, None, x, layer.post_attention_layernorm.weight, c.rms_norm_eps,
-                                         f.gate_up, None, f.down, None, f.half)
+            x, mlp = blocks.attn_out_mlp(a, w.wo, w.bo, x, w.post_norm, w.post_eps, w.wgu, w.bgu, w.wdown, w.bdown,
+                                         half)
         return (x + mlp).view(b, blk, h)
