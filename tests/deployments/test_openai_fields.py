@@ -200,7 +200,11 @@ def test_openai_client_chat_logprobs(api, temperature):
         if temperature == 0:
             assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)   # greedy: the likeliest token
     streamed = [e for c in chunks for ch in c.choices if ch.logprobs is not None for e in ch.logprobs.content]
-    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # the same numbers to float rounding: the two requests' verify forwards may differ in
+    # width (the policy's trees follow the replica's state), and the product plan may run
+    # another layout at another row count (``treespark.kernels.linear.choose_plan``)
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
 
 
 def test_openai_client_completion_logprobs(api):

@@ -13,6 +13,7 @@ from treespark.kernels.native import (
     can_run,
     from_panels,
     library,
+    load,
     native_linear,
     to_panels,
 )
@@ -164,3 +165,36 @@ def test_a_linear_reads_its_weights_exact_panels_and_follows_the_weight():
     assert lin.panels() is None
     with torch.no_grad():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def _targets_avx512() -> bool:
+    """Whether the machine's compiler, at -march=native, targets AVX-512."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return False
+    out = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True, text=True)
+    return "__AVX512F__" in out.stdout
+
+
+@needs_native
+@pytest.mark.skipif(not _targets_avx512(), reason="the compiler does not target AVX-512 here: one panel form only")
+def test_the_avx512_panels_give_the_avx2_panels_floats(tmp_path):
+    """The two forms of ``ts_gemv_panels`` (8 rows a pass, one FMA a row, where the compiler
+    targets AVX-512; 4 rows, two FMAs, under AVX2) run each output's sum as the same chain
+    of FMAs over k: the same floats at every row count."""
+    import ctypes
+
+    avx2 = load(build(tmp_path, ("-mno-avx512f",)))
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((576, 576), (48, 577), (1536, 64)):
+        w = to_panels(torch.randn(n, k, generator=g).to(torch.bfloat16).float())
+        b = torch.randn(n, generator=g)
+        for m in range(1, MAX_ROWS + 1):
+            x = torch.randn(m, k, generator=g)
+            y = torch.empty(m, n)
+            assert avx2.ts_gemv_panels(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), m, n, k,
+                                       ctypes.c_int(torch.get_num_threads())) == 0
+            assert torch.equal(native_linear(x, w, b), y), (m, n, k)

@@ -55,20 +55,23 @@ def _compiler() -> tuple[str, str] | None:
     return cc, out.splitlines()[0] if out else ""
 
 
-def build(cache_dir: Path = CACHE_DIR) -> Path:
-    """The shared library for this machine, compiled if not cached; RuntimeError if it cannot be."""
+def build(cache_dir: Path = CACHE_DIR, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The shared library for this machine, compiled if not cached; RuntimeError if it
+    cannot be. ``extra_flags`` after ``FLAGS`` (tests: ``-mno-avx512f`` builds the AVX2 form
+    on a machine that has AVX-512)."""
     found = _compiler()
     if found is None:
         raise RuntimeError("no C compiler (cc) on PATH")
     cc, version = found
+    flags = (*FLAGS, *extra_flags)
     texts = [src.read_text() for src in SOURCES]
-    key = hashlib.sha256("\n".join([*texts, hardware_name(), version, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([*texts, hardware_name(), version, *flags]).encode()).hexdigest()[:16]
     lib = Path(cache_dir) / f"gemv-{key}.so"
     lib.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lib) + ".lock"):
         if not lib.exists():
             tmp = lib.with_suffix(".tmp.so")
-            done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True,
+            done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True,
                                   text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
@@ -80,10 +83,15 @@ def build(cache_dir: Path = CACHE_DIR) -> Path:
 def library() -> ctypes.CDLL | None:
     """The loaded kernel (built on first use), or None where it cannot be built; says why once."""
     try:
-        lib = ctypes.CDLL(str(build()))
+        return load(build())
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         print(f"[treespark.kernels.native] native products unavailable: {e}", file=sys.stderr, flush=True)
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library, its functions typed."""
+    lib = ctypes.CDLL(str(path))
     ptr, f32, n, i32 = ctypes.c_void_p, ctypes.c_float, ctypes.c_long, ctypes.c_int
     signatures = {
         "ts_gemv": [ptr] * 4 + [n] * 3 + [i32],
