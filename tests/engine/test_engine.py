@@ -238,3 +238,34 @@ def test_the_block_head_runs_no_deeper_than_the_rows_may_draft(mimic16, monkeypa
     assert asked and max(asked) == 2   # (fewer as the requests near their max_tokens)
     for rid, p in (("a", [1, 2, 3]), ("b", [4, 5]), ("c", [6])):
         assert tokens[rid] == generate(mimic16, p, max_new_tokens=12, budget=Budget.off()).token_ids
+
+
+def test_a_bfloat16_drafter_scores_its_waves_on_w2_panels():
+    """A drafter stored in bfloat16 (the shipped one) reads its Markov W2 from exact bfloat16
+    panels: the same trees, step by step, as from its float32 copy, and greedy output
+    equal to plain decoding."""
+    from treespark import random_pair
+
+    pair = random_pair(512, 3)
+    with torch.no_grad():
+        for p in pair.drafter.parameters():
+            p.copy_(p.bfloat16().float())
+    prompts = {"a": [5, 9, 2, 7], "b": [1, 3]}
+    runs = {}
+    for half in (True, False):
+        engine = Engine(pair, EngineConfig(max_batch_size=2, max_context=96), budget=Budget(0.0, 8, 4))
+        assert engine.waves.w2_half is not None and engine.waves.w2_half.dtype == torch.bfloat16
+        if not half:
+            engine.waves.w2_half = None
+        sizes: list[tuple[int, ...]] = []
+        engine.on_step = lambda s, sizes=sizes: sizes.append(s.tree_sizes)
+        tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+        for rid, p in prompts.items():
+            engine.add_request(rid, p, SamplingParams(max_tokens=20))
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        runs[half] = tokens, sizes
+    assert runs[True] == runs[False] and any(sum(s) for s in runs[True][1])
+    for rid, p in prompts.items():
+        assert runs[True][0][rid] == generate(pair, p, max_new_tokens=20, budget=Budget.off()).token_ids
