@@ -254,9 +254,12 @@ def test_a_bfloat16_drafter_scores_its_waves_on_w2_panels():
     runs = {}
     for half in (True, False):
         engine = Engine(pair, EngineConfig(max_batch_size=2, max_context=96), budget=Budget(0.0, 8, 4))
-        assert engine.waves.w2_half is not None and engine.waves.w2_half.dtype == torch.bfloat16
-        if not half:
-            engine.waves.w2_half = None
+        panels = engine.waves.w2_panels()
+        assert panels is not None and panels.dtype == torch.bfloat16
+        if half:
+            on_panels = engine
+        else:
+            engine.waves.w2_panels = lambda: None
         sizes: list[tuple[int, ...]] = []
         engine.on_step = lambda s, sizes=sizes: sizes.append(s.tree_sizes)
         tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
@@ -269,3 +272,10 @@ def test_a_bfloat16_drafter_scores_its_waves_on_w2_panels():
     assert runs[True] == runs[False] and any(sum(s) for s in runs[True][1])
     for rid, p in prompts.items():
         assert runs[True][0][rid] == generate(pair, p, max_new_tokens=20, budget=Budget.off()).token_ids
+    # the panels follow the weight (a load or a training step in place)
+    from treespark.kernels.native import to_panels
+
+    w2 = pair.drafter.markov_head.markov_w2.weight
+    with torch.no_grad():
+        w2.mul_(2)
+    assert torch.equal(on_panels.waves.w2_panels(), to_panels(w2.detach()))

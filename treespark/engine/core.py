@@ -167,7 +167,7 @@ class Engine:
         markov = self.drafter.markov_head
         self._d2t = self.drafter.draft_to_target
         self.waves = WaveDrafter(markov.markov_w1.weight.detach(), markov.markov_w2.weight.detach(),
-                                 self._d2t, self.transfers)
+                                 self._d2t, self.transfers, markov.markov_w2.panels)
         self.on_step: Callable[[StepStats], None] | None = None
         self.allocator: StepAllocator | None = None  # per-step allocation (``treespark.engine.step_alloc``)
         self.vocab_size = self.runner.vocab_size

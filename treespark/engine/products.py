@@ -245,9 +245,9 @@ PLAN_RULE = 2  # how ``choose_plan`` decides from the timings (in the key: a new
 
 def plan_key(weights: list[torch.Tensor], packable: bool, half: bool = False) -> str:
     """What a plan is valid for, hashed: the machine, torch and its threads, the rule that
-    chooses (``PLAN_RULE``), the layouts it chooses from (``half``: bfloat16 copies among them; the native kernels' build, which
-    names their sources), and the shapes and dtype of the weights it times (not their
-    values)."""
+    chooses (``PLAN_RULE``), the layouts it chooses from (``half``: bfloat16 copies among
+    them; the native kernels' build, which names their sources), and the shapes and dtype
+    of the weights it times (not their values)."""
     key = {"hw": hardware_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": str(weights[0].dtype), "shapes": [list(w.shape) for w in weights], "packed": packable,
            "rows": list(PLAN_ROWS), "layouts": list(LAYOUTS),

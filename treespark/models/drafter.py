@@ -149,7 +149,8 @@ class MarkovHead(nn.Module):
     def __init__(self, c: DSparkConfig) -> None:
         super().__init__()
         self.markov_w1 = nn.Linear(c.markov_rank, c.vocab_size, bias=False)   # weight [V, r]
-        self.markov_w2 = nn.Linear(c.markov_rank, c.draft_vocab, bias=False)  # weight [Vd, r]
+        # weight [Vd, r]; a ``Linear`` for its exact bfloat16 panels (``panels``), which the waves read
+        self.markov_w2 = Linear(c.markov_rank, c.draft_vocab, bias=False)
 
     def bias(self, parents: torch.Tensor) -> torch.Tensor:
         """parents: [...] token ids -> [..., Vd]."""

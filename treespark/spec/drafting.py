@@ -19,12 +19,12 @@ verification (``treespark.spec.walk``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from treespark.kernels import native
 from treespark.kernels.linear import SMALL_ROWS, unplanned_linear
 from treespark.kernels.transfer import HostTransfers
 from treespark.spec.budget import Budget
@@ -81,7 +81,7 @@ def score_parents(
     keyed: torch.Tensor,      # [G] indices (into P) of the reproducible rows' parents
     keys: torch.Tensor,       # [G, 2] int64 their ``position_keys`` (at the children's index)
     key_tokens: torch.Tensor,  # [Vd] int64 the token id of each draft index (the noise's)
-    w2_half: torch.Tensor | None = None,  # W2's exact bfloat16 panels, where they hold it (``native.exact_panels``)
+    w2_half: torch.Tensor | None = None,  # W2's exact bfloat16 panels, where they hold it (``Linear.panels``)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Score one wave's parents. Returns (packed [P, 2M + 2k] float64, q rows [S, Vd]
     float32 and their float64 totals [S] for the sampled parents): packed holds the
@@ -201,9 +201,10 @@ class WaveDrafter:
     """Grows a batch's trees on the drafter's device (see the module docstring)."""
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor, draft_to_target: torch.Tensor | None,
-                 transfers: HostTransfers) -> None:
-        self.w1, self.w2 = w1, w2
-        self.w2_half = native.exact_panels(w2)   # a drafter stored in bfloat16: half the bytes a wave (CPU)
+                 transfers: HostTransfers, w2_panels: Callable[[], torch.Tensor | None] = lambda: None) -> None:
+        """``w2_panels``: W2's exact bfloat16 panels as they stand (``Linear.panels``: a drafter
+        stored in bfloat16, half the bytes a wave on the CPU), or None."""
+        self.w1, self.w2, self.w2_panels = w1, w2, w2_panels
         self.d2t = None if draft_to_target is None else draft_to_target.cpu().numpy()
         self.vocab = w2.shape[0]
         # the token id of each draft index, on the device: whose noise a keyed draft takes
@@ -268,7 +269,7 @@ class WaveDrafter:
                 dev_host[:, 2].long(), None if unit else dev_host[:, 3].float().clamp(min=1e-30),  # > 0 in fp32
                 up[4 * p:4 * p + s].long(), up[4 * p + s:o].view(s, k), up[o:o + g].long(),
                 position_keys(dev_keys[:, 0], dev_keys[:, 1], dev_keys[:, 2]) if g else self._no_keys,
-                self.key_tokens, self.w2_half)
+                self.key_tokens, self.w2_panels())
             if s:
                 chunks.append(q_rows)
                 total_chunks.append(totals)
