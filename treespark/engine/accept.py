@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from treespark.engine.request import Request
+from treespark.kernels import vocab
 from treespark.kernels.transfer import HostTransfers
 from treespark.spec.drafting import RoundDraft
 from treespark.spec.gumbel import keyed_argmax, position_keys, seed_words
@@ -40,7 +41,7 @@ def accept(batch: list[Request], drafted: RoundDraft, logits: torch.Tensor, tran
     parts = []
     if greedy:  # no copy of the logits: the argmax of every row (B x K small ints; picking
         # the greedy rows on the device would upload their indices, a blocking copy on CUDA)
-        parts.append(logits.argmax(-1).flatten())
+        parts.append(vocab.argmax(logits).flatten())
     if keyed:
         parts.append(_keyed(batch, drafted, logits, keyed, transfers))
     if sampled:
@@ -118,7 +119,7 @@ def sample_firsts(reqs: list[Request], logits: torch.Tensor, transfers: HostTran
     """The first token after prefill of each request (logits [R, V]), at its own
     temperature (never argmax at T > 0: one uniform from its own generator, or a keyed
     row's Gumbel-max draw at its index), in one upload and one copy."""
-    tokens = logits.argmax(-1)
+    tokens = vocab.argmax(logits)
     sampled = [i for i, r in enumerate(reqs) if r.params.temperature > 0 and not r.params.keyed]
     keyed = [i for i, r in enumerate(reqs) if r.params.keyed]
     if sampled or keyed:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from treespark.kernels import vocab
+
 MAX_TOP_LOGPROBS = 20   # OpenAI's bound on top_logprobs
 
 
@@ -40,7 +42,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.
     chosen = lp.gather(1, tokens[:, None])                         # [M, 1]
     if k == 0:
         return chosen
-    top = lp.topk(k, dim=-1)                                       # [M, k]
+    top = vocab.topk(lp, k)                                        # [M, k]
     return torch.cat([chosen, top.values, top.indices.float()], dim=1)
 
 
