@@ -194,6 +194,21 @@ def test_choose_plan_keeps_the_fastest_layout_per_row_count():
     assert choose_plan({3: {F_LINEAR: 90.0, NATIVE: 18.0, HALF: 21.0}}).layouts == (NATIVE,)
 
 
+def test_choose_plan_keeps_a_native_layout_unless_another_is_clearly_faster():
+    # the default target's float32 timings on the AVX-512 Xeon: F.linear and oneDNN tie the
+    # native kernel's products, and the native layout also runs the layer stack as one call
+    ms = {1: {F_LINEAR: 18.5, MATVEC: 18.1, PACKED: 22.3, NATIVE: 17.7},
+          3: {F_LINEAR: 21.3, PACKED: 25.3, NATIVE: 21.5},
+          8: {F_LINEAR: 40.6, PACKED: 29.2, NATIVE: 30.9},
+          16: {F_LINEAR: 39.6, PACKED: 35.0, NATIVE: 47.3},
+          32: {F_LINEAR: 49.3, PACKED: 46.3}}
+    assert choose_plan(ms).layouts == (NATIVE, NATIVE, NATIVE, PACKED, PACKED)
+    # within the native margin of the fastest, and not past it
+    assert choose_plan({4: {F_LINEAR: 100.0, HALF: 124.0}}).layouts == (HALF,)
+    assert choose_plan({4: {F_LINEAR: 100.0, HALF: 126.0}}).layouts == (F_LINEAR,)
+    assert choose_plan({4: {F_LINEAR: 100.0, HALF: 124.0}}, native_margin=0.0).layouts == (F_LINEAR,)
+
+
 def test_plan_sample_takes_whole_layers_up_to_the_budget_and_the_head():
     layer = [torch.zeros(8, 4), torch.zeros(4, 8)]  # 2 weights of 128 bytes a layer
     head = torch.zeros(16, 4)

@@ -240,7 +240,7 @@ _PLANS: weakref.WeakKeyDictionary[PreTrainedModel, ProductPlan] = weakref.WeakKe
 
 
 PLAN_CACHE_DIR = Path.home() / ".cache" / "treespark" / "product-plans"
-PLAN_RULE = 2  # how ``choose_plan`` decides from the timings (in the key: a new rule times again)
+PLAN_RULE = 3  # how ``choose_plan`` decides from the timings (in the key: a new rule times again)
 
 
 def plan_key(weights: list[torch.Tensor], packable: bool, half: bool = False) -> str:

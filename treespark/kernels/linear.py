@@ -39,7 +39,8 @@ property of the machine, not of the code: on a two-core AVX-512 machine ``linear
 beat ``F.linear`` 1.5x at 1-4 rows, on a two-core AVX-512 + AMX Xeon ``F.linear`` beat
 it 2.6x. So the target's forward does not fix the choice: ``measure_plan`` times one
 pass over the weights in each layout at a few row counts, and ``choose_plan`` keeps
-the fastest per row count as a ``ProductPlan`` (measured once per model and process,
+the fastest per row count (a native layout unless it is clearly slower: it also runs the
+whole layer stack natively) as a ``ProductPlan`` (measured once per model and process,
 ``treespark.engine.products.product_plan``, which keeps it on disk per machine). Every layout
 gives ``F.linear``'s values to float rounding; a plan fixes which rounding a forward of
 n rows gets.
@@ -181,7 +182,7 @@ NATIVE = "treespark.kernels.native"
 HALF = "treespark.kernels.native bf16"   # native, on the weight's bfloat16 copy (exact values)
 LAYOUTS = (F_LINEAR, SMALL, PACKED, MATVEC, NATIVE, HALF)
 MOST_ROWS = {MATVEC: 1, NATIVE: NATIVE_ROWS, HALF: NATIVE_ROWS}  # the most rows a layout is timed at (absent: any)
-PLAN_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # the row counts ``measure_plan`` times
+PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # the row counts ``measure_plan`` times
 PLAN_SAMPLE_BYTES = 512 << 20  # ``measure_plan`` times whole layers up to this many weight bytes
 
 
@@ -248,22 +249,34 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 PLAN_MARGIN = 0.05  # another layout replaces F.linear only where it is this much faster
+# a native layout is kept where it is at most this much slower than the fastest product:
+# it also runs the target's whole layer stack as one native call (``treespark.kernels.blocks``),
+# where any other layout runs each layer on torch operators. The default target in float32,
+# one process, two threads: 3-row forwards 41 ms on F.linear and torch operators against
+# 22 ms natively, 8 rows 42 ms on oneDNN against 31, for products 0-6 % apart
+NATIVE_MARGIN = 0.25
 
 
-def choose_plan(ms: Mapping[int, Mapping[str, float]], margin: float = PLAN_MARGIN) -> ProductPlan:
-    """The fastest layout at each timed row count (``ms[rows][layout]``: ms per pass),
-    where it beats ``F.linear`` by more than ``margin`` (a fraction of F.linear's time);
-    else ``F.linear``. Near-ties, which timing noise would decide, so fall the same
-    way in every process. Native float32 replaces native bfloat16 (the same values from
-    half the bytes) only by the same margin: a plan timed on a busy machine once ran
-    3 rows on float32 between 2 and 4 on bfloat16, every 3-token verify at twice the
-    bytes."""
+def choose_plan(ms: Mapping[int, Mapping[str, float]], margin: float = PLAN_MARGIN,
+                native_margin: float = NATIVE_MARGIN) -> ProductPlan:
+    """The layout of each timed row count (``ms[rows][layout]``: ms per pass): a native
+    one (``HALF`` or ``NATIVE``) where it is within ``native_margin`` of the fastest
+    (the fused stack it brings saves more than the products lose), else the fastest
+    where it beats ``F.linear`` by more than ``margin`` (a fraction of F.linear's time),
+    else ``F.linear``. Near-ties, which timing noise would decide, so fall the same way
+    in every process. Native float32 replaces native bfloat16 (the same values from
+    half the bytes) only by ``margin``: a plan timed on a busy machine once ran 3 rows
+    on float32 between 2 and 4 on bfloat16, every 3-token verify at twice the bytes."""
     layouts = []
     for n in sorted(ms):
-        best = min(ms[n], key=ms[n].__getitem__)
-        if best == NATIVE and HALF in ms[n] and ms[n][NATIVE] >= (1 - margin) * ms[n][HALF]:
-            best = HALF
-        keep = F_LINEAR in ms[n] and ms[n][best] >= (1 - margin) * ms[n][F_LINEAR]
+        t = ms[n]
+        best = min(t, key=t.__getitem__)
+        native = HALF if HALF in t and (NATIVE not in t or t[NATIVE] >= (1 - margin) * t[HALF]) else \
+            NATIVE if NATIVE in t else None
+        if native is not None and t[native] <= (1 + native_margin) * t[best]:
+            layouts.append(native)
+            continue
+        keep = F_LINEAR in t and t[best] >= (1 - margin) * t[F_LINEAR]
         layouts.append(F_LINEAR if keep else best)
     return ProductPlan(tuple(sorted(ms)), tuple(layouts))
 
