@@ -144,6 +144,58 @@ def test_a_rows_paged_attention_does_not_depend_on_the_batch():
     assert torch.equal(both[:1], alone)
 
 
+@needs_native
+@pytest.mark.parametrize("hd,bs", [(64, 16), (16, 4), (12, 4)])
+def test_a_query_tokens_attention_does_not_depend_on_the_tokens_beside_it(hd, bs):
+    """A tree's K query tokens attended together get, each, the very floats it gets alone
+    (K = 1, its own mask row): what keeps a tree's verify and plain decoding on the same
+    logits. At head sizes the vector scores take (a multiple of 8 / 16) and one they do not."""
+    g = torch.Generator().manual_seed(hd)
+    heads, kv_heads, k, nb = 6, 2, 5, 11
+    kc, vc = torch.randn(256, kv_heads, hd, generator=g), torch.randn(256, kv_heads, hd, generator=g)
+    table = torch.randperm(256 // bs, generator=g)[:nb][None]
+    t = nb * bs - 3
+    mask = torch.zeros(1, 1, k, nb * bs, dtype=torch.bool)
+    mask[..., :t - k] = True                                   # the context, then a chain of k nodes
+    mask[0, 0, :, t - k:t] = torch.tril(torch.ones(k, k, dtype=torch.bool))
+    q = torch.randn(1, heads, k, hd, generator=g)
+    together = blocks.paged_attention(q, kc, vc, table, bs, attention_bias(mask, 3, torch.float32, nb * bs), 0.2)
+    for i in range(k):
+        alone = blocks.paged_attention(q[:, :, i:i + 1], kc, vc, table, bs,
+                                       attention_bias(mask[:, :, i:i + 1], 3, torch.float32, nb * bs), 0.2)
+        assert torch.equal(together[:, :, i:i + 1], alone), i
+    want = grouped_attention(q, gather_blocks(kc, table, bs), gather_blocks(vc, table, bs),
+                             attention_bias(mask, 3, torch.float32, nb * bs), 0.2)
+    torch.testing.assert_close(together, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_the_avx2_build_attends_as_the_gathered_sdpa_does(tmp_path):
+    """The AVX2 form of the vector scores (8 keys at a time), built here with AVX-512 off,
+    against the reference: a lane summed into the wrong score would show."""
+    import ctypes
+
+    from treespark.kernels import native
+
+    avx2 = native.load(native.build(tmp_path, ("-mno-avx512f",)))
+    g = torch.Generator().manual_seed(5)
+    b, heads, kv_heads, k, hd, bs, nb = 2, 6, 2, 3, 32, 4, 9
+    kc, vc = torch.randn(128, kv_heads, hd, generator=g), torch.randn(128, kv_heads, hd, generator=g)
+    table = torch.stack([torch.randperm(128 // bs, generator=g)[:nb] for _ in range(b)])
+    mask = torch.rand(b, 1, k, nb * bs, generator=g) < 0.7
+    mask[..., 0] = True
+    bias = attention_bias(mask, heads // kv_heads, torch.float32, nb * bs)
+    q = torch.randn(b, heads, k, hd, generator=g)
+    splits = -(-nb // blocks.SPAN_BLOCKS)
+    scratch = torch.empty(b * kv_heads * splits * (heads // kv_heads) * k * (blocks.SPAN_BLOCKS * bs + hd + 2))
+    out = torch.empty(b, heads, k, hd)
+    assert avx2.ts_paged_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), table.data_ptr(), nb, bs,
+                                   bias.data_ptr(), 0.3, scratch.data_ptr(), out.data_ptr(), b, heads, kv_heads, k,
+                                   hd, blocks.SPAN_BLOCKS, ctypes.c_int(1)) == 0
+    want = grouped_attention(q, gather_blocks(kc, table, bs), gather_blocks(vc, table, bs), bias, 0.3)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def _paged_forward(runner: TargetRunner, seq: torch.Tensor, k: int, bs: int = 4):
     """Rows ``seq`` [B, n] over their own shuffled blocks of one paged store: the prefix
     in one forward (torch's operators: more than MAX_ROWS tokens), then the last ``k``

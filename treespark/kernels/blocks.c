@@ -139,6 +139,113 @@ static float exp_shift(float *s, long n, float top) {
     for (; t < n; ++t) sum += (s[t] = expf(s[t] - top));
     return sum;
 }
+
+/* Scores of one query against SV keys at a time: each key's dot product as SV-wide partial
+ * sums (one FMA chain over the head dimension, in order), then the SV partial vectors summed
+ * into one vector of SV scores by a fixed tree of unpacks, shuffles and adds (the same tree
+ * for every lane, so a score's float never depends on the keys or queries beside it), where
+ * a dot product a score ends in its own horizontal sum. */
+#if defined(__AVX512F__)
+#define SV 16
+typedef __m512 vsc;
+#define V_ZERO() _mm512_setzero_ps()
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+static inline __m512 lane_sums(const __m512 *a) {
+    __m512 q[4];
+    for (int i = 0; i < 4; ++i) {
+        const __m512 s0 = _mm512_add_ps(_mm512_unpacklo_ps(a[4 * i], a[4 * i + 1]),
+                                        _mm512_unpackhi_ps(a[4 * i], a[4 * i + 1]));
+        const __m512 s1 = _mm512_add_ps(_mm512_unpacklo_ps(a[4 * i + 2], a[4 * i + 3]),
+                                        _mm512_unpackhi_ps(a[4 * i + 2], a[4 * i + 3]));
+        q[i] = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x44), _mm512_shuffle_ps(s0, s1, 0xEE));
+    }
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], 0x44), _mm512_shuffle_f32x4(q[0], q[1], 0xEE));
+    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], 0x44), _mm512_shuffle_f32x4(q[2], q[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
+}
+#define V_STORE(p, v) _mm512_storeu_ps(p, v)
+#define V_SET1(x) _mm512_set1_ps(x)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
+#define V_MUL(a, b) _mm512_mul_ps(a, b)
+#else
+#define SV 8
+typedef __m256 vsc;
+#define V_ZERO() _mm256_setzero_ps()
+#define V_LOAD(p) _mm256_loadu_ps(p)
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline __m256 lane_sums(const __m256 *a) {
+    __m256 q[2];
+    for (int i = 0; i < 2; ++i) {
+        const __m256 s0 = _mm256_add_ps(_mm256_unpacklo_ps(a[4 * i], a[4 * i + 1]),
+                                        _mm256_unpackhi_ps(a[4 * i], a[4 * i + 1]));
+        const __m256 s1 = _mm256_add_ps(_mm256_unpacklo_ps(a[4 * i + 2], a[4 * i + 3]),
+                                        _mm256_unpackhi_ps(a[4 * i + 2], a[4 * i + 3]));
+        q[i] = _mm256_add_ps(_mm256_shuffle_ps(s0, s1, 0x44), _mm256_shuffle_ps(s0, s1, 0xEE));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(q[0], q[1], 0x20), _mm256_permute2f128_ps(q[0], q[1], 0x31));
+}
+#define V_STORE(p, v) _mm256_storeu_ps(p, v)
+#define V_SET1(x) _mm256_set1_ps(x)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
+#define V_MUL(a, b) _mm256_mul_ps(a, b)
+#endif
+
+/* s[r W + t] = q_r . k_t scale + bias_r[t] (-inf where the bias is) for the n keys of a span
+ * (key t at keys[t]) and R queries (query r at qs[r]); mx[r] their maxima. hd a multiple of SV. */
+static void span_scores(const float *const *qs, const float *const *keys, long n, long R, long hd, long W,
+                        const float *bias, long T, float scale, float *s, float *mx) {
+    for (long r = 0; r < R; ++r) mx[r] = -INFINITY;
+    for (long t0 = 0; t0 < n; t0 += SV) {
+        const float *k[SV];
+        for (int j = 0; j < SV; ++j) k[j] = keys[t0 + j < n ? t0 + j : t0];   /* past n: any key, unused */
+        for (long r = 0; r < R; ++r) {
+            const float *qr = qs[r];
+            vsc acc[SV];
+            for (int j = 0; j < SV; ++j) acc[j] = V_ZERO();
+            for (long c = 0; c < hd; c += SV) {
+                const vsc qv = V_LOAD(qr + c);
+                _Pragma("GCC unroll 16")
+                for (int j = 0; j < SV; ++j) acc[j] = V_FMA(qv, V_LOAD(k[j] + c), acc[j]);
+            }
+            float dot[SV];
+            V_STORE(dot, lane_sums(acc));
+            const float *br = bias + r * T;
+            float m = mx[r];
+            for (int j = 0; j < SV && t0 + j < n; ++j) {
+                const float bv = br[t0 + j];
+                const float v = bv == -INFINITY ? -INFINITY : dot[j] * scale + bv;
+                s[r * W + t0 + j] = v;
+                if (v > m) m = v;
+            }
+            mx[r] = m;
+        }
+    }
+}
+
+/* o[r] = sum over the n keys, in order, of p_r[t] v_t (each product rounded, then added:
+ * the scalar loop's floats) for R queries, p_r = s + r W (0 where masked), the values at
+ * vals[t]; up to 4 vectors of the head a pass kept in registers over the keys. hd a
+ * multiple of SV; a query whose keys are all masked (mx -inf) gets zeros. */
+static void span_values(const float *s, const float *const *vals, long n, long R, long hd, long W,
+                        const float *mx, float *o) {
+    for (long r = 0; r < R; ++r) {
+        const float *pr = s + r * W;
+        float *orow = o + r * hd;
+        for (long c0 = 0; c0 < hd; c0 += 4 * SV) {
+            const int nv = hd - c0 >= 4 * SV ? 4 : (int)((hd - c0) / SV);
+            vsc acc[4] = {V_ZERO(), V_ZERO(), V_ZERO(), V_ZERO()};
+            if (mx[r] != -INFINITY)
+                for (long t = 0; t < n; ++t) {
+                    const float p = pr[t];
+                    if (p == 0.0f) continue;
+                    const vsc pv = V_SET1(p);
+                    for (int i = 0; i < nv; ++i) acc[i] = V_ADD(acc[i], V_MUL(pv, V_LOAD(vals[t] + c0 + i * SV)));
+                }
+            for (int i = 0; i < nv; ++i) V_STORE(orow + c0 + i * SV, acc[i]);
+        }
+    }
+}
 #else
 static float exp_shift(float *s, long n, float top) {
     float sum = 0.0f;
@@ -154,6 +261,13 @@ static float exp_shift(float *s, long n, float top) {
  * computed apart (its max, its sum, its unnormalised output) and merged after in order;
  * the spans fall at the same keys whatever the batch's width, so a row's output does not
  * depend on the other rows (a span past its keys is all masked and adds nothing).
+ * Where the head size is a multiple of the vector width (SV: 16 floats on AVX-512, 8 on
+ * AVX2), the scores take SV keys at a time (span_scores) and the weighted values keep the
+ * output in registers over the keys (span_values: the scalar loop's floats); a query's
+ * floats never depend on the queries beside it. Against a dot product a score and the
+ * output updated in memory a key, on the default target's heads (9 over 3, hd 64), two
+ * threads, AVX-512 Xeon: one query 0.56-0.70 of the time, 4 and 8 queries 0.41-0.51, at
+ * 128-2,048 keys.
  * q: [B, H, K, hd]; kc, vc: [slots, kvh, hd] one layer's keys and values; table: [B, nb]
  * block ids (block_size bs); bias: [B, 1, G K, nb bs] additive, its row (h mod G) K + k
  * for query head h at token k (grouped_attention's layout); -inf keys are skipped, and a
@@ -173,6 +287,16 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
         const long j0 = sp * span, j1 = j0 + span < nb ? j0 + span : nb, n = (j1 - j0) * bs;
         float *s = scratch + it * per, *o = s + R * W, *mx = o + R * hd, *sm = mx + R;
         const float *br = bias + b * R * T + j0 * bs;
+#if defined(SV)
+        if (hd % SV == 0) {                                   /* scores, SV keys at a time */
+            const float *qs[R], *keys[span * bs];
+            for (long r = 0; r < R; ++r) qs[r] = q + ((b * H + g * G + r / K) * K + r % K) * hd;
+            for (long t = 0; t < n; ++t)
+                keys[t] = kc + ((table[b * nb + j0 + t / bs] * bs + t % bs) * kvh + g) * hd;
+            span_scores(qs, keys, n, R, hd, W, br, T, scale, s, mx);
+        } else
+#endif
+        {
         for (long r = 0; r < R; ++r) mx[r] = -INFINITY;
         for (long j = j0; j < j1; ++j) {                      /* scores, block by block */
             const long base = table[b * nb + j] * bs;
@@ -192,10 +316,20 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
                 }
             }
         }
+        }
         for (long r = 0; r < R; ++r) {   /* a whole span's width each, its tail masked: the same sums at any n */
             for (long t = n; t < W; ++t) s[r * W + t] = -INFINITY;
             sm[r] = mx[r] == -INFINITY ? 0.0f : exp_shift(s + r * W, W, mx[r]);
         }
+#if defined(SV)
+        if (hd % SV == 0) {                                   /* the weighted values, in registers */
+            const float *vals[span * bs];
+            for (long t = 0; t < n; ++t)
+                vals[t] = vc + ((table[b * nb + j0 + t / bs] * bs + t % bs) * kvh + g) * hd;
+            span_values(s, vals, n, R, hd, W, mx, o);
+            continue;
+        }
+#endif
         for (long x = 0; x < R * hd; ++x) o[x] = 0.0f;
         for (long j = j0; j < j1; ++j) {                      /* the weighted values */
             const long base = table[b * nb + j] * bs;
