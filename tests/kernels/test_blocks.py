@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.engine.test_fused_forward import _logits, _target
+from tests.kernels.test_native import targets
 from treespark.engine.kv import PagedRows, PagedStore
 from treespark.engine.target import TargetRunner
 from treespark.kernels import blocks
@@ -170,6 +171,7 @@ def test_a_query_tokens_attention_does_not_depend_on_the_tokens_beside_it(hd, bs
 
 
 @needs_native
+@pytest.mark.skipif(not targets("__AVX2__"), reason="the compiler does not target AVX2 here: no vector scores")
 def test_the_avx2_build_attends_as_the_gathered_sdpa_does(tmp_path):
     """The AVX2 form of the vector scores (8 keys at a time), built here with AVX-512 off,
     against the reference: a lane summed into the wrong score would show."""

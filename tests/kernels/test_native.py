@@ -167,8 +167,9 @@ def test_a_linear_reads_its_weights_exact_panels_and_follows_the_weight():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
-def _targets_avx512() -> bool:
-    """Whether the machine's compiler, at -march=native, targets AVX-512."""
+def targets(macro: str) -> bool:
+    """Whether the machine's compiler, at -march=native, defines ``macro`` (``__AVX512F__``:
+    targets AVX-512)."""
     import shutil
     import subprocess
 
@@ -176,11 +177,11 @@ def _targets_avx512() -> bool:
     if cc is None:
         return False
     out = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True, text=True)
-    return "__AVX512F__" in out.stdout
+    return macro in out.stdout
 
 
 @needs_native
-@pytest.mark.skipif(not _targets_avx512(), reason="the compiler does not target AVX-512 here: one panel form only")
+@pytest.mark.skipif(not targets("__AVX512F__"), reason="the compiler does not target AVX-512 here: one panel form only")
 def test_the_avx512_panels_give_the_avx2_panels_floats(tmp_path):
     """The two forms of ``ts_gemv_panels`` (8 rows a pass, one FMA a row, where the compiler
     targets AVX-512; 4 rows, two FMAs, under AVX2) run each output's sum as the same chain
