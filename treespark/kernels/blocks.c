@@ -151,54 +151,59 @@ typedef __m512 vsc;
 #define V_ZERO() _mm512_setzero_ps()
 #define V_LOAD(p) _mm512_loadu_ps(p)
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-static inline __m512 lane_sums(const __m512 *a) {
-    __m512 q[4];
-    for (int i = 0; i < 4; ++i) {
-        const __m512 s0 = _mm512_add_ps(_mm512_unpacklo_ps(a[4 * i], a[4 * i + 1]),
-                                        _mm512_unpackhi_ps(a[4 * i], a[4 * i + 1]));
-        const __m512 s1 = _mm512_add_ps(_mm512_unpacklo_ps(a[4 * i + 2], a[4 * i + 3]),
-                                        _mm512_unpackhi_ps(a[4 * i + 2], a[4 * i + 3]));
-        q[i] = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x44), _mm512_shuffle_ps(s0, s1, 0xEE));
-    }
-    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], 0x44), _mm512_shuffle_f32x4(q[0], q[1], 0xEE));
-    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], 0x44), _mm512_shuffle_f32x4(q[2], q[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
-}
-#define V_STORE(p, v) _mm512_storeu_ps(p, v)
+#define V_UNPACKLO(a, b) _mm512_unpacklo_ps(a, b)
+#define V_UNPACKHI(a, b) _mm512_unpackhi_ps(a, b)
+#define V_SHUFFLE(a, b, imm) _mm512_shuffle_ps(a, b, imm)
 #define V_SET1(x) _mm512_set1_ps(x)
 #define V_ADD(a, b) _mm512_add_ps(a, b)
 #define V_MUL(a, b) _mm512_mul_ps(a, b)
+#define V_STORE(p, v) _mm512_storeu_ps(p, v)
 #else
 #define SV 8
 typedef __m256 vsc;
 #define V_ZERO() _mm256_setzero_ps()
 #define V_LOAD(p) _mm256_loadu_ps(p)
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-static inline __m256 lane_sums(const __m256 *a) {
-    __m256 q[2];
-    for (int i = 0; i < 2; ++i) {
-        const __m256 s0 = _mm256_add_ps(_mm256_unpacklo_ps(a[4 * i], a[4 * i + 1]),
-                                        _mm256_unpackhi_ps(a[4 * i], a[4 * i + 1]));
-        const __m256 s1 = _mm256_add_ps(_mm256_unpacklo_ps(a[4 * i + 2], a[4 * i + 3]),
-                                        _mm256_unpackhi_ps(a[4 * i + 2], a[4 * i + 3]));
-        q[i] = _mm256_add_ps(_mm256_shuffle_ps(s0, s1, 0x44), _mm256_shuffle_ps(s0, s1, 0xEE));
-    }
-    return _mm256_add_ps(_mm256_permute2f128_ps(q[0], q[1], 0x20), _mm256_permute2f128_ps(q[0], q[1], 0x31));
-}
-#define V_STORE(p, v) _mm256_storeu_ps(p, v)
+#define V_UNPACKLO(a, b) _mm256_unpacklo_ps(a, b)
+#define V_UNPACKHI(a, b) _mm256_unpackhi_ps(a, b)
+#define V_SHUFFLE(a, b, imm) _mm256_shuffle_ps(a, b, imm)
 #define V_SET1(x) _mm256_set1_ps(x)
 #define V_ADD(a, b) _mm256_add_ps(a, b)
 #define V_MUL(a, b) _mm256_mul_ps(a, b)
+#define V_STORE(p, v) _mm256_storeu_ps(p, v)
+#endif
+
+/* Four vectors a[0..3] to one: in each 128-bit lane, position i holds the sum of a[i]'s
+ * four floats in that lane (the first step of lane_sums, the same in either width). */
+static inline vsc quad_sum(const vsc *a) {
+    const vsc s0 = V_ADD(V_UNPACKLO(a[0], a[1]), V_UNPACKHI(a[0], a[1]));
+    const vsc s1 = V_ADD(V_UNPACKLO(a[2], a[3]), V_UNPACKHI(a[2], a[3]));
+    return V_ADD(V_SHUFFLE(s0, s1, 0x44), V_SHUFFLE(s0, s1, 0xEE));
+}
+
+#if defined(__AVX512F__)
+static inline __m512 lane_sums(const __m512 *a) {
+    __m512 q[4];
+    for (int i = 0; i < 4; ++i) q[i] = quad_sum(a + 4 * i);
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], 0x44), _mm512_shuffle_f32x4(q[0], q[1], 0xEE));
+    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], 0x44), _mm512_shuffle_f32x4(q[2], q[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
+}
+#else
+static inline __m256 lane_sums(const __m256 *a) {
+    const __m256 q0 = quad_sum(a), q1 = quad_sum(a + 4);
+    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
 #endif
 
 /* s[r W + t] = q_r . k_t scale + bias_r[t] (-inf where the bias is) for the n keys of a span
- * (key t at keys[t]) and R queries (query r at qs[r]); mx[r] their maxima. hd a multiple of SV. */
-static void span_scores(const float *const *qs, const float *const *keys, long n, long R, long hd, long W,
+ * (key t at kc + at[t]) and R queries (query r at qs[r]); mx[r] their maxima. hd a multiple of SV. */
+static void span_scores(const float *const *qs, const float *kc, const long *at, long n, long R, long hd, long W,
                         const float *bias, long T, float scale, float *s, float *mx) {
     for (long r = 0; r < R; ++r) mx[r] = -INFINITY;
     for (long t0 = 0; t0 < n; t0 += SV) {
         const float *k[SV];
-        for (int j = 0; j < SV; ++j) k[j] = keys[t0 + j < n ? t0 + j : t0];   /* past n: any key, unused */
+        for (int j = 0; j < SV; ++j) k[j] = kc + at[t0 + j < n ? t0 + j : t0];   /* past n: any key, unused */
         for (long r = 0; r < R; ++r) {
             const float *qr = qs[r];
             vsc acc[SV];
@@ -225,9 +230,9 @@ static void span_scores(const float *const *qs, const float *const *keys, long n
 
 /* o[r] = sum over the n keys, in order, of p_r[t] v_t (each product rounded, then added:
  * the scalar loop's floats) for R queries, p_r = s + r W (0 where masked), the values at
- * vals[t]; up to 4 vectors of the head a pass kept in registers over the keys. hd a
+ * vc + at[t]; up to 4 vectors of the head a pass kept in registers over the keys. hd a
  * multiple of SV; a query whose keys are all masked (mx -inf) gets zeros. */
-static void span_values(const float *s, const float *const *vals, long n, long R, long hd, long W,
+static void span_values(const float *s, const float *vc, const long *at, long n, long R, long hd, long W,
                         const float *mx, float *o) {
     for (long r = 0; r < R; ++r) {
         const float *pr = s + r * W;
@@ -240,7 +245,7 @@ static void span_values(const float *s, const float *const *vals, long n, long R
                     const float p = pr[t];
                     if (p == 0.0f) continue;
                     const vsc pv = V_SET1(p);
-                    for (int i = 0; i < nv; ++i) acc[i] = V_ADD(acc[i], V_MUL(pv, V_LOAD(vals[t] + c0 + i * SV)));
+                    for (int i = 0; i < nv; ++i) acc[i] = V_ADD(acc[i], V_MUL(pv, V_LOAD(vc + at[t] + c0 + i * SV)));
                 }
             for (int i = 0; i < nv; ++i) V_STORE(orow + c0 + i * SV, acc[i]);
         }
@@ -288,12 +293,13 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
         float *s = scratch + it * per, *o = s + R * W, *mx = o + R * hd, *sm = mx + R;
         const float *br = bias + b * R * T + j0 * bs;
 #if defined(SV)
+        /* the span's keys and values: where each key's head starts in kc, and its value's in vc */
+        long at[hd % SV == 0 ? span * bs : 1];
         if (hd % SV == 0) {                                   /* scores, SV keys at a time */
-            const float *qs[R], *keys[span * bs];
+            const float *qs[R];
             for (long r = 0; r < R; ++r) qs[r] = q + ((b * H + g * G + r / K) * K + r % K) * hd;
-            for (long t = 0; t < n; ++t)
-                keys[t] = kc + ((table[b * nb + j0 + t / bs] * bs + t % bs) * kvh + g) * hd;
-            span_scores(qs, keys, n, R, hd, W, br, T, scale, s, mx);
+            for (long t = 0; t < n; ++t) at[t] = ((table[b * nb + j0 + t / bs] * bs + t % bs) * kvh + g) * hd;
+            span_scores(qs, kc, at, n, R, hd, W, br, T, scale, s, mx);
         } else
 #endif
         {
@@ -323,10 +329,7 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
         }
 #if defined(SV)
         if (hd % SV == 0) {                                   /* the weighted values, in registers */
-            const float *vals[span * bs];
-            for (long t = 0; t < n; ++t)
-                vals[t] = vc + ((table[b * nb + j0 + t / bs] * bs + t % bs) * kvh + g) * hd;
-            span_values(s, vals, n, R, hd, W, mx, o);
+            span_values(s, vc, at, n, R, hd, W, mx, o);
             continue;
         }
 #endif
