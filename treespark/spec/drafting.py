@@ -97,12 +97,12 @@ def score_parents(
     fp32 = x.dtype == w2.dtype == torch.float32
     # each parent's row of the base: one gather of whole rows (index_select copies a [P, Vd]
     # row set at about twice the speed of the advanced index base[rows, depths - 1] on CPU)
-    at = rows * base.shape[1] + depths - 1
+    parent_base = base.reshape(-1, base.shape[-1]).index_select(0, rows * base.shape[1] + depths - 1)  # fresh
     if fp32 and (x.shape[0] > SMALL_ROWS or x.device.type != "cpu"):  # the base, then += x W2^T in the product
-        logits = base.reshape(-1, base.shape[-1]).index_select(0, at).float().addmm_(x, w2.t())  # (a fresh tensor)
+        logits = parent_base.float().addmm_(x, w2.t())
     else:                                                            # CPU, few rows: the fast layout
         logits = unplanned_linear(x, w2, half=w2_half).float()
-        logits += base.reshape(-1, base.shape[-1]).index_select(0, at)   # [P, Vd], in place
+        logits += parent_base                                        # [P, Vd], in place
     # q = softmax((logits - max) / T), never materialised except for the sampled parents'
     # rows, which are drawn from: the top-M of q are the top-M of the logits (T > 0), and
     # shifting first makes a tiny temperature give -inf, not NaN, off the argmax
