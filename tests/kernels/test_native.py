@@ -66,6 +66,16 @@ def test_panels_are_the_weight_reordered():
         to_panels(w[:40])
 
 
+def test_tile_panels_are_the_weight_reordered():
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    p = to_panels(w, tiles=True)
+    assert torch.equal(from_panels(p, tiles=True), w)
+    # panel 1, pair of k 5: row 16 + c's weights at k = 10, 11 side by side
+    flat = p.view(-1)[(1 * 32 + 5) * 32:(1 * 32 + 6) * 32]
+    assert torch.equal(flat[0::2], w[16:32, 10]) and torch.equal(flat[1::2], w[16:32, 11])
+
+
 @needs_native
 def test_native_linear_keeps_leading_shape_and_takes_views():
     g = torch.Generator().manual_seed(0)
@@ -180,22 +190,51 @@ def targets(macro: str) -> bool:
     return macro in out.stdout
 
 
+def _panels_product(lib, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    import ctypes
+
+    y = torch.empty(x.shape[0], w.shape[0])
+    assert lib.ts_gemv_panels(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0],
+                              w.shape[1], ctypes.c_int(torch.get_num_threads())) == 0
+    return y
+
+
 @needs_native
 @pytest.mark.skipif(not targets("__AVX512F__"), reason="the compiler does not target AVX-512 here: one panel form only")
 def test_the_avx512_panels_give_the_avx2_panels_floats(tmp_path):
-    """The two forms of ``ts_gemv_panels`` (8 rows a pass, one FMA a row, where the compiler
-    targets AVX-512; 4 rows, two FMAs, under AVX2) run each output's sum as the same chain
-    of FMAs over k: the same floats at every row count."""
-    import ctypes
-
-    avx2 = load(build(tmp_path, ("-mno-avx512f",)))
+    """The two vector forms of ``ts_gemv_panels`` (8 rows a pass, one FMA a row, where the
+    compiler targets AVX-512; 4 rows, two FMAs, under AVX2; both built without AMX tiles)
+    run each output's sum as the same chain of FMAs over k: the same floats at every row
+    count."""
+    avx512 = load(build(tmp_path / "avx512", ("-mno-amx-tile",)))
+    avx2 = load(build(tmp_path / "avx2", ("-mno-avx512f", "-mno-amx-tile")))
+    assert not avx512.ts_panel_tiles(576) and not avx2.ts_panel_tiles(576)
     g = torch.Generator().manual_seed(7)
     for n, k in ((576, 576), (48, 577), (1536, 64)):
-        w = to_panels(torch.randn(n, k, generator=g).to(torch.bfloat16).float())
+        w = to_panels(torch.randn(n, k, generator=g).to(torch.bfloat16).float(), tiles=False)
         b = torch.randn(n, generator=g)
         for m in range(1, MAX_ROWS + 1):
             x = torch.randn(m, k, generator=g)
-            y = torch.empty(m, n)
-            assert avx2.ts_gemv_panels(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), m, n, k,
-                                       ctypes.c_int(torch.get_num_threads())) == 0
-            assert torch.equal(native_linear(x, w, b), y), (m, n, k)
+            assert torch.equal(_panels_product(avx512, x, w, b), _panels_product(avx2, x, w, b)), (m, n, k)
+
+
+@needs_native
+@pytest.mark.skipif(not native.tiled(64), reason="no AMX tiles here (the CPU, the compiler or the OS)")
+def test_the_tile_panels_give_the_weights_products_exactly_summed(tmp_path):
+    """On AMX, x is split exactly into three bfloat16 parts and each part's products with the
+    weights are exact: every output is the float64 product's value to float32 summation
+    error (no bfloat16 rounding of x: that would be ~1e-2 here), as the vector panels'
+    (built without AMX) are, at every row count."""
+    vector = load(build(tmp_path, ("-mno-amx-tile",)))
+    g = torch.Generator().manual_seed(8)
+    for n, k in ((576, 576), (80, 1536), (48, 64)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16).float()
+        b = torch.randn(n, generator=g)
+        tiles, flat = to_panels(w, tiles=True), to_panels(w, tiles=False)
+        for m in range(1, MAX_ROWS + 1):
+            x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m).unsqueeze(1)   # rows of every scale
+            want = F.linear(x.double(), w.double(), b.double())
+            got = native_linear(x, tiles, b)
+            scale = F.linear(x.abs().double(), w.abs().double()) + b.abs().double()   # the sum's magnitude
+            assert ((got.double() - want).abs() <= 4 * k * 2.0 ** -24 * scale).all(), (m, n, k)
+            torch.testing.assert_close(got, _panels_product(vector, x, flat, b), rtol=1e-5, atol=1e-4 * x.abs().max())

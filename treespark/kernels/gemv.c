@@ -31,8 +31,10 @@
  * to float rounding. Each output's sum runs over k in an order fixed by K alone, so a
  * row's values do not depend on the other rows.
  */
+#define _GNU_SOURCE   /* syscall(), for the tile permission */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef uint16_t bf16;
@@ -278,10 +280,148 @@ int ts_gemv(const float *x, const float *w, const float *b, float *y, long M, lo
     return 0;
 }
 
-/* y = x W^T (+ b), W bfloat16 [N, K] in panels of 16 rows (N a multiple of 16); returns 0,
- * or -1 for shapes it does not take. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TILES 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#endif
+
+/* Whether the bfloat16 panels are AMX tiles here: 1 once the kernel lets this process use
+ * the tile registers (Linux: one arch_prctl a process), 0 where it does not or this build has
+ * no AMX. ts_tiles() asks the kernel on its first call (treespark/kernels/native.py makes it
+ * when it loads the library, before any product); ts_panel_tiles(K): whether a weight of K
+ * columns is laid out as tiles (native.py: to_panels), the one rule both sides follow. */
+static int tiles_on = 0;
+
+int ts_tiles(void) {
+#if defined(TILES)
+    static int asked = 0;
+    if (!asked) {
+        asked = 1;
+        tiles_on = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+#endif
+    return tiles_on;
+}
+
+int ts_panel_tiles(long K) { return tiles_on && K % 32 == 0; }
+
+#if defined(TILES)
+/* The tile form of the bfloat16 panels: panel j (rows 16j..16j+15) holds K/2 pairs of k,
+ * each as 16 32-bit words, word c the weights of row 16j+c at k = 2p (low half) and 2p + 1
+ * (high half): AMX's layout for a B tile, 16 pairs (32 k) of one panel being one 1 KiB load.
+ * x is split exactly into three bfloat16 parts, x = hi + mid + lo (each the top 16 bits of
+ * what the ones before leave: 8 + 8 + 8 significant bits hold a float's 24), and TDPBF16PS
+ * multiplies each part by the weights exactly (8 by 8 bits) into float32 sums. So a row's
+ * outputs are the float32 products of the panels' weights and x, summed in float32 in the
+ * order of K alone: 32 k a tile, each tile's three parts in turn (hi, mid, lo), the same at
+ * any M: a row's values never depend on the other rows. The tile unit does the arithmetic of
+ * 16 rows in the time of one, so a pass over the weights costs the read of them at any M up
+ * to 16 (on a two-core AMX Xeon the default target's products at 16 rows took ~0.45 of the
+ * AVX-512 panels' time, and the same at 1-5 rows). */
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tmm0, tmm1: two panels' sums [M, 16]; tmm2-4: x's parts, 32 k of M rows; tmm5, tmm6: the
+ * two panels' 32 k */
+static void configure(long M) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; ++t) {
+        c.colsb[t] = 64;
+        c.rows[t] = t < 5 ? (uint8_t)M : 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* xs[part][M][K]: x's three bfloat16 parts (the upper halves of hi, mid and lo) */
+static void split3(const float *x, bf16 *xs, long M, long K) {
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (long i = 0; i < M * K; i += 16) {
+        const __mmask16 m = M * K - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (M * K - i)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+        const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
+        const __m512 r1 = _mm512_sub_ps(v, hi);
+        const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), top));
+        const __m512 lo = _mm512_sub_ps(r1, mid);
+        const __m512 parts[3] = {hi, mid, lo};
+        for (int p = 0; p < 3; ++p)
+            _mm256_mask_storeu_epi16(xs + p * M * K + i, m,
+                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(parts[p]), 16)));
+    }
+}
+
+#define TDP3(C, B)                                                                        \
+    do {                                                                                  \
+        _tile_dpbf16ps(C, 2, B);                                                          \
+        _tile_dpbf16ps(C, 3, B);                                                          \
+        _tile_dpbf16ps(C, 4, B);                                                          \
+    } while (0)
+
+static int gemv_tiles(const float *x, const bf16 *w, const float *b, float *y, long M, long N, long K, int nt) {
+    if (M > 16) return -1;
+    bf16 *xs = (bf16 *)malloc((size_t)(3 * M * K) * sizeof(bf16));
+    if (!xs) return -1;
+    split3(x, xs, M, K);
+    const long pairs = (N / 16 + 1) / 2, stride = 2 * K;
+#pragma omp parallel num_threads(nt)
+    {
+        configure(M);
+#pragma omp for schedule(static)
+        for (long j = 0; j < pairs; ++j) {
+            const long n = 32 * j;
+            const char *p0 = (const char *)(w + (size_t)n * K), *p1 = p0 + 32 * K;
+            _tile_zero(0);
+            if (n + 16 < N) {
+                _tile_zero(1);
+                for (long k = 0; k < K; k += 32) {
+                    _tile_loadd(2, xs + k, stride);
+                    _tile_loadd(3, xs + M * K + k, stride);
+                    _tile_loadd(4, xs + 2 * M * K + k, stride);
+                    _tile_loadd(5, p0 + 32 * k, 64);
+                    _tile_loadd(6, p1 + 32 * k, 64);
+                    TDP3(0, 5);
+                    TDP3(1, 6);
+                }
+                _tile_stored(1, y + n + 16, N * sizeof(float));
+            } else {
+                for (long k = 0; k < K; k += 32) {
+                    _tile_loadd(2, xs + k, stride);
+                    _tile_loadd(3, xs + M * K + k, stride);
+                    _tile_loadd(4, xs + 2 * M * K + k, stride);
+                    _tile_loadd(5, p0 + 32 * k, 64);
+                    TDP3(0, 5);
+                }
+            }
+            _tile_stored(0, y + n, N * sizeof(float));
+            if (b) {
+                const long hi = n + 32 <= N ? n + 32 : N;
+                for (long i = 0; i < M; ++i)
+                    for (long c = n; c < hi; ++c) y[i * N + c] += b[c];
+            }
+        }
+        _tile_release();
+    }
+    free(xs);
+    return 0;
+}
+#undef TDP3
+#endif
+
+/* y = x W^T (+ b), W bfloat16 [N, K] in panels of 16 rows (N a multiple of 16; their tile
+ * form where ts_panel_tiles(K)); returns 0, or -1 for shapes it does not take. */
 int ts_gemv_panels(const float *x, const bf16 *w, const float *b, float *y, long M, long N, long K, int threads) {
     if (M < 1 || N < 16 || N % 16 || K < 1 || threads < 1) return -1;
+#if defined(TILES)
+    if (ts_panel_tiles(K)) return gemv_tiles(x, w, b, y, M, N, K, FORK(N * K) ? threads : 1);
+#endif
     const long panels = N / 16;
     const int nt = FORK(N * K) ? threads : 1;
 #pragma omp parallel for num_threads(nt) schedule(static)

@@ -96,6 +96,8 @@ def load(path: Path) -> ctypes.CDLL:
     signatures = {
         "ts_gemv": [ptr] * 4 + [n] * 3 + [i32],
         "ts_gemv_panels": [ptr] * 4 + [n] * 3 + [i32],
+        "ts_tiles": [],
+        "ts_panel_tiles": [n],
         "ts_attn_in": [ptr, ptr, ptr, f32, ptr, ptr, i32, ptr, f32] + [ptr] * 5 + [n] * 5 + [i32],
         "ts_attn_out_mlp": [ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i32] + [ptr] * 5 + [n] * 4 + [i32],
         "ts_paged_attention": [ptr] * 4 + [n, n, ptr, f32, ptr, ptr] + [n] * 6 + [i32],
@@ -104,6 +106,7 @@ def load(path: Path) -> ctypes.CDLL:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = i32, argtypes
+    lib.ts_tiles()   # AMX's tile registers asked for once, before any product (gemv.c)
     return lib
 
 
@@ -129,20 +132,34 @@ def exact_panels(weight: torch.Tensor) -> torch.Tensor | None:
     return to_panels(weight) if can_panel(weight) and is_bf16_valued(weight) else None
 
 
-def to_panels(weight: torch.Tensor) -> torch.Tensor:
+def tiled(k: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether ``lib``'s (default: ``library()``) panels of a weight of ``k`` columns are AMX
+    tiles (``gemv.c``: ``ts_panel_tiles``, where the CPU has AMX and the OS lets us use it)."""
+    lib = lib or library()
+    return lib is not None and bool(lib.ts_panel_tiles(k))
+
+
+def to_panels(weight: torch.Tensor, tiles: bool | None = None) -> torch.Tensor:
     """``weight`` [N, K] (bfloat16 values) as the bfloat16 copy ``native_linear`` reads: [N, K],
-    its memory in panels of ``PANEL`` rows (``gemv.c``: panel j is rows 16j..16j+15,
-    k-major, the 16 weights of one k interleaved as row 16j+c, row 16j+8+c)."""
+    its memory in panels of ``PANEL`` rows (``gemv.c``): panel j is rows 16j..16j+15, either
+    k-major, the 16 weights of one k interleaved as row 16j+c, row 16j+8+c, or, as AMX tiles
+    (``tiles``, default ``tiled(K)``), pairs of k major, row 16j+c's weights at k = 2p, 2p + 1
+    side by side."""
     if not can_panel(weight):
         raise ValueError(f"bfloat16 panels need a CPU matrix of a multiple of {PANEL} rows, "
                          f"got {tuple(weight.shape)} on {weight.device.type}")
     n, k = weight.shape
-    return weight.detach().to(torch.bfloat16).view(n // PANEL, 2, PANEL // 2, k).permute(0, 3, 2, 1).reshape(n, k)
+    half = weight.detach().to(torch.bfloat16)
+    if tiled(k) if tiles is None else tiles:
+        return half.view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).reshape(n, k)
+    return half.view(n // PANEL, 2, PANEL // 2, k).permute(0, 3, 2, 1).reshape(n, k)
 
 
-def from_panels(panels: torch.Tensor) -> torch.Tensor:
-    """``to_panels``' inverse: the bfloat16 matrix [N, K] row-major."""
+def from_panels(panels: torch.Tensor, tiles: bool | None = None) -> torch.Tensor:
+    """``to_panels``' inverse (``tiles`` the same): the bfloat16 matrix [N, K] row-major."""
     n, k = panels.shape
+    if tiled(k) if tiles is None else tiles:
+        return panels.view(n // PANEL, k // 2, PANEL, 2).permute(0, 2, 1, 3).reshape(n, k)
     return panels.view(n // PANEL, k, PANEL // 2, 2).permute(0, 3, 2, 1).reshape(n, k)
 
 
