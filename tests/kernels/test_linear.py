@@ -34,7 +34,7 @@ from treespark.kernels.linear import (
     planned_linear,
 )
 from treespark.kernels.native import MAX_ROWS as NATIVE_ROWS
-from treespark.kernels.native import library, to_panels
+from treespark.kernels.native import library, tiled, to_panels
 from treespark.models.precision import round_to_bf16
 
 
@@ -237,6 +237,10 @@ def test_measure_plan_times_every_layout_at_every_row_count_and_keeps_the_fastes
         measure_plan(ws, [pack(ws[0])])
     with pytest.raises(ValueError, match="half weights for"):
         measure_plan(ws, halves=[to_panels(ws[0])])
+    if tiled(32):   # AMX tiles take any rows: the bfloat16 copies are timed past 16
+        tiles = [torch.randn(48, 32, generator=g).to(torch.bfloat16).float()]
+        _, ms = measure_plan(tiles, rows=(past,), reps=1, halves=[to_panels(tiles[0])])
+        assert HALF in ms[past] and NATIVE not in ms[past]
 
 
 def test_runner_measures_the_plan_once_per_model_and_can_be_given_one():

@@ -39,7 +39,6 @@ from treespark.kernels.linear import (
     F_LINEAR,
     HALF,
     MATVEC,
-    MOST_ROWS,
     NATIVE,
     PACKED,
     SMALL,
@@ -47,6 +46,7 @@ from treespark.kernels.linear import (
     linear,
     matvec_linear,
     packed_linear,
+    timed_rows,
 )
 from treespark.kernels.linear import LAYOUTS as PLAN_LAYOUTS
 from treespark.kernels.native import can_panel, can_run, native_linear, to_panels
@@ -95,11 +95,12 @@ def linear_benchmark(pair: ModelPair, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 12
         if all(can_panel(w) for w in ws):
             halves = {id(w): to_panels(w) for w in ws}
             layouts[HALF] = lambda x, w: native_linear(x, halves[id(w)])
+    most = timed_rows(list(halves.values()) if HALF in layouts else None)
     layouts[READ] = lambda x, w: w.sum()
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     out, candidates = [], {}
     for n in rows:
-        ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in layouts.items() if n <= MOST_ROWS.get(name, n)}
+        ms = {name: _pass_ms(ws, n, fn, reps) for name, fn in layouts.items() if n <= most.get(name, n)}
         log(f"rows={n:>3} " + "  ".join(f"{k} {v:6.1f} ms" for k, v in ms.items()))
         best = min(v for k, v in ms.items() if k != READ)
         out.append([str(n)] + [f"{ms[k]:.1f}" + (" *" if ms[k] == best else "") if k in ms else "-"

@@ -320,7 +320,8 @@ int ts_panel_tiles(long K) { return tiles_on && K % 32 == 0; }
  * any M: a row's values never depend on the other rows. The tile unit does the arithmetic of
  * 16 rows in the time of one, so a pass over the weights costs the read of them at any M up
  * to 16 (on a two-core AMX Xeon the default target's products at 16 rows took ~0.45 of the
- * AVX-512 panels' time, and the same at 1-5 rows). */
+ * AVX-512 panels' time, and the same at 1-5 rows); more rows (a prefill chunk) are
+ * compute-bound, at ~32x the float32 FMA rate a core. */
 typedef struct {
     uint8_t palette, start;
     uint8_t reserved[14];
@@ -341,8 +342,9 @@ static void configure(long M) {
     _tile_loadconfig(&c);
 }
 
-/* xs[part][M][K]: x's three bfloat16 parts (the upper halves of hi, mid and lo) */
-static void split3(const float *x, bf16 *xs, long M, long K) {
+/* xs[part][Mp][K]: x's three bfloat16 parts (the upper halves of hi, mid and lo), rows past
+ * M left as they are (zeros) */
+static void split3(const float *x, bf16 *xs, long M, long K, long Mp) {
     const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
     for (long i = 0; i < M * K; i += 16) {
         const __mmask16 m = M * K - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (M * K - i)) - 1);
@@ -353,7 +355,7 @@ static void split3(const float *x, bf16 *xs, long M, long K) {
         const __m512 lo = _mm512_sub_ps(r1, mid);
         const __m512 parts[3] = {hi, mid, lo};
         for (int p = 0; p < 3; ++p)
-            _mm256_mask_storeu_epi16(xs + p * M * K + i, m,
+            _mm256_mask_storeu_epi16(xs + p * Mp * K + i, m,
                                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(parts[p]), 16)));
     }
 }
@@ -365,51 +367,66 @@ static void split3(const float *x, bf16 *xs, long M, long K) {
         _tile_dpbf16ps(C, 4, B);                                                          \
     } while (0)
 
+/* y = x W^T (+ b) on the tile form, M rows: up to 16 in one group of exactly M rows; more
+ * in groups of 16 (x padded with zero rows to a multiple of 16, their sums dropped), each
+ * panel pair's groups in turn while its weights sit in L2. A row's sums are the same
+ * chain at any M. */
 static int gemv_tiles(const float *x, const bf16 *w, const float *b, float *y, long M, long N, long K, int nt) {
-    if (M > 16) return -1;
-    bf16 *xs = (bf16 *)malloc((size_t)(3 * M * K) * sizeof(bf16));
-    if (!xs) return -1;
-    split3(x, xs, M, K);
-    const long pairs = (N / 16 + 1) / 2, stride = 2 * K;
+    const long G = M <= 16 ? M : 16, Mp = (M + G - 1) / G * G;   /* rows a group, rows padded */
+    bf16 *xs = (bf16 *)calloc((size_t)(3 * Mp * K), sizeof(bf16));
+    float *yp = Mp == M ? y : (float *)malloc((size_t)(Mp * N) * sizeof(float));
+    if (!xs || !yp) {
+        free(xs);
+        if (yp != y) free(yp);
+        return -1;
+    }
+    split3(x, xs, M, K, Mp);
+    const long pairs = (N / 16 + 1) / 2, stride = 2 * K, part = Mp * K;
 #pragma omp parallel num_threads(nt)
     {
-        configure(M);
+        configure(G);
 #pragma omp for schedule(static)
         for (long j = 0; j < pairs; ++j) {
             const long n = 32 * j;
             const char *p0 = (const char *)(w + (size_t)n * K), *p1 = p0 + 32 * K;
-            _tile_zero(0);
-            if (n + 16 < N) {
-                _tile_zero(1);
-                for (long k = 0; k < K; k += 32) {
-                    _tile_loadd(2, xs + k, stride);
-                    _tile_loadd(3, xs + M * K + k, stride);
-                    _tile_loadd(4, xs + 2 * M * K + k, stride);
-                    _tile_loadd(5, p0 + 32 * k, 64);
-                    _tile_loadd(6, p1 + 32 * k, 64);
-                    TDP3(0, 5);
-                    TDP3(1, 6);
+            for (long r = 0; r < Mp; r += G) {
+                const bf16 *a = xs + r * K;
+                float *yr = yp + r * N;
+                _tile_zero(0);
+                if (n + 16 < N) {
+                    _tile_zero(1);
+                    for (long k = 0; k < K; k += 32) {
+                        _tile_loadd(2, a + k, stride);
+                        _tile_loadd(3, a + part + k, stride);
+                        _tile_loadd(4, a + 2 * part + k, stride);
+                        _tile_loadd(5, p0 + 32 * k, 64);
+                        _tile_loadd(6, p1 + 32 * k, 64);
+                        TDP3(0, 5);
+                        TDP3(1, 6);
+                    }
+                    _tile_stored(1, yr + n + 16, N * sizeof(float));
+                } else {
+                    for (long k = 0; k < K; k += 32) {
+                        _tile_loadd(2, a + k, stride);
+                        _tile_loadd(3, a + part + k, stride);
+                        _tile_loadd(4, a + 2 * part + k, stride);
+                        _tile_loadd(5, p0 + 32 * k, 64);
+                        TDP3(0, 5);
+                    }
                 }
-                _tile_stored(1, y + n + 16, N * sizeof(float));
-            } else {
-                for (long k = 0; k < K; k += 32) {
-                    _tile_loadd(2, xs + k, stride);
-                    _tile_loadd(3, xs + M * K + k, stride);
-                    _tile_loadd(4, xs + 2 * M * K + k, stride);
-                    _tile_loadd(5, p0 + 32 * k, 64);
-                    TDP3(0, 5);
-                }
+                _tile_stored(0, yr + n, N * sizeof(float));
             }
-            _tile_stored(0, y + n, N * sizeof(float));
-            if (b) {
-                const long hi = n + 32 <= N ? n + 32 : N;
-                for (long i = 0; i < M; ++i)
+            const long hi = n + 32 <= N ? n + 32 : N;
+            for (long i = 0; i < M; ++i) {
+                if (yp != y) memcpy(y + i * N + n, yp + i * N + n, (size_t)(hi - n) * sizeof(float));
+                if (b)
                     for (long c = n; c < hi; ++c) y[i * N + c] += b[c];
             }
         }
         _tile_release();
     }
     free(xs);
+    if (yp != y) free(yp);
     return 0;
 }
 #undef TDP3
@@ -420,7 +437,7 @@ static int gemv_tiles(const float *x, const bf16 *w, const float *b, float *y, l
 int ts_gemv_panels(const float *x, const bf16 *w, const float *b, float *y, long M, long N, long K, int threads) {
     if (M < 1 || N < 16 || N % 16 || K < 1 || threads < 1) return -1;
 #if defined(TILES)
-    if (ts_panel_tiles(K)) return gemv_tiles(x, w, b, y, M, N, K, FORK(N * K) ? threads : 1);
+    if (ts_panel_tiles(K)) return gemv_tiles(x, w, b, y, M, N, K, FORK(M * N * K) ? threads : 1);
 #endif
     const long panels = N / 16;
     const int nt = FORK(N * K) ? threads : 1;

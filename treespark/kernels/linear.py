@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespark.kernels.native import MAX_ROWS as NATIVE_ROWS
-from treespark.kernels.native import can_run, exact_panels, native_linear
+from treespark.kernels.native import can_run, exact_panels, most_rows, native_linear
 
 SMALL_ROWS = 64  # at or below this many rows, CPU products run as W @ x^T
 
@@ -182,6 +182,13 @@ NATIVE = "treespark.kernels.native"
 HALF = "treespark.kernels.native bf16"   # native, on the weight's bfloat16 copy (exact values)
 LAYOUTS = (F_LINEAR, SMALL, PACKED, MATVEC, NATIVE, HALF)
 MOST_ROWS = {MATVEC: 1, NATIVE: NATIVE_ROWS, HALF: NATIVE_ROWS}  # the most rows a layout is timed at (absent: any)
+
+
+def timed_rows(halves: Sequence[torch.Tensor] | None) -> dict[str, int]:
+    """``MOST_ROWS``, without ``HALF``'s limit where every bfloat16 copy in ``halves`` takes
+    any rows (``native.most_rows``: AMX tiles)."""
+    free = bool(halves) and all(most_rows(h) is None for h in halves)
+    return {k: v for k, v in MOST_ROWS.items() if k != HALF or not free}
 PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # the row counts ``measure_plan`` times
 PLAN_SAMPLE_BYTES = 512 << 20  # ``measure_plan`` times whole layers up to this many weight bytes
 
@@ -236,8 +243,8 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if layout == HALF:
         if half is None:
             raise ValueError(f"the product plan runs {x.shape[0]} rows on bfloat16 copies, and this weight has none")
-        if x.shape[0] > NATIVE_ROWS:   # past the kernel's rows (a plan fixed to it): the same values in float32
-            return F.linear(x, weight, bias)
+        if x.shape[0] > (most_rows(half) or x.shape[0]):   # past the kernel's rows (a plan fixed to it):
+            return F.linear(x, weight, bias)               # the same values in float32
         return native_linear(x, half, bias)
     if layout == SMALL:
         return linear(x, weight, bias)
@@ -328,7 +335,8 @@ def measure_plan(weights: Sequence[torch.Tensor], packed: Sequence[PackedWeight]
         fns[NATIVE] = lambda x, i: native_linear(x, weights[i])
         if halves is not None and all(can_run(h) for h in halves):
             fns[HALF] = lambda x, i: native_linear(x, halves[i])
-    times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in fns if n <= MOST_ROWS.get(name, n)}
+    most = timed_rows(halves)
+    times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in fns if n <= most.get(name, n)}
                                                  for n in rows}
     with torch.no_grad():
         for rep in range(reps + 1):

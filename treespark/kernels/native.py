@@ -171,16 +171,23 @@ def can_run(weight: torch.Tensor) -> bool:
             and library() is not None)
 
 
+def most_rows(weight: torch.Tensor) -> int | None:
+    """The most rows ``native_linear`` multiplies ``weight`` by: ``MAX_ROWS``, or any (None)
+    for bfloat16 panels in tile form (``tiled``: compute-bound past 16 rows, and there AMX's)."""
+    return None if weight.dtype == torch.bfloat16 and weight.dim() == 2 and tiled(weight.shape[1]) else MAX_ROWS
+
+
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32 ``x`` [..., in]: by ``gemv.c`` for up to
-    ``MAX_ROWS`` rows and a weight ``can_run`` takes (a bfloat16 one is ``to_panels``'
+    ``most_rows`` rows and a weight ``can_run`` takes (a bfloat16 one is ``to_panels``'
     copy, widened exactly); a float32 weight by ``F.linear`` otherwise (no gradients);
     float32 out. ValueError for panels it cannot run (they are no matrix for ``F.linear``)."""
     k, n = weight.shape[-1], weight.shape[0]
     m = x.numel() // k if k else 0
-    if not 1 <= m <= MAX_ROWS or x.dtype != torch.float32 or not can_run(weight):
+    most = most_rows(weight)
+    if not 1 <= m <= (most or m) or x.dtype != torch.float32 or not can_run(weight):
         if weight.dtype == torch.bfloat16:
-            raise ValueError(f"native_linear runs bfloat16 panels {tuple(weight.shape)} by 1 to {MAX_ROWS} "
+            raise ValueError(f"native_linear runs bfloat16 panels {tuple(weight.shape)} by 1 to {most} "
                              f"float32 rows, not {m} {x.dtype} rows")
         return F.linear(x, weight, bias)
     rows = x.reshape(m, k).contiguous()
