@@ -250,3 +250,28 @@ def test_the_layer_stack_in_one_call_gives_the_per_layer_calls_floats(family, la
         assert len(stacked) - before == 1
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert torch.equal(got[2].k, want[2].k) and torch.equal(got[2].v, want[2].v)
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_on_amx_tiles_the_layer_stack_takes_a_batch_of_trees(family, monkeypatch):
+    """Where every bfloat16 copy is AMX tiles (flat cost in the rows), a step of more than
+    MAX_ROWS query tokens (two rows of 20) runs in the one native call too, and gives the
+    torch forward's logits; past TILE_ROWS it does not."""
+    model = _target(family)
+    round_to_bf16(model)
+    plan = ProductPlan.fixed(HALF)
+    stacked_runner, torch_runner = TargetRunner(model, (0, 1), plan), TargetRunner(model, (0, 1), plan)
+    if not stacked_runner._half_tiles():
+        pytest.skip("no AMX tiles here (the CPU, the compiler or the OS), or a width they do not take")
+    torch_runner._blocks = False
+    stacked = []
+    real = blocks.layers
+    monkeypatch.setattr(blocks, "layers", lambda *a, **kw: stacked.append(a[1].shape[0]) or real(*a, **kw))
+    seq = torch.randint(0, model.config.vocab_size, (2, 60), generator=torch.Generator().manual_seed(11))
+    got = _paged_forward(stacked_runner, seq, 20)
+    assert stacked == [40], "the 2 x 20-token step in one call, the prefix not"
+    want = _paged_forward(torch_runner, seq, 20)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    assert not blocks.can_run(blocks.TILE_ROWS + 1, "silu", tiles=True) and blocks.can_run(40, "silu", tiles=True)
+    assert not blocks.can_run(MAX_ROWS + 1, "silu")

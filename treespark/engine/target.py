@@ -122,6 +122,7 @@ class TargetRunner:
         # each layer's weights as the native blocks take them, by half (``_block_weights``), and
         # the last paged store's layer stacks for ``blocks.layers``, by half (``_stack``)
         self._block_weights_by: dict[bool, list[blocks.LayerWeights]] = {}
+        self._tiles: bool | None = None   # ``_half_tiles``
         self._stacks: tuple[PagedStore | None, dict[bool, blocks.LayerStack]] = (None, {})
 
     def _qk_norm(self, attn: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
@@ -284,9 +285,16 @@ class TargetRunner:
         if not self._blocks:
             return None
         layout = self.products.layout(rows)
-        if layout not in (NATIVE, HALF) or not blocks.can_run(rows, self.act):
+        tiles = layout == HALF and rows > blocks.MAX_ROWS and self._half_tiles()
+        if layout not in (NATIVE, HALF) or not blocks.can_run(rows, self.act, tiles):
             return None
         return layout == HALF
+
+    def _half_tiles(self) -> bool:
+        """Whether the layers' bfloat16 copies are all AMX tiles (``blocks.all_tiles``), once."""
+        if self._tiles is None:
+            self._tiles = blocks.all_tiles(self._block_weights(True))
+        return self._tiles
 
     def _stack(self, attend: LayerAttention, half: bool) -> blocks.LayerStack | None:
         """The layers and the store as one native call takes them (``blocks.layers``), where

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treespark.kernels.native import MAX_ROWS, library
+from treespark.kernels.native import MAX_ROWS, library, most_rows
 
 # what torch.profiler calls them
 PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp", "treespark::paged_attention",
@@ -55,10 +55,23 @@ def qk_norm_weight(q_norm: torch.Tensor, k_norm: torch.Tensor, heads: int, kv_he
     return torch.cat([q_norm.detach().expand(heads, -1), k_norm.detach().expand(kv_heads, -1)]).contiguous()
 
 
-def can_run(rows: int, hidden_act: str) -> bool:
+# the most rows the blocks take where every product is AMX tiles (``native.most_rows``: their
+# cost flat in the rows), so a batch of trees runs natively too; a prefill chunk, more rows,
+# goes to torch's flash attention
+TILE_ROWS = 64
+
+
+def can_run(rows: int, hidden_act: str, tiles: bool = False) -> bool:
     """Whether the blocks take a forward of ``rows`` rows with this activation (and the
-    library is built)."""
-    return 1 <= rows <= MAX_ROWS and hidden_act in ACTIVATIONS and library() is not None
+    library is built): up to ``MAX_ROWS``, or ``TILE_ROWS`` where the weights are ``tiles``."""
+    return (1 <= rows <= (TILE_ROWS if tiles else MAX_ROWS) and hidden_act in ACTIVATIONS
+            and library() is not None)
+
+
+def all_tiles(weights: list[LayerWeights]) -> bool:
+    """Whether every product weight of these layers is bfloat16 panels in tile form."""
+    return all(w.dtype == torch.bfloat16 and most_rows(w) is None
+               for lw in weights for w in (lw.wqkv, lw.wo, lw.wgu, lw.wdown))
 
 
 def attn_in(x: torch.Tensor,              # [M, D] the residual stream
@@ -190,6 +203,7 @@ class LayerStack:
         assert keys.shape[0] == len(weights) and keys.shape[2:] == (kv_heads, head_dim), (tuple(keys.shape), kv_heads)
         assert all(0 <= i < len(weights) - 1 for i in taps), taps
         self.taps = taps
+        self.tiles = half and all_tiles(list(weights))   # the rows it takes: ``can_run``
         self.tap_at = torch.full((len(weights),), -1, dtype=torch.int64)   # each layer's row of the taps out, or -1
         self.tap_at[list(taps)] = torch.arange(len(taps))
         self.array = (_Layer * len(weights))(*(_Layer(
@@ -215,7 +229,7 @@ def layers(stack: LayerStack,
     b, k = slots.shape
     m, dim = x.shape
     count = len(stack.weights)
-    assert m == b * k and dim == stack.hidden and 1 <= m <= MAX_ROWS, (tuple(x.shape), b, k)
+    assert m == b * k and dim == stack.hidden and can_run(m, "silu", stack.tiles), (tuple(x.shape), b, k)
     hq, hkv, hd = stack.heads, stack.kv_heads, stack.head_dim
     assert bias.shape == (b, 1, (hq // hkv) * k, table.shape[1] * block_size) and bias.is_contiguous()
     x = x.contiguous().clone()

@@ -315,9 +315,9 @@ int ts_panel_tiles(long K) { return tiles_on && K % 32 == 0; }
  * x is split exactly into three bfloat16 parts, x = hi + mid + lo (each the top 16 bits of
  * what the ones before leave: 8 + 8 + 8 significant bits hold a float's 24), and TDPBF16PS
  * multiplies each part by the weights exactly (8 by 8 bits) into float32 sums. So a row's
- * outputs are the float32 products of the panels' weights and x, summed in float32 in the
- * order of K alone: 32 k a tile, each tile's three parts in turn (hi, mid, lo), the same at
- * any M: a row's values never depend on the other rows. The tile unit does the arithmetic of
+ * outputs are the float32 products of the panels' weights and x, summed in float32 in an
+ * order fixed by K alone (gemv_tiles), the same at any M: a row's values never depend on
+ * the other rows. The tile unit does the arithmetic of
  * 16 rows in the time of one, so a pass over the weights costs the read of them at any M up
  * to 16 (on a two-core AMX Xeon the default target's products at 16 rows took ~0.45 of the
  * AVX-512 panels' time, and the same at 1-5 rows); more rows (a prefill chunk) are
@@ -329,107 +329,111 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tmm0, tmm1: two panels' sums [M, 16]; tmm2-4: x's parts, 32 k of M rows; tmm5, tmm6: the
- * two panels' 32 k */
+/* tmm0, tmm1: two panels' sums of x's hi parts [M, 16]; tmm2, tmm3: their sums of the mid
+ * and lo parts; tmm4, tmm5: x's parts, 32 k of M rows; tmm6, tmm7: the two panels' 32 k.
+ * Four sums in flight: a TDPBF16PS waits ~3x its issue interval for the sum it adds to. */
 static void configure(long M) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 7; ++t) {
+    for (int t = 0; t < 8; ++t) {
         c.colsb[t] = 64;
-        c.rows[t] = t < 5 ? (uint8_t)M : 16;
+        c.rows[t] = t < 6 ? (uint8_t)M : 16;
     }
     _tile_loadconfig(&c);
 }
 
-/* xs[part][Mp][K]: x's three bfloat16 parts (the upper halves of hi, mid and lo), rows past
+/* x's three bfloat16 parts (the upper halves of hi, mid and lo) as A tiles: xs[group][k / 32]
+ * [part] is a G x 32 tile, its rows 64 bytes apart (one contiguous KiB at G = 16); rows past
  * M left as they are (zeros) */
-static void split3(const float *x, bf16 *xs, long M, long K, long Mp) {
+static void split3(const float *x, bf16 *xs, long M, long K, long G) {
     const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
-    for (long i = 0; i < M * K; i += 16) {
-        const __mmask16 m = M * K - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (M * K - i)) - 1);
-        const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-        const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
-        const __m512 r1 = _mm512_sub_ps(v, hi);
-        const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), top));
-        const __m512 lo = _mm512_sub_ps(r1, mid);
-        const __m512 parts[3] = {hi, mid, lo};
-        for (int p = 0; p < 3; ++p)
-            _mm256_mask_storeu_epi16(xs + p * Mp * K + i, m,
-                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(parts[p]), 16)));
-    }
+    for (long i = 0; i < M; ++i)
+        for (long k = 0; k < K; k += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i * K + k);
+            const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
+            const __m512 r1 = _mm512_sub_ps(v, hi);
+            const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), top));
+            const __m512 lo = _mm512_sub_ps(r1, mid);
+            const __m512 parts[3] = {hi, mid, lo};
+            bf16 *at = xs + (((i / G) * (K / 32) + k / 32) * 3 * G + i % G) * 32 + k % 32;
+            for (int p = 0; p < 3; ++p)
+                _mm256_storeu_si256((__m256i *)(at + p * G * 32),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(parts[p]), 16)));
+        }
 }
 
-#define TDP3(C, B)                                                                        \
-    do {                                                                                  \
-        _tile_dpbf16ps(C, 2, B);                                                          \
-        _tile_dpbf16ps(C, 3, B);                                                          \
-        _tile_dpbf16ps(C, 4, B);                                                          \
-    } while (0)
+/* y[r + i, n + c] (+ b) = hi sums + rest sums of one panel, its rows i < G that are < M */
+static inline void put(const float *h, const float *rest, const float *b, float *y, long r, long G, long M, long N,
+                       long n) {
+    for (long i = 0; i < G && r + i < M; ++i)
+        for (long c = 0; c < 16; ++c)
+            y[(r + i) * N + n + c] = (h[16 * i + c] + rest[16 * i + c]) + (b ? b[n + c] : 0.0f);
+}
 
 /* y = x W^T (+ b) on the tile form, M rows: up to 16 in one group of exactly M rows; more
  * in groups of 16 (x padded with zero rows to a multiple of 16, their sums dropped), each
- * panel pair's groups in turn while its weights sit in L2. A row's sums are the same
- * chain at any M. */
+ * panel pair's groups in turn while its weights sit in L2. Each output is two float32 sums
+ * over k, 32 k a step, one of x's hi parts and one of its mid then lo parts, then their sum:
+ * the same chain at any M. */
 static int gemv_tiles(const float *x, const bf16 *w, const float *b, float *y, long M, long N, long K, int nt) {
     const long G = M <= 16 ? M : 16, Mp = (M + G - 1) / G * G;   /* rows a group, rows padded */
     bf16 *xs = (bf16 *)calloc((size_t)(3 * Mp * K), sizeof(bf16));
-    float *yp = Mp == M ? y : (float *)malloc((size_t)(Mp * N) * sizeof(float));
-    if (!xs || !yp) {
-        free(xs);
-        if (yp != y) free(yp);
-        return -1;
-    }
-    split3(x, xs, M, K, Mp);
-    const long pairs = (N / 16 + 1) / 2, stride = 2 * K, part = Mp * K;
+    if (!xs) return -1;
+    split3(x, xs, M, K, G);
+    const long pairs = (N / 16 + 1) / 2, tile = G * 32;   /* bfloat16s an A tile */
 #pragma omp parallel num_threads(nt)
     {
         configure(G);
+        float h[2][256], rest[2][256];
 #pragma omp for schedule(static)
         for (long j = 0; j < pairs; ++j) {
             const long n = 32 * j;
             const char *p0 = (const char *)(w + (size_t)n * K), *p1 = p0 + 32 * K;
             for (long r = 0; r < Mp; r += G) {
-                const bf16 *a = xs + r * K;
-                float *yr = yp + r * N;
+                const bf16 *a = xs + r * K * 3;   /* the group's tiles, 3 a step of k */
                 _tile_zero(0);
+                _tile_zero(2);
                 if (n + 16 < N) {
                     _tile_zero(1);
+                    _tile_zero(3);
                     for (long k = 0; k < K; k += 32) {
-                        _tile_loadd(2, a + k, stride);
-                        _tile_loadd(3, a + part + k, stride);
-                        _tile_loadd(4, a + 2 * part + k, stride);
-                        _tile_loadd(5, p0 + 32 * k, 64);
-                        _tile_loadd(6, p1 + 32 * k, 64);
-                        TDP3(0, 5);
-                        TDP3(1, 6);
+                        _tile_loadd(6, p0 + 32 * k, 64);
+                        _tile_loadd(7, p1 + 32 * k, 64);
+                        _tile_loadd(4, a + 3 * k / 32 * tile, 64);             /* hi */
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_loadd(5, a + (3 * k / 32 + 1) * tile, 64);       /* mid */
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                        _tile_loadd(4, a + (3 * k / 32 + 2) * tile, 64);       /* lo */
+                        _tile_dpbf16ps(2, 4, 6);
+                        _tile_dpbf16ps(3, 4, 7);
                     }
-                    _tile_stored(1, yr + n + 16, N * sizeof(float));
+                    _tile_stored(1, h[1], 64);
+                    _tile_stored(3, rest[1], 64);
+                    put(h[1], rest[1], b, y, r, G, M, N, n + 16);
                 } else {
                     for (long k = 0; k < K; k += 32) {
-                        _tile_loadd(2, a + k, stride);
-                        _tile_loadd(3, a + part + k, stride);
-                        _tile_loadd(4, a + 2 * part + k, stride);
-                        _tile_loadd(5, p0 + 32 * k, 64);
-                        TDP3(0, 5);
+                        _tile_loadd(6, p0 + 32 * k, 64);
+                        _tile_loadd(4, a + 3 * k / 32 * tile, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_loadd(5, a + (3 * k / 32 + 1) * tile, 64);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_loadd(4, a + (3 * k / 32 + 2) * tile, 64);
+                        _tile_dpbf16ps(2, 4, 6);
                     }
                 }
-                _tile_stored(0, yr + n, N * sizeof(float));
-            }
-            const long hi = n + 32 <= N ? n + 32 : N;
-            for (long i = 0; i < M; ++i) {
-                if (yp != y) memcpy(y + i * N + n, yp + i * N + n, (size_t)(hi - n) * sizeof(float));
-                if (b)
-                    for (long c = n; c < hi; ++c) y[i * N + c] += b[c];
+                _tile_stored(0, h[0], 64);
+                _tile_stored(2, rest[0], 64);
+                put(h[0], rest[0], b, y, r, G, M, N, n);
             }
         }
         _tile_release();
     }
     free(xs);
-    if (yp != y) free(yp);
     return 0;
 }
-#undef TDP3
 #endif
 
 /* y = x W^T (+ b), W bfloat16 [N, K] in panels of 16 rows (N a multiple of 16; their tile
