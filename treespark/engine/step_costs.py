@@ -84,8 +84,11 @@ class StepCostTable:
 
 
 def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
-    """Hardware + model + dtype + threads + grid + product plan + attention path + compile
-    backend + CUDA graphs, hashed: the cache key."""
+    """Hardware + model + dtype + threads + grid + product plan + native kernels' build +
+    attention path + compile backend + CUDA graphs, hashed: the cache key (a kernel change
+    re-measures the table, as it re-times the plan)."""
+    from treespark.kernels import native
+
     pair = engine.pair
     n_target = sum(p.numel() for p in pair.target.parameters())
     n_drafter = sum(p.numel() for p in pair.drafter.parameters())
@@ -94,6 +97,7 @@ def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
            "params": [n_target, n_drafter], "vocab": engine.vocab_size, "grid": grid,
            "max_batch": engine.config.max_batch_size,
            "products": engine.runner.products_described, "attention": engine.config.attention.value,
+           "kernels": native.build().stem if native.library() is not None else None,
            "compile": engine.config.compile_backend, "graphs": engine.config.cuda_graphs,
            "draft_graphs": engine.config.cuda_graphs_draft}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]

@@ -56,6 +56,10 @@ static void rope_head(float *x, const float *cos, const float *ssin, long D) {
 
 static void silu_mul(const float *gu, float *act, long M, long I);
 
+/* the threads a loop over M rows of a layer's elementwise work takes (each row's floats its
+ * own, so the same values on any) */
+#define ROW_THREADS(M, threads) ((M) >= 8 ? (threads) : 1)
+
 /* x, d, x_out, normed: [M, D]; w: [(Hq + 2 Hkv) hd, D] (+ b); qk_w: [Hq + Hkv, hd] or NULL;
  * cos, ssin: [M, hd]; qkv: [M, (Hq + 2 Hkv) hd] out, q and k normed and rotated. d NULL:
  * no residual (x_out untouched, the norm of x). Returns 0, or -1 for shapes it does not take. */
@@ -64,6 +68,8 @@ int ts_attn_in(const float *x, const float *d, const float *norm_w, float eps, c
                float *normed, float *qkv, long M, long D, long Hq, long Hkv, long hd, int threads) {
     if (M < 1 || D < 1 || hd < 2 || hd % 2 || hd > 512 || Hq < 1 || Hkv < 1) return -1;
     const long N = (Hq + 2 * Hkv) * hd;
+    const int nt = ROW_THREADS(M, threads);
+#pragma omp parallel for num_threads(nt) schedule(static)
     for (long m = 0; m < M; ++m) {
         const float *s = x + m * D;
         if (d) {
@@ -74,6 +80,7 @@ int ts_attn_in(const float *x, const float *d, const float *norm_w, float eps, c
         rms_row(s, norm_w, eps, normed + m * D, D);
     }
     if (product(normed, w, b, half, qkv, M, N, D, threads)) return -1;
+#pragma omp parallel for num_threads(nt) schedule(static)
     for (long m = 0; m < M; ++m)
         for (long h = 0; h < Hq + Hkv; ++h) {
             float *head = qkv + m * N + h * hd;
@@ -91,13 +98,16 @@ int ts_attn_out_mlp(const float *a, const void *wo, const float *bo, const float
                     float *normed, float *gu, float *act, float *mlp, long M, long D, long A, long I, int threads) {
     if (M < 1 || D < 1 || A < 1 || I < 1) return -1;
     if (product(a, wo, bo, half, x_out, M, D, A, threads)) return -1;
+    const int nt = ROW_THREADS(M, threads);
+#pragma omp parallel for num_threads(nt) schedule(static)
     for (long m = 0; m < M; ++m) {
         float *s = x_out + m * D;
         for (long j = 0; j < D; ++j) s[j] = s[j] + x[m * D + j];
         rms_row(s, norm_w, eps, normed + m * D, D);
     }
     if (product(normed, wgu, bgu, half, gu, M, 2 * I, D, threads)) return -1;
-    silu_mul(gu, act, M, I);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (long m = 0; m < M; ++m) silu_mul(gu + m * 2 * I, act + m * I, 1, I);
     return product(act, wdown, bdown, half, mlp, M, D, I, threads);
 }
 
