@@ -163,3 +163,19 @@ def test_the_timed_forwards_leave_the_requests_blocks_alone(pair64):
     assert not torch.equal(engine.kv.target.k, written)          # it wrote elsewhere
     while engine.has_unfinished():
         engine.step()
+
+
+def test_another_kernel_build_is_another_fingerprint(pair64, monkeypatch):
+    """A table timed on one build of the native kernels does not price steps run on another
+    (a changed gemv.c or blocks.c)."""
+    from pathlib import Path
+
+    from treespark.kernels import native
+
+    if native.library() is None:
+        pytest.skip("no C compiler built the native kernels")
+    engine = small_engine(pair64)
+    grid = ((1, 2), (1, 2, 4))
+    fp = fingerprint(engine, grid)
+    monkeypatch.setattr(native, "build", lambda: Path("gemv-0000000000000000.so"))
+    assert fingerprint(engine, grid) != fp
