@@ -8,13 +8,14 @@
  *   ts_attn_out_mlp: s = x + a Wo^T;  n = rms_norm(s) w;  g|u = n Wgu^T;
  *                    m = (silu(g) u) Wdown^T.
  *
- * The products are gemv.c's (float32 weights, or `half`: bfloat16 panels); everything else is
- * single-threaded (a few thousand floats). The maths is the fused torch forward's
+ * The products are gemv.c's (float32 weights, or `half`: bfloat16 panels); everything else
+ * runs a row at a time, over the threads from 8 rows (ROW_THREADS). The maths is the fused torch forward's
  * (treespark.kernels.layer_ops), in its order: RMSNorm is (x r) w with r = 1 / sqrt(mean(x^2)
  * + eps) as transformers computes it (the mean summed here in double, then rounded); the
  * rotary embedding is x cos + roll(x, D/2) (sin with its first half negated), each product
  * rounded (ISO C: no contraction into FMAs), so it is torch's to the bit; silu is
- * x / (1 + exp(-x)). Values are the torch forward's to float rounding.
+ * x / (1 + exp(-x)), e^x by exp8 where AVX2 is (~2 float ulps). Values are the torch
+ * forward's to float rounding.
  */
 #include <math.h>
 #include <stddef.h>

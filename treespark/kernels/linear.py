@@ -182,6 +182,8 @@ NATIVE = "treespark.kernels.native"
 HALF = "treespark.kernels.native bf16"   # native, on the weight's bfloat16 copy (exact values)
 LAYOUTS = (F_LINEAR, SMALL, PACKED, MATVEC, NATIVE, HALF)
 MOST_ROWS = {MATVEC: 1, NATIVE: NATIVE_ROWS, HALF: NATIVE_ROWS}  # the most rows a layout is timed at (absent: any)
+PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # the row counts ``measure_plan`` times
+PLAN_SAMPLE_BYTES = 512 << 20  # ``measure_plan`` times whole layers up to this many weight bytes
 
 
 def timed_rows(halves: Sequence[torch.Tensor] | None) -> dict[str, int]:
@@ -189,8 +191,6 @@ def timed_rows(halves: Sequence[torch.Tensor] | None) -> dict[str, int]:
     any rows (``native.most_rows``: AMX tiles)."""
     free = bool(halves) and all(most_rows(h) is None for h in halves)
     return {k: v for k, v in MOST_ROWS.items() if k != HALF or not free}
-PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # the row counts ``measure_plan`` times
-PLAN_SAMPLE_BYTES = 512 << 20  # ``measure_plan`` times whole layers up to this many weight bytes
 
 
 @dataclass(frozen=True)

@@ -132,10 +132,10 @@ def exact_panels(weight: torch.Tensor) -> torch.Tensor | None:
     return to_panels(weight) if can_panel(weight) and is_bf16_valued(weight) else None
 
 
-def tiled(k: int, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether ``lib``'s (default: ``library()``) panels of a weight of ``k`` columns are AMX
-    tiles (``gemv.c``: ``ts_panel_tiles``, where the CPU has AMX and the OS lets us use it)."""
-    lib = lib or library()
+def tiled(k: int) -> bool:
+    """Whether the panels of a weight of ``k`` columns are AMX tiles (``gemv.c``:
+    ``ts_panel_tiles``, where the CPU has AMX and the OS lets us use it)."""
+    lib = library()
     return lib is not None and bool(lib.ts_panel_tiles(k))
 
 
