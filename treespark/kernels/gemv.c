@@ -23,7 +23,9 @@
  * 1.3x, 2.1x and 3.7x for the dot-product form on the same bfloat16 weights. Where the
  * compiler targets AVX-512, the 16 weights are one vector (one FMA a row) and a pass takes
  * 8 rows: on a two-core AVX-512 Xeon a pass over the default target's layers at 6 / 8 / 16
- * rows took 0.58 / 0.64 / 0.62 of the AVX2 form's time, the same floats.
+ * rows took 0.58 / 0.64 / 0.62 of the AVX2 form's time, the same floats. Where the CPU has
+ * AMX and the OS lets the process use it, the panels are laid out for its tiles instead
+ * (ts_tiles, gemv_tiles below): any M, x split exactly into three bfloat16 parts.
  *
  * Built on the machine that runs it (treespark/kernels/native.py: cc -O3 -march=native
  * -fopenmp); the AVX2 + FMA path where the compiler targets them, plain loops that the
@@ -317,11 +319,11 @@ int ts_panel_tiles(long K) { return tiles_on && K % 32 == 0; }
  * multiplies each part by the weights exactly (8 by 8 bits) into float32 sums. So a row's
  * outputs are the float32 products of the panels' weights and x, summed in float32 in an
  * order fixed by K alone (gemv_tiles), the same at any M: a row's values never depend on
- * the other rows. The tile unit does the arithmetic of
- * 16 rows in the time of one, so a pass over the weights costs the read of them at any M up
- * to 16 (on a two-core AMX Xeon the default target's products at 16 rows took ~0.45 of the
- * AVX-512 panels' time, and the same at 1-5 rows); more rows (a prefill chunk) are
- * compute-bound, at ~32x the float32 FMA rate a core. */
+ * the other rows. The tile unit multiplies 16 rows in about the time of one, so a pass over
+ * the weights costs about the read of them up to 16 rows (a two-core AMX Xeon, the default
+ * target: 12.3-14.5 ms a pass at 1-16 rows, against 19.1-51.9 for the float32 weights on
+ * ts_gemv); past 16 rows it is bound by the tile loads, ~2-2.6x oneDNN's packed float32
+ * there (treespark bench linear). */
 typedef struct {
     uint8_t palette, start;
     uint8_t reserved[14];
@@ -330,8 +332,7 @@ typedef struct {
 } tile_config;
 
 /* tmm0, tmm1: two panels' sums of x's hi parts [M, 16]; tmm2, tmm3: their sums of the mid
- * and lo parts; tmm4, tmm5: x's parts, 32 k of M rows; tmm6, tmm7: the two panels' 32 k.
- * Four sums in flight: a TDPBF16PS waits ~3x its issue interval for the sum it adds to. */
+ * and lo parts; tmm4, tmm5: x's parts, 32 k of M rows; tmm6, tmm7: the two panels' 32 k */
 static void configure(long M) {
     tile_config c;
     memset(&c, 0, sizeof c);
