@@ -55,7 +55,7 @@ static void rope_head(float *x, const float *cos, const float *ssin, long D) {
     for (long j = h; j < D; ++j) x[j] = t[j] * cos[j] + t[j - h] * ssin[j];
 }
 
-static void silu_mul(const float *gu, float *act, long M, long I);
+static void silu_mul(const float *g, const float *u, float *a, long I);
 
 /* the threads a loop over M rows of a layer's elementwise work takes (each row's floats its
  * own, so the same values on any) */
@@ -108,7 +108,7 @@ int ts_attn_out_mlp(const float *a, const void *wo, const float *bo, const float
     }
     if (product(normed, wgu, bgu, half, gu, M, 2 * I, D, threads)) return -1;
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (long m = 0; m < M; ++m) silu_mul(gu + m * 2 * I, act + m * I, 1, I);
+    for (long m = 0; m < M; ++m) silu_mul(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
     return product(act, wdown, bdown, half, mlp, M, D, I, threads);
 }
 
@@ -153,21 +153,17 @@ static float exp_shift(float *s, long n, float top) {
     return sum;
 }
 
-/* act = silu(g) u = g / (1 + e^-g) u over gu = g|u [M, 2 I], 8 at a time (exp8: the values
- * expf's to ~2 float ulps) */
-static void silu_mul(const float *gu, float *act, long M, long I) {
+/* a = silu(g) u = g / (1 + e^-g) u over one row of I, 8 at a time (exp8: the values expf's
+ * to ~2 float ulps) */
+static void silu_mul(const float *g, const float *u, float *a, long I) {
     const __m256 one = _mm256_set1_ps(1.0f);
-    for (long m = 0; m < M; ++m) {
-        const float *g = gu + m * 2 * I, *u = g + I;
-        float *a = act + m * I;
-        long j = 0;
-        for (; j + 8 <= I; j += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + j);
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
-        }
-        for (; j < I; ++j) a[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
+    long j = 0;
+    for (; j + 8 <= I; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(a + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
     }
+    for (; j < I; ++j) a[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
 }
 
 /* Scores of one query against SV keys at a time: each key's dot product as SV-wide partial
@@ -288,12 +284,8 @@ static float exp_shift(float *s, long n, float top) {
     return sum;
 }
 
-static void silu_mul(const float *gu, float *act, long M, long I) {
-    for (long m = 0; m < M; ++m)
-        for (long j = 0; j < I; ++j) {
-            const float g = gu[m * 2 * I + j];
-            act[m * I + j] = (g / (1.0f + expf(-g))) * gu[m * 2 * I + I + j];
-        }
+static void silu_mul(const float *g, const float *u, float *a, long I) {
+    for (long j = 0; j < I; ++j) a[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
 }
 #endif
 

@@ -61,11 +61,16 @@ def qk_norm_weight(q_norm: torch.Tensor, k_norm: torch.Tensor, heads: int, kv_he
 TILE_ROWS = 64
 
 
+def max_rows(tiles: bool) -> int:
+    """The most rows the blocks take: ``TILE_ROWS`` where the weights are ``tiles``, else
+    ``MAX_ROWS``."""
+    return TILE_ROWS if tiles else MAX_ROWS
+
+
 def can_run(rows: int, hidden_act: str, tiles: bool = False) -> bool:
     """Whether the blocks take a forward of ``rows`` rows with this activation (and the
-    library is built): up to ``MAX_ROWS``, or ``TILE_ROWS`` where the weights are ``tiles``."""
-    return (1 <= rows <= (TILE_ROWS if tiles else MAX_ROWS) and hidden_act in ACTIVATIONS
-            and library() is not None)
+    library is built): up to ``max_rows(tiles)``."""
+    return 1 <= rows <= max_rows(tiles) and hidden_act in ACTIVATIONS and library() is not None
 
 
 def all_tiles(weights: list[LayerWeights]) -> bool:
@@ -229,7 +234,7 @@ def layers(stack: LayerStack,
     b, k = slots.shape
     m, dim = x.shape
     count = len(stack.weights)
-    assert m == b * k and dim == stack.hidden and can_run(m, "silu", stack.tiles), (tuple(x.shape), b, k)
+    assert m == b * k and dim == stack.hidden and 1 <= m <= max_rows(stack.tiles), (tuple(x.shape), b, k)
     hq, hkv, hd = stack.heads, stack.kv_heads, stack.head_dim
     assert bias.shape == (b, 1, (hq // hkv) * k, table.shape[1] * block_size) and bias.is_contiguous()
     x = x.contiguous().clone()
