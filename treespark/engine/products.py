@@ -251,7 +251,7 @@ def plan_key(weights: list[torch.Tensor], packable: bool, half: bool = False) ->
     key = {"hw": hardware_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": str(weights[0].dtype), "shapes": [list(w.shape) for w in weights], "packed": packable,
            "rows": list(PLAN_ROWS), "layouts": list(LAYOUTS),
-           "native": [native.MAX_ROWS, native.build().stem] if native.library() is not None else None,
+           "native": None if native.build_id() is None else [native.MAX_ROWS, native.build_id()],
            "half": half, "rule": PLAN_RULE}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 

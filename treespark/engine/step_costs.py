@@ -97,7 +97,7 @@ def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
            "params": [n_target, n_drafter], "vocab": engine.vocab_size, "grid": grid,
            "max_batch": engine.config.max_batch_size,
            "products": engine.runner.products_described, "attention": engine.config.attention.value,
-           "kernels": native.build().stem if native.library() is not None else None,
+           "kernels": native.build_id(),
            "compile": engine.config.compile_backend, "graphs": engine.config.cuda_graphs,
            "draft_graphs": engine.config.cuda_graphs_draft}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]

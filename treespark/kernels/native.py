@@ -89,6 +89,16 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+@functools.cache
+def build_id() -> str | None:
+    """The native kernels as this process runs them: the library's build (its file name
+    hashes source, compiler, flags and machine) and whether its bfloat16 panels are AMX
+    tiles; None without the library. What cached product plans and step-cost tables are
+    keyed by."""
+    lib = library()
+    return None if lib is None else build().stem + ("+tiles" if lib.ts_tiles() else "")
+
+
 def load(path: Path) -> ctypes.CDLL:
     """A built library, its functions typed."""
     lib = ctypes.CDLL(str(path))
@@ -132,6 +142,7 @@ def exact_panels(weight: torch.Tensor) -> torch.Tensor | None:
     return to_panels(weight) if can_panel(weight) and is_bf16_valued(weight) else None
 
 
+@functools.cache
 def tiled(k: int) -> bool:
     """Whether the panels of a weight of ``k`` columns are AMX tiles (``gemv.c``:
     ``ts_panel_tiles``, where the CPU has AMX and the OS lets us use it)."""
