@@ -52,6 +52,29 @@ def test_measured_once_then_read_from_the_cache(pair64, tmp_path):
         engine.step()
 
 
+def test_the_drafting_timings_come_from_steps_that_draft_to_full_depth(pair64):
+    """A request's last steps draft under a depth limit cut by its tokens left: shallow,
+    cheap trees that priced a served step's drafting at half. Every step the table times
+    drafts each row to its node cap or the drafter's block."""
+    from treespark.engine.step_costs import measure_drafting
+
+    engine = small_engine(pair64)
+    verify = measure_verify(engine, (1, 2, 4), (1, 2, 3, 4, 6, 8, 9), deadline=time.perf_counter() + 5)
+    block = engine.drafter.config.block_size
+    limits: list[tuple[int, int]] = []
+    draft = engine.waves.draft
+
+    def spy(base, rows):
+        limits.extend((r.depth_limit, min(block, r.budget.node_cap)) for r in rows if not r.budget.is_off)
+        return draft(base, rows)
+
+    engine.waves.draft = spy
+    m = measure_drafting(engine, verify, deadline=time.perf_counter() + 30)
+    assert m.draft is not None and limits
+    assert all(limit == full for limit, full in limits)
+    assert not engine.has_unfinished()
+
+
 def test_a_one_row_engines_table_prices_its_steps_work_too(pair64):
     """One row: no second batch size to split the step's work by rows, so it is the
     row's, added to every cell (without it, a bench's one-row table read a plain step

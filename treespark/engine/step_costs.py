@@ -53,7 +53,7 @@ from treespark.spec.budget import DEFAULT_BRANCH_CAP, Budget
 from treespark.spec.params import SamplingParams, StepStats
 
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "step-costs"
-VERSION = 10  # raised whenever what a table measures changes (10: drafting by rows and node cap): an older cached one is measured again
+VERSION = 11  # raised whenever what a table measures changes (11: drafting on full-depth steps only): an older cached one is measured again
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,7 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float, seed: int = 
     engine.on_step, engine.allocator = lambda s: steps.append((s, engine.graph_captures)), None
     g = torch.Generator().manual_seed(seed)
     top = engine.config.max_tree_nodes
+    block = engine.drafter.config.block_size
     caps = tuple(sorted({c for c in DRAFT_CAPS if c < top} | {top})) if top > 0 else (1,)
     try:
         always = min(4, engine.config.max_batch_size)
@@ -256,12 +257,18 @@ def measure_drafting(engine, verify: CostModel, *, deadline: float, seed: int = 
             for budget in budgets:
                 if time.perf_counter() > deadline and bs > always:
                     break  # one and four rows under each budget always run: enough for a table
+                n = ONE_ROW_TOKENS if bs == 1 else 8
                 for i in range(bs):
                     prompt = torch.randint(0, engine.vocab_size, (24,), generator=g).tolist()
+                    # room for a full block past n tokens: no timed step drafts under a depth
+                    # limit cut by the tokens left (a request's last steps draft shallow
+                    # trees, and their faster half priced a served step's drafting at half)
                     engine.add_request(f"__costs-{bs}-{budget.node_cap}-{i}", prompt,
-                                       SamplingParams(max_tokens=ONE_ROW_TOKENS if bs == 1 else 8), budget=budget)
+                                       SamplingParams(max_tokens=n + block + 1), budget=budget)
                 while engine.has_unfinished():
                     engine.step()
+                    for req in [r for r in engine.sched.running if len(r.output) >= n]:
+                        engine.abort(req.id)
     finally:
         engine.on_step, engine.allocator = prev_hook, prev_alloc
     ends = [before] + [c for _, c in steps]
