@@ -289,6 +289,9 @@ static void silu_mul(const float *g, const float *u, float *a, long I) {
 }
 #endif
 
+/* exp_shift for waves.c */
+float ts_exp_shift(float *s, long n, float top) { return exp_shift(s, n, top); }
+
 /* Attention of a few query tokens a row over a paged store, read in place through the
  * block table (no gathered copy): out = softmax(q k^T scale + bias) v per query head, over
  * the KV head it groups under (query head h reads KV head h / G). Split-K: each (row, KV

@@ -35,7 +35,7 @@ from filelock import FileLock
 from treespark.kernels.machine import hardware_name
 
 # the products (gemv.c) and the decoder-layer blocks built on them (blocks.c), one library
-SOURCES = (Path(__file__).with_name("gemv.c"), Path(__file__).with_name("blocks.c"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.c", "blocks.c", "waves.c"))
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "kernels"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 MAX_ROWS = 16  # the most rows ``native_linear`` takes: W's 4-row block stays in L1 over them
@@ -102,7 +102,7 @@ def build_id() -> str | None:
 def load(path: Path) -> ctypes.CDLL:
     """A built library, its functions typed."""
     lib = ctypes.CDLL(str(path))
-    ptr, f32, n, i32 = ctypes.c_void_p, ctypes.c_float, ctypes.c_long, ctypes.c_int
+    ptr, f32, f64, n, i32 = ctypes.c_void_p, ctypes.c_float, ctypes.c_double, ctypes.c_long, ctypes.c_int
     signatures = {
         "ts_gemv": [ptr] * 4 + [n] * 3 + [i32],
         "ts_gemv_panels": [ptr] * 4 + [n] * 3 + [i32],
@@ -112,6 +112,7 @@ def load(path: Path) -> ctypes.CDLL:
         "ts_attn_out_mlp": [ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i32] + [ptr] * 5 + [n] * 4 + [i32],
         "ts_paged_attention": [ptr] * 4 + [n, n, ptr, f32, ptr, ptr] + [n] * 6 + [i32],
         "ts_layers": [ptr, n, i32] + [ptr] * 8 + [n, n, ptr, f32] + [n] * 8 + [i32],
+        "ts_greedy_forest": [ptr, n, n, ptr, n, ptr, ptr, n] + [ptr] * 7 + [n, f64, n] + [ptr] * 9 + [n, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

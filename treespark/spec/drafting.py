@@ -28,6 +28,7 @@ import torch
 from treespark.kernels import vocab
 from treespark.kernels.linear import SMALL_ROWS, unplanned_linear
 from treespark.kernels.transfer import HostTransfers
+from treespark.spec import native_forest
 from treespark.spec.budget import Budget
 from treespark.spec.calibration import Calibration
 from treespark.spec.forest import Forest
@@ -205,10 +206,15 @@ class WaveDrafter:
     """Grows a batch's trees on the drafter's device (see the module docstring)."""
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor, draft_to_target: torch.Tensor | None,
-                 transfers: HostTransfers, w2_panels: Callable[[], torch.Tensor | None] = lambda: None) -> None:
+                 transfers: HostTransfers, w2_panels: Callable[[], torch.Tensor | None] = lambda: None,
+                 *, native: bool = True) -> None:
         """``w2_panels``: W2's exact bfloat16 panels as they stand (``Linear.panels``: a drafter
-        stored in bfloat16, half the bytes a wave on the CPU), or None."""
+        stored in bfloat16, half the bytes a wave on the CPU), or None. ``native``: grow a
+        round whose rows are all at T = 0 in one native call where the drafter's numbers
+        are on the CPU (``treespark.spec.native_forest``); False: always in waves here."""
         self.w1, self.w2, self.w2_panels = w1, w2, w2_panels
+        self.native = native
+        self._native_w: tuple[torch.Tensor, torch.Tensor] | None = None   # (W1, W2^T) float32, made once
         self.d2t = None if draft_to_target is None else draft_to_target.cpu().numpy()
         self.vocab = w2.shape[0]
         # the token id of each draft index, on the device: whose noise a keyed draft takes
@@ -217,9 +223,19 @@ class WaveDrafter:
         self.transfers = transfers
         self._no_keys = torch.zeros(0, 2, dtype=torch.long, device=w2.device)   # a wave without keyed rows
 
+    def _greedy_natively(self, base: torch.Tensor | None, rows: list[RowDraft]) -> bool:
+        return (self.native and base is not None and all(r.temperature == 0 for r in rows)
+                and native_forest.available(base))
+
     def draft(self, base: torch.Tensor | None, rows: list[RowDraft]) -> RoundDraft:
         forest = Forest([r.root for r in rows], [r.budget for r in rows], [r.depth_limit for r in rows], self.d2t)
         out = RoundDraft(trees=[])
+        if self._greedy_natively(base, rows):
+            if self._native_w is None:
+                self._native_w = (self.w1.detach().float().contiguous(), native_forest.transposed(self.w2))
+            out.waves = native_forest.greedy_forest(forest, base, *self._native_w, [r.calibration for r in rows],
+                                                    [r.budget.branch_cap for r in rows], self.d2t)
+            base = None   # grown: no waves left here
         temp = np.array([r.temperature for r in rows], dtype=np.float64)         # [R]
         cap = np.array([r.budget.branch_cap for r in rows], dtype=np.int64)      # [R]
         is_keyed = np.array([r.key is not None for r in rows], dtype=bool)      # [R]

@@ -1,0 +1,72 @@
+"""A round's greedy draft trees grown in one native call (``waves.c``).
+
+``treespark.spec.drafting.WaveDrafter`` grows a batch's trees a depth wave at a time:
+per wave ~100 numpy and torch operators (the forest's ranking, the parents' upload, the
+drafter's scoring, the fetch, the slots, the scatter of the children), ~1 ms on a CPU
+where the wave's arithmetic is ~0.1 ms. Where every row is at T = 0 and the drafter's
+numbers are on the CPU, ``greedy_forest`` runs all the waves in C over the ``Forest``'s
+own arrays: the same rule (``treespark.spec.select``), the same trees to float rounding
+of the logits (``tests/spec/test_native_waves.py``). Verification is untouched, so the
+output stays the target's whatever the draft.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from treespark.kernels.native import library
+from treespark.spec.calibration import _EPS, Calibration
+from treespark.spec.forest import Forest
+from treespark.spec.select import TOP_M
+
+
+def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
+    if a is None:
+        return None
+    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
+
+
+def available(base: torch.Tensor) -> bool:
+    """Whether ``greedy_forest`` takes this round: the kernels built, the base logits on the CPU."""
+    return base.device.type == "cpu" and library() is not None
+
+
+def transposed(w2: torch.Tensor) -> torch.Tensor:
+    """W2 [Vd, r] as the float32 [r, Vd] ``greedy_forest`` reads."""
+    return w2.detach().float().t().contiguous()
+
+
+def greedy_forest(forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2t: torch.Tensor,
+                  calibrations: list[Calibration], branch_caps: list[int], d2t: np.ndarray | None) -> int:
+    """Grow ``forest`` (fresh: roots only) to the end at T = 0 and return the waves run.
+    base [R, D, Vd] the drafter's base logits; w1 [V, r] float32 (rows by the parent's
+    token id); w2t [r, Vd] (``transposed``); one calibration (the map at T = 0) and branch
+    cap per row; d2t: draft index -> token id (None: identity)."""
+    lib = library()
+    assert lib is not None
+    r_rows = forest.rows
+    base = base.float().contiguous()
+    assert base.shape[0] == r_rows and w1.dtype == torch.float32 and w1.is_contiguous()
+    depth = int(forest.depth_limit.max(initial=0))
+    bound = 1 + depth * (int(forest.node_cap.max(initial=0)) + 1) * max(branch_caps, default=1)
+    forest._grow(bound)   # each node opens in the wave after it is made or never: <= depth waves
+    noff = 1 + max((len(c.sibling_bias) for c in calibrations), default=0)
+    off = np.array([[c.offset(j) for j in range(noff)] for c in calibrations], dtype=np.float64).reshape(r_rows, noff)
+    a = np.array([c.a for c in calibrations], dtype=np.float64)
+    b = np.array([c.b for c in calibrations], dtype=np.float64)
+    limits = np.where(forest.speculates, forest.depth_limit, 0).astype(np.int64)
+    caps = np.asarray(branch_caps, dtype=np.int64)
+    opened = forest.opened.view(np.uint8)
+    d2t64 = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64)
+    waves = lib.ts_greedy_forest(
+        _ptr(base), base.shape[1], base.shape[2], _ptr(w1), w1.shape[1], _ptr(w2t), _ptr(d2t64), r_rows,
+        _ptr(forest.theta), _ptr(forest.node_cap), _ptr(caps), _ptr(limits), _ptr(a), _ptr(b), _ptr(off), noff,
+        ctypes.c_double(_EPS), TOP_M, _ptr(forest.parent), _ptr(forest.draft_id), _ptr(forest.token), _ptr(forest.q),
+        _ptr(forest.score), _ptr(forest.survival), _ptr(forest.depth), _ptr(opened), _ptr(forest.size),
+        forest.parent.shape[1], torch.get_num_threads())
+    if waves < 0:
+        raise RuntimeError(f"ts_greedy_forest failed ({waves})")
+    return waves
