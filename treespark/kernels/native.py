@@ -9,8 +9,9 @@ weight whose values are bfloat16 values, ``treespark.models.precision``) is read
 the bytes, in panels of 16 rows (``to_panels``), and widened exactly: the same values as
 its float32 original, and a few rows cost little more than one (``gemv.c``).
 
-The C files (``gemv.c``, and ``blocks.c``: a decoder layer's few-row forward around its
-attention, ``treespark.kernels.blocks``) are compiled once per machine, source and
+The C files (``gemv.c``; ``blocks.c``: a decoder layer's few-row forward around its
+attention, ``treespark.kernels.blocks``; ``waves.c``: a greedy round's draft trees,
+``treespark.spec.native_forest``) are compiled once per machine, source and
 compiler (``cc -O3 -march=native -fopenmp``; a second or so) into
 ``~/.cache/treespark/kernels/`` under a ``filelock``, and loaded with ``ctypes``, which
 releases the GIL during the call. Where there is no C compiler or the build fails, ``library()`` is None, the product plan does not offer the
