@@ -77,3 +77,20 @@ def test_a_round_with_a_sampled_row_is_grown_in_python():
     assert not drafter._greedy_natively(base, [greedy, sampled])
     out = drafter.draft(base, [greedy, sampled])
     assert out.q_rows is not None and out.q_rows.shape[0] > 0
+
+
+def test_the_native_round_is_an_operator_to_the_profiler():
+    """Host-share figures count operator time: the native round is one, as a native product is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from treespark.spec.native_forest import PROFILER_NAME
+
+    g = torch.Generator().manual_seed(0)
+    w1, w2, _ = random_drafter(g, 1000, 512, 8, False)
+    drafter = WaveDrafter(w1, w2, None, HostTransfers(torch.device("cpu")))
+    row = RowDraft(root=3, budget=Budget(0.0, 8, 2), depth_limit=4, temperature=0.0, calibration=MAPS[0],
+                   sampler=TorchSampler(0))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = drafter.draft(torch.randn(1, 4, 512, generator=g), [row])
+    ev = {e.key: e for e in prof.key_averages()}
+    assert out.waves > 0 and ev[PROFILER_NAME].count == 1

@@ -15,6 +15,10 @@ log q + G with the noise keyed by the children's index (``treespark.spec.gumbel`
 noise its target tokens are verified with. Only ``[parents, 2 * TOP_M + 2k]`` numbers
 reach the host, in one copy; the other T > 0 parents' q rows stay on the device for
 verification (``treespark.spec.walk``).
+
+Where every row of a round is at T = 0 and the base logits are on the CPU, the whole
+round (every wave's ranking, scoring and slots) runs in one native call instead
+(``treespark.spec.native_forest``): the same trees, without ~1 ms of operators a wave.
 """
 
 from __future__ import annotations

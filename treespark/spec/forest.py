@@ -58,6 +58,10 @@ class Forest:
     def rows(self) -> int:
         return len(self.size)
 
+    def reserve(self, need: int) -> None:
+        """Room for ``need`` candidates a row (what a native grower writes into in place)."""
+        self._grow(need)
+
     def _grow(self, need: int) -> None:
         cap = self.parent.shape[1]
         if need <= cap:

@@ -12,6 +12,7 @@ output stays the target's whatever the draft.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -21,6 +22,8 @@ from treespark.kernels.native import library
 from treespark.spec.calibration import _EPS, Calibration
 from treespark.spec.forest import Forest
 from treespark.spec.select import TOP_M
+
+PROFILER_NAME = "treespark::greedy_forest"   # what torch.profiler calls the call (an operator, as native_linear is)
 
 
 def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
@@ -52,7 +55,7 @@ def greedy_forest(forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2t: tor
     assert base.shape[0] == r_rows and w1.dtype == torch.float32 and w1.is_contiguous()
     depth = int(forest.depth_limit.max(initial=0))
     bound = 1 + depth * (int(forest.node_cap.max(initial=0)) + 1) * max(branch_caps, default=1)
-    forest._grow(bound)   # each node opens in the wave after it is made or never: <= depth waves
+    forest.reserve(bound)   # each node opens in the wave after it is made or never: <= depth waves
     noff = 1 + max((len(c.sibling_bias) for c in calibrations), default=0)
     off = np.array([[c.offset(j) for j in range(noff)] for c in calibrations], dtype=np.float64).reshape(r_rows, noff)
     a = np.array([c.a for c in calibrations], dtype=np.float64)
@@ -61,12 +64,14 @@ def greedy_forest(forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2t: tor
     caps = np.asarray(branch_caps, dtype=np.int64)
     opened = forest.opened.view(np.uint8)
     d2t64 = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64)
-    waves = lib.ts_greedy_forest(
-        _ptr(base), base.shape[1], base.shape[2], _ptr(w1), w1.shape[1], _ptr(w2t), _ptr(d2t64), r_rows,
-        _ptr(forest.theta), _ptr(forest.node_cap), _ptr(caps), _ptr(limits), _ptr(a), _ptr(b), _ptr(off), noff,
-        ctypes.c_double(_EPS), TOP_M, _ptr(forest.parent), _ptr(forest.draft_id), _ptr(forest.token), _ptr(forest.q),
-        _ptr(forest.score), _ptr(forest.survival), _ptr(forest.depth), _ptr(opened), _ptr(forest.size),
-        forest.parent.shape[1], torch.get_num_threads())
+    args = (_ptr(base), base.shape[1], base.shape[2], _ptr(w1), w1.shape[1], _ptr(w2t), _ptr(d2t64), r_rows,
+            _ptr(forest.theta), _ptr(forest.node_cap), _ptr(caps), _ptr(limits), _ptr(a), _ptr(b), _ptr(off), noff,
+            ctypes.c_double(_EPS), TOP_M, _ptr(forest.parent), _ptr(forest.draft_id), _ptr(forest.token),
+            _ptr(forest.q), _ptr(forest.score), _ptr(forest.survival), _ptr(forest.depth), _ptr(opened),
+            _ptr(forest.size), forest.parent.shape[1], torch.get_num_threads())
+    profiled = torch.autograd.profiler._is_profiler_enabled
+    with torch.profiler.record_function(PROFILER_NAME) if profiled else contextlib.nullcontext():
+        waves = lib.ts_greedy_forest(*args)
     if waves < 0:
         raise RuntimeError(f"ts_greedy_forest failed ({waves})")
     return waves
