@@ -94,3 +94,22 @@ def test_the_native_round_is_an_operator_to_the_profiler():
         out = drafter.draft(torch.randn(1, 4, 512, generator=g), [row])
     ev = {e.key: e for e in prof.key_averages()}
     assert out.waves > 0 and ev[PROFILER_NAME].count == 1
+
+
+def test_a_rows_native_tree_does_not_depend_on_the_rows_beside_it():
+    """Each logit is the same chain of operations whoever shares the wave (the product
+    groups parents by four): a row drafted alone and in a batch of 7 gets the same tree,
+    bit for bit."""
+    rng = np.random.default_rng(5)
+    g = torch.Generator().manual_seed(5)
+    vocab, draft_vocab, rank, block = 3000, 1000, 12, 5   # a vocabulary that is no multiple of 16
+    w1, w2, _ = random_drafter(g, vocab, draft_vocab, rank, False)
+    drafter = WaveDrafter(w1, w2, None, HostTransfers(torch.device("cpu")))
+    rows = [RowDraft(root=int(rng.integers(0, vocab)), budget=Budget(0.0, 24, 3), depth_limit=block,
+                     temperature=0.0, calibration=MAPS[0], sampler=TorchSampler(0)) for _ in range(7)]
+    base = torch.randn(7, block, draft_vocab, generator=g)
+    together = drafter.draft(base, rows)
+    for i in (0, 3, 6):
+        alone = drafter.draft(base[i:i + 1].clone(), [rows[i]])
+        assert alone.trees[0].tokens == together.trees[i].tokens
+        assert alone.trees[0].q == together.trees[i].q and alone.scores[0] == together.scores[i]

@@ -79,61 +79,106 @@ static long to_open(const forest *f, long b, double theta, long node_cap, long d
     return p;
 }
 
-/* the logits of P parents, l[p] = W2 x_p + u_p, over a span [v0, v1) of the draft
- * vocabulary: each span of W2^T is read once for every parent while it sits in cache */
-static void logits_span(const float *const *u, const float *const *x, const float *w2t, long vd, long r, long P,
-                        long v0, long v1, float *l) {
-    for (long p = 0; p < P; ++p) {
-        float *lp = l + p * vd;
-        const float *xp = x[p];
-        for (long v = v0; v < v1; ++v) lp[v] = 0.0f;
-        long i = 0;
-        for (; i + 4 <= r; i += 4) {
-            const float x0 = xp[i], x1 = xp[i + 1], x2 = xp[i + 2], x3 = xp[i + 3];
-            const float *a = w2t + i * vd, *b = a + vd, *c = b + vd, *d = c + vd;
-            for (long v = v0; v < v1; ++v) lp[v] += x0 * a[v] + x1 * b[v] + x2 * c[v] + x3 * d[v];
+/* The logits of P parents over a span [v0, v1) of the draft vocabulary (v0 a multiple
+ * of VW), l[p * SPAN + v - v0] = W2 x_p + u_p. W2 comes in panels [ceil(Vd / VW), r, VW]
+ * (VW draft tokens' weights at each rank, contiguous; the last panel padded with zeros): a
+ * panel is read once for every parent while it sits in L1, into 4 parents x VW
+ * accumulators held over the rank. Each logit is the same chain (fused multiply-adds
+ * over the rank in order, then + u) whichever parents share its group. */
+#define VW 32
+#define SPAN 512   /* draft tokens a span takes (a multiple of VW): [P, SPAN] logits stay in cache */
+static void logits_span(const float *const *u, const float *const *x, const float *w2p, long r, long P, long v0,
+                        long v1, float *l) {
+    for (long v = v0; v < v1; v += VW) {
+        const float *panel = w2p + (v / VW) * r * VW;
+        const int n = v1 - v < VW ? (int)(v1 - v) : VW;
+        float *out = l + (v - v0);
+        long p = 0;
+        for (; p + 4 <= P; p += 4) {
+            float acc[4][VW] = {{0.0f}};
+            const float *x0 = x[p], *x1 = x[p + 1], *x2 = x[p + 2], *x3 = x[p + 3];
+            for (long i = 0; i < r; ++i) {
+                const float *w = panel + i * VW;
+                const float a0 = x0[i], a1 = x1[i], a2 = x2[i], a3 = x3[i];
+                for (int j = 0; j < VW; ++j) {
+                    acc[0][j] = fmaf(a0, w[j], acc[0][j]);
+                    acc[1][j] = fmaf(a1, w[j], acc[1][j]);
+                    acc[2][j] = fmaf(a2, w[j], acc[2][j]);
+                    acc[3][j] = fmaf(a3, w[j], acc[3][j]);
+                }
+            }
+            for (int q = 0; q < 4; ++q)
+                for (int j = 0; j < n; ++j) out[(p + q) * SPAN + j] = acc[q][j] + u[p + q][v + j];
         }
-        for (; i < r; ++i) {
-            const float xi = xp[i], *a = w2t + i * vd;
-            for (long v = v0; v < v1; ++v) lp[v] += xi * a[v];
+        for (; p < P; ++p) {
+            float acc[VW] = {0.0f};
+            const float *xp = x[p];
+            for (long i = 0; i < r; ++i) {
+                const float *w = panel + i * VW;
+                const float a = xp[i];
+                for (int j = 0; j < VW; ++j) acc[j] = fmaf(a, w[j], acc[j]);
+            }
+            for (int j = 0; j < n; ++j) out[p * SPAN + j] = acc[j] + u[p][v + j];
         }
-        const float *up = u[p];
-        for (long v = v0; v < v1; ++v) lp[v] += up[v];
     }
 }
 
-/* one parent's k best draft indices (ties to the lower index) and their q, from its logits
- * (overwritten) */
-static void top_q(float *l, long vd, long k, int64_t *ids, double *qs) {
-    float top[MAX_K];
-    long n = 0;
-    for (long v = 0; v < vd; ++v) {
-        const float x = l[v];
-        if (n == k && !(x > top[k - 1])) continue;
-        if (x != x) continue;
-        long j = n < k ? n++ : k - 1;
-        while (j > 0 && top[j - 1] < x) {
-            top[j] = top[j - 1];
-            ids[j] = ids[j - 1];
-            --j;
-        }
-        top[j] = x;
-        ids[j] = v;
+/* x into a descending top of at most k (values, ids; ties keep the earlier, so fed in
+ * ascending id order the lower id wins); NaN never enters */
+static inline void top_insert(float *top, int64_t *ids, long *n, long k, float x, int64_t id) {
+    if ((*n == k && !(x > top[k - 1])) || x != x) return;
+    long j = *n < k ? (*n)++ : k - 1;
+    while (j > 0 && top[j - 1] < x) {
+        top[j] = top[j - 1];
+        ids[j] = ids[j - 1];
+        --j;
     }
-    const float mx = top[0];
-    const float lse = logf(ts_exp_shift(l, vd, mx));
+    top[j] = x;
+    ids[j] = id;
+}
+
+/* A span's partial for one parent: its top k (ties to the lower id), the span's maximum
+ * and its sum of e^(l - max) (l overwritten) */
+typedef struct {
+    float top[MAX_K];
+    int64_t ids[MAX_K];
+    long n;
+    float max, sum;
+} partial;
+
+static void span_partial(float *l, long n, long v0, long k, partial *out) {
+    out->n = 0;
+    for (long v = 0; v < n; ++v) top_insert(out->top, out->ids, &out->n, k, l[v], v0 + v);
+    out->max = out->n ? out->top[0] : -INFINITY;
+    out->sum = out->n ? ts_exp_shift(l, n, out->max) : 0.0f;
+}
+
+/* A parent's k best draft indices and their q = e^(l - M) / S from its spans' partials,
+ * merged in span order (the same numbers whatever the threads) */
+static void merge_partials(const partial *parts, long spans, long stride, long k, int64_t *ids, double *qs) {
+    float top[MAX_K], mx = -INFINITY;
+    long n = 0;
+    for (long s = 0; s < spans; ++s) {
+        const partial *ps = parts + s * stride;
+        if (ps->n && ps->max > mx) mx = ps->max;
+        for (long j = 0; j < ps->n; ++j) top_insert(top, ids, &n, k, ps->top[j], ps->ids[j]);
+    }
+    double total = 0.0;
+    for (long s = 0; s < spans; ++s) {
+        const partial *ps = parts + s * stride;
+        if (ps->n) total += (double)ps->sum * exp((double)ps->max - (double)mx);
+    }
+    const float lse = logf((float)total);
     for (long j = 0; j < k; ++j) qs[j] = j < n ? (double)expf((top[j] - mx) - lse) : 0.0;
 }
 
-#define SPAN 512   /* draft tokens of W2^T a parent's logits take at a time (r x SPAN floats) */
-
 /* Grow the forest of R rows at T = 0 to the end; returns the waves run (-1: a row
  * outgrew the arrays, -2: out of memory).
- * base [R, D, Vd]; w1 [V, r]; w2t [r, Vd] (W2 transposed); d2t [Vd] (NULL: identity);
+ * base [R, D, Vd]; w1 [V, r]; w2p W2's panels (logits_span); d2t [Vd] (NULL: identity);
  * per row: theta, node_cap, branch_cap, depth_limit (0: no drafting), the calibration's a
  * and b and its sibling offsets [R, noff] (rank j takes off[min(j, noff - 1)]); a node
  * offers at most top_m slots (the host's TOP_M). */
-int ts_greedy_forest(const float *base, long D, long vd, const float *w1, long r, const float *w2t, const int64_t *d2t,
+int ts_greedy_forest(const float *base, long D, long vd, const float *w1, long r, const float *w2p, const int64_t *d2t,
                      long R, const double *theta, const int64_t *node_cap, const int64_t *branch_cap,
                      const int64_t *depth_limit, const double *cal_a, const double *cal_b, const double *off,
                      long noff, double eps, long top_m, int64_t *parent, int64_t *draft_id, int64_t *token, double *q,
@@ -158,10 +203,11 @@ int ts_greedy_forest(const float *base, long D, long vd, const float *w1, long r
         }
         if (P == 0) break;
         ++waves;
-        float *l = malloc((size_t)P * vd * sizeof(float));
+        const long spans = (vd + SPAN - 1) / SPAN;
+        partial *parts = malloc((size_t)spans * P * sizeof(partial));
         const float **u = malloc((size_t)P * sizeof(float *)), **x = malloc((size_t)P * sizeof(float *));
-        if (!l || !u || !x) {
-            free(l), free(u), free(x);
+        if (!parts || !u || !x) {
+            free(parts), free(u), free(x);
             err = -2;
             break;
         }
@@ -170,19 +216,33 @@ int ts_greedy_forest(const float *base, long D, long vd, const float *w1, long r
             u[p] = base + (pair_row[p] * D + depth[c]) * vd;
             x[p] = w1 + token[c] * r;
         }
-        const long spans = (vd + SPAN - 1) / SPAN;
 #pragma omp parallel num_threads(threads)
         {
+            float *l = malloc((size_t)P * SPAN * sizeof(float));
 #pragma omp for schedule(static)
-            for (long t = 0; t < spans; ++t)
-                logits_span(u, x, w2t, vd, r, P, t * SPAN, (t + 1) * SPAN < vd ? (t + 1) * SPAN : vd, l);
+            for (long t = 0; t < spans; ++t) {
+                if (!l) continue;
+                const long v0 = t * SPAN, v1 = v0 + SPAN < vd ? v0 + SPAN : vd;
+                logits_span(u, x, w2p, r, P, v0, v1, l);
+                for (long p = 0; p < P; ++p) {
+                    const long k = branch_cap[pair_row[p]] < kmax ? branch_cap[pair_row[p]] : kmax;
+                    span_partial(l + p * SPAN, v1 - v0, v0, k, parts + t * P + p);
+                }
+            }
+            if (!l) {
+#pragma omp atomic write
+                err = -2;
+            }
+            free(l);
+#pragma omp barrier
 #pragma omp for schedule(static)
             for (long p = 0; p < P; ++p) {
+                if (err) continue;
                 const long k = branch_cap[pair_row[p]] < kmax ? branch_cap[pair_row[p]] : kmax;
-                top_q(l + p * vd, vd, k, ids + p * MAX_K, qs + p * MAX_K);
+                merge_partials(parts + p, spans, P, k, ids + p * MAX_K, qs + p * MAX_K);
             }
         }
-        free(l), free(u), free(x);
+        free(parts), free(u), free(x);
         for (long p = 0; p < P && !err; ++p) {
             const long b = pair_row[p], c0 = b * cap, c = c0 + pair_node[p];
             const long k = branch_cap[b] < kmax ? branch_cap[b] : kmax;

@@ -217,8 +217,9 @@ class WaveDrafter:
         round whose rows are all at T = 0 in one native call where the drafter's numbers
         are on the CPU (``treespark.spec.native_forest``); False: always in waves here."""
         self.w1, self.w2, self.w2_panels = w1, w2, w2_panels
-        self.native = native
-        self._native_w: tuple[torch.Tensor, torch.Tensor] | None = None   # (W1, W2^T) float32, made once
+        # (W1, W2's panels) float32 for the native rounds, made here, not in a step
+        self._native_w = (w1.detach().float().contiguous(), native_forest.panels(w2)) \
+            if native and w2.device.type == "cpu" and native_forest.available(w2) else None
         self.d2t = None if draft_to_target is None else draft_to_target.cpu().numpy()
         self.vocab = w2.shape[0]
         # the token id of each draft index, on the device: whose noise a keyed draft takes
@@ -228,15 +229,13 @@ class WaveDrafter:
         self._no_keys = torch.zeros(0, 2, dtype=torch.long, device=w2.device)   # a wave without keyed rows
 
     def _greedy_natively(self, base: torch.Tensor | None, rows: list[RowDraft]) -> bool:
-        return (self.native and base is not None and all(r.temperature == 0 for r in rows)
-                and native_forest.available(base))
+        return (self._native_w is not None and base is not None and base.device.type == "cpu"
+                and all(r.temperature == 0 for r in rows))
 
     def draft(self, base: torch.Tensor | None, rows: list[RowDraft]) -> RoundDraft:
         forest = Forest([r.root for r in rows], [r.budget for r in rows], [r.depth_limit for r in rows], self.d2t)
         out = RoundDraft(trees=[])
         if self._greedy_natively(base, rows):
-            if self._native_w is None:
-                self._native_w = (self.w1.detach().float().contiguous(), native_forest.transposed(self.w2))
             out.waves = native_forest.greedy_forest(forest, base, *self._native_w, [r.calibration for r in rows],
                                                     [r.budget.branch_cap for r in rows], self.d2t)
             base = None   # grown: no waves left here

@@ -32,21 +32,29 @@ def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
     return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
 
 
-def available(base: torch.Tensor) -> bool:
-    """Whether ``greedy_forest`` takes this round: the kernels built, the base logits on the CPU."""
-    return base.device.type == "cpu" and library() is not None
+def available(t: torch.Tensor) -> bool:
+    """Whether ``greedy_forest`` runs on ``t``'s device: the CPU, with the kernels built."""
+    return t.device.type == "cpu" and library() is not None
 
 
-def transposed(w2: torch.Tensor) -> torch.Tensor:
-    """W2 [Vd, r] as the float32 [r, Vd] ``greedy_forest`` reads."""
-    return w2.detach().float().t().contiguous()
+PANEL = 32   # draft tokens a panel of W2 holds (waves.c's VW)
 
 
-def greedy_forest(forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2t: torch.Tensor,
+def panels(w2: torch.Tensor) -> torch.Tensor:
+    """W2 [Vd, r] as the float32 panels ``greedy_forest`` reads: [ceil(Vd / PANEL), r,
+    PANEL], panel c holding tokens c * PANEL .. at every rank (the last padded with zeros)."""
+    vd, r = w2.shape
+    n = -(-vd // PANEL)
+    padded = torch.zeros(n * PANEL, r, dtype=torch.float32)
+    padded[:vd] = w2.detach().float().cpu()
+    return padded.view(n, PANEL, r).transpose(1, 2).contiguous()
+
+
+def greedy_forest(forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2p: torch.Tensor,
                   calibrations: list[Calibration], branch_caps: list[int], d2t: np.ndarray | None) -> int:
     """Grow ``forest`` (fresh: roots only) to the end at T = 0 and return the waves run.
     base [R, D, Vd] the drafter's base logits; w1 [V, r] float32 (rows by the parent's
-    token id); w2t [r, Vd] (``transposed``); one calibration (the map at T = 0) and branch
+    token id); w2p W2's ``panels``; one calibration (the map at T = 0) and branch
     cap per row; d2t: draft index -> token id (None: identity)."""
     lib = library()
     assert lib is not None
@@ -64,7 +72,7 @@ def greedy_forest(forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2t: tor
     caps = np.asarray(branch_caps, dtype=np.int64)
     opened = forest.opened.view(np.uint8)
     d2t64 = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64)
-    args = (_ptr(base), base.shape[1], base.shape[2], _ptr(w1), w1.shape[1], _ptr(w2t), _ptr(d2t64), r_rows,
+    args = (_ptr(base), base.shape[1], base.shape[2], _ptr(w1), w1.shape[1], _ptr(w2p), _ptr(d2t64), r_rows,
             _ptr(forest.theta), _ptr(forest.node_cap), _ptr(caps), _ptr(limits), _ptr(a), _ptr(b), _ptr(off), noff,
             ctypes.c_double(_EPS), TOP_M, _ptr(forest.parent), _ptr(forest.draft_id), _ptr(forest.token),
             _ptr(forest.q), _ptr(forest.score), _ptr(forest.survival), _ptr(forest.depth), _ptr(opened),
