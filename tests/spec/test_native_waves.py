@@ -9,6 +9,7 @@ import torch
 from treespark import Budget, Calibration
 from treespark.kernels.native import library
 from treespark.kernels.transfer import HostTransfers
+from treespark.spec import native_forest
 from treespark.spec.drafting import RowDraft, WaveDrafter
 from treespark.spec.sampling import TorchSampler
 
@@ -36,7 +37,12 @@ def random_rows(rng, g, n: int, vocab: int, block: int):
 
 
 @pytest.mark.parametrize("d2t", [False, True])
-def test_native_greedy_waves_grow_the_python_waves_trees(d2t):
+def test_native_greedy_waves_grow_the_python_waves_trees(d2t, monkeypatch):
+    """Rounds that outgrow the forest's starting room (a node pushed out of the top keeps
+    its children) are grown again in room for all: some of these rounds do."""
+    codes = []
+    grow = native_forest._grow
+    monkeypatch.setattr(native_forest, "_grow", lambda *a: codes.append(grow(*a)) or codes[-1])
     rng = np.random.default_rng(int(d2t))
     g = torch.Generator().manual_seed(int(d2t))
     vocab, draft_vocab, rank, block = 3000, 2048, 12, 6
@@ -60,6 +66,7 @@ def test_native_greedy_waves_grow_the_python_waves_trees(d2t):
         nodes += sum(t.num_nodes for t in a.trees)
         waves += a.waves
     assert nodes > 200 and waves > 60   # the rounds drafted real trees
+    assert native_forest._OUTGROWN in codes
 
 
 def test_a_round_with_a_sampled_row_is_grown_in_python():

@@ -19,15 +19,16 @@
  *
  * The forest's arrays are the Python Forest's, written in place; the trees are its (to
  * float rounding of the logits: the product and the sum run in another order than
- * torch's). A wave's product reads each span of W2^T once for all its parents, the spans
- * over the threads; then the parents' top-k and sums, a parent to a thread. Each logit is
- * the same chain of operations whoever shares the wave: a row's trees never depend on the
- * rows beside it.
+ * torch's). A wave's scoring runs over spans of the draft vocabulary, the spans over the
+ * threads: each span's logits for every parent (W2 read once a span for all of them), then
+ * each parent's top-k, maximum and sum of exponentials there; then, a parent to a thread,
+ * the spans' partials merged in span order. Each logit is the same chain of operations
+ * whoever shares the wave, and the merge's order is fixed: a row's trees never depend on
+ * the rows beside it, nor on the threads.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 float ts_exp_shift(float *s, long n, float top);   /* blocks.c: s = e^(s - top), their sum */
 

@@ -233,12 +233,14 @@ class WaveDrafter:
                 and all(r.temperature == 0 for r in rows))
 
     def draft(self, base: torch.Tensor | None, rows: list[RowDraft]) -> RoundDraft:
-        forest = Forest([r.root for r in rows], [r.budget for r in rows], [r.depth_limit for r in rows], self.d2t)
+        start = ([r.root for r in rows], [r.budget for r in rows], [r.depth_limit for r in rows], self.d2t)
         out = RoundDraft(trees=[])
         if self._greedy_natively(base, rows):
-            out.waves = native_forest.greedy_forest(forest, base, *self._native_w, [r.calibration for r in rows],
-                                                    [r.budget.branch_cap for r in rows], self.d2t)
+            forest, out.waves = native_forest.greedy_forest(*start, base, *self._native_w,
+                                                            [r.calibration for r in rows])
             base = None   # grown: no waves left here
+        else:
+            forest = Forest(*start)
         temp = np.array([r.temperature for r in rows], dtype=np.float64)         # [R]
         cap = np.array([r.budget.branch_cap for r in rows], dtype=np.int64)      # [R]
         is_keyed = np.array([r.key is not None for r in rows], dtype=bool)      # [R]

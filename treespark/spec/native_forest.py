@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from treespark.kernels.native import library
+from treespark.spec.budget import Budget
 from treespark.spec.calibration import _EPS, Calibration
 from treespark.spec.forest import Forest
 from treespark.spec.select import TOP_M
@@ -50,20 +51,39 @@ def panels(w2: torch.Tensor) -> torch.Tensor:
     return padded.view(n, PANEL, r).transpose(1, 2).contiguous()
 
 
-def greedy_forest(forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2p: torch.Tensor,
-                  calibrations: list[Calibration], branch_caps: list[int], d2t: np.ndarray | None) -> int:
-    """Grow ``forest`` (fresh: roots only) to the end at T = 0 and return the waves run.
-    base [R, D, Vd] the drafter's base logits; w1 [V, r] float32 (rows by the parent's
-    token id); w2p W2's ``panels``; one calibration (the map at T = 0) and branch
-    cap per row; d2t: draft index -> token id (None: identity)."""
+def greedy_forest(roots: list[int], budgets: list[Budget], depth_limits: list[int], d2t: np.ndarray | None,
+                  base: torch.Tensor, w1: torch.Tensor, w2p: torch.Tensor, calibrations: list[Calibration]
+                  ) -> tuple[Forest, int]:
+    """A round's ``Forest`` (as ``Forest(roots, budgets, depth_limits, d2t)`` would start it)
+    grown to the end at T = 0, and the waves run. base [R, D, Vd] the drafter's base
+    logits; w1 [V, r] float32 (rows by the parent's token id); w2p W2's ``panels``; one
+    calibration (the map at T = 0) a row. Grown first in the forest's starting room; a row
+    that outgrows it (a node pushed out of the top keeps its children) has the round
+    grown again in room for every node a round can open."""
     lib = library()
     assert lib is not None
-    r_rows = forest.rows
     base = base.float().contiguous()
-    assert base.shape[0] == r_rows and w1.dtype == torch.float32 and w1.is_contiguous()
-    depth = int(forest.depth_limit.max(initial=0))
-    bound = 1 + depth * (int(forest.node_cap.max(initial=0)) + 1) * max(branch_caps, default=1)
-    forest.reserve(bound)   # each node opens in the wave after it is made or never: <= depth waves
+    assert base.shape[0] == len(roots) and w1.dtype == torch.float32 and w1.is_contiguous()
+    forest = Forest(roots, budgets, depth_limits, d2t)
+    waves = _grow(lib, forest, base, w1, w2p, calibrations, [b.branch_cap for b in budgets], d2t)
+    if waves == _OUTGROWN:
+        forest = Forest(roots, budgets, depth_limits, d2t)
+        # each node opens in the wave after it is made or never: at most depth waves of
+        # node_cap + 1 nodes, branch_cap children each
+        depth = int(forest.depth_limit.max(initial=0))
+        forest.reserve(1 + depth * (int(forest.node_cap.max(initial=0)) + 1) * max(b.branch_cap for b in budgets))
+        waves = _grow(lib, forest, base, w1, w2p, calibrations, [b.branch_cap for b in budgets], d2t)
+    if waves < 0:
+        raise RuntimeError(f"ts_greedy_forest failed ({waves})")
+    return forest, waves
+
+
+_OUTGROWN = -1   # ts_greedy_forest's code for a row that outgrew the forest's arrays
+
+
+def _grow(lib, forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2p: torch.Tensor,
+          calibrations: list[Calibration], branch_caps: list[int], d2t: np.ndarray | None) -> int:
+    r_rows = forest.rows
     noff = 1 + max((len(c.sibling_bias) for c in calibrations), default=0)
     off = np.array([[c.offset(j) for j in range(noff)] for c in calibrations], dtype=np.float64).reshape(r_rows, noff)
     a = np.array([c.a for c in calibrations], dtype=np.float64)
@@ -79,7 +99,4 @@ def greedy_forest(forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2p: tor
             _ptr(forest.size), forest.parent.shape[1], torch.get_num_threads())
     profiled = torch.autograd.profiler._is_profiler_enabled
     with torch.profiler.record_function(PROFILER_NAME) if profiled else contextlib.nullcontext():
-        waves = lib.ts_greedy_forest(*args)
-    if waves < 0:
-        raise RuntimeError(f"ts_greedy_forest failed ({waves})")
-    return waves
+        return lib.ts_greedy_forest(*args)
