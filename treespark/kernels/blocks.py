@@ -22,13 +22,12 @@ indexing, the calls' arguments), is paid once a forward.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 from dataclasses import dataclass
 
 import torch
 
-from treespark.kernels.native import MAX_ROWS, library, most_rows
+from treespark.kernels.native import MAX_ROWS, library, most_rows, operator
 
 # what torch.profiler calls them
 PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp", "treespark::paged_attention",
@@ -41,12 +40,6 @@ SPAN_BLOCKS = 8
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def _profiled(name: str):
-    """An operator to the profiler, as native_linear is (host-share figures count operator time)."""
-    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
-        else contextlib.nullcontext()
 
 
 def qk_norm_weight(q_norm: torch.Tensor, k_norm: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
@@ -92,7 +85,7 @@ def attn_in(x: torch.Tensor,              # [M, D] the residual stream
     n = (heads + 2 * kv_heads) * head_dim
     x_out = torch.empty_like(x) if d is not None else x
     normed, qkv = torch.empty_like(x), torch.empty(m, n, dtype=torch.float32)
-    with _profiled(PROFILER_NAMES[0]):
+    with operator(PROFILER_NAMES[0]):
         rc = library().ts_attn_in(x.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, w.data_ptr(), _ptr(b), int(half),
                                   _ptr(qk_norm), qk_eps, cos.data_ptr(), ssin.data_ptr(), x_out.data_ptr(),
                                   normed.data_ptr(), qkv.data_ptr(), m, dim, heads, kv_heads, head_dim,
@@ -114,7 +107,7 @@ def attn_out_mlp(a: torch.Tensor,                      # [M, A] the attention's 
     inter = wdown.shape[1]
     x_out, normed, mlp = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
     gu, act = torch.empty(m, 2 * inter, dtype=torch.float32), torch.empty(m, inter, dtype=torch.float32)
-    with _profiled(PROFILER_NAMES[1]):
+    with operator(PROFILER_NAMES[1]):
         rc = library().ts_attn_out_mlp(a.data_ptr(), wo.data_ptr(), _ptr(bo), x.data_ptr(), norm_w.data_ptr(), eps,
                                        wgu.data_ptr(), _ptr(bgu), wdown.data_ptr(), _ptr(bdown), int(half),
                                        x_out.data_ptr(), normed.data_ptr(), gu.data_ptr(), act.data_ptr(),
@@ -152,7 +145,7 @@ def paged_attention(q: torch.Tensor,       # [B, H, K, hd]
     rows = (h // kvh) * k
     scratch = torch.empty(b * kvh * splits * rows * (SPAN_BLOCKS * block_size + hd + 2), dtype=torch.float32)
     out = torch.empty(b, h, k, hd, dtype=torch.float32)
-    with _profiled(PROFILER_NAMES[2]):
+    with operator(PROFILER_NAMES[2]):
         rc = library().ts_paged_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), table.data_ptr(), nb,
                                           block_size, bias.data_ptr(), hd ** -0.5 if scale is None else scale,
                                           scratch.data_ptr(), out.data_ptr(), b, h, kvh, k, hd, SPAN_BLOCKS,
@@ -242,7 +235,7 @@ def layers(stack: LayerStack,
     out = torch.empty(len(stack.taps), m, dim, dtype=torch.float32)
     slots = slots.to(torch.int64).contiguous()
     table = table.to(torch.int64).contiguous()
-    with _profiled(PROFILER_NAMES[3]):
+    with operator(PROFILER_NAMES[3]):
         rc = library().ts_layers(ctypes.cast(stack.array, ctypes.c_void_p), count, int(stack.half), x.data_ptr(),
                                  mlp.data_ptr(), out.data_ptr(), stack.tap_at.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
                                  slots.data_ptr(), table.data_ptr(), table.shape[1], block_size, bias.data_ptr(),

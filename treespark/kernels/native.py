@@ -35,7 +35,8 @@ from filelock import FileLock
 
 from treespark.kernels.machine import hardware_name
 
-# the products (gemv.c) and the decoder-layer blocks built on them (blocks.c), one library
+# the products (gemv.c), the decoder-layer blocks built on them (blocks.c) and the greedy
+# rounds' draft trees (waves.c), one library
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.c", "blocks.c", "waves.c"))
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "kernels"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -98,6 +99,13 @@ def build_id() -> str | None:
     keyed by."""
     lib = library()
     return None if lib is None else build().stem + ("+tiles" if lib.ts_tiles() else "")
+
+
+def operator(name: str):
+    """A native call as an operator to the profiler, as torch's own are (host-share figures
+    count operator time); no annotation's cost when no profiler runs."""
+    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
+        else contextlib.nullcontext()
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -209,10 +217,8 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty(m, n, dtype=torch.float32)
     args = (rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
             torch.get_num_threads())
-    # an operator to the profiler, as torch's own are (no annotation's cost when none runs)
-    profiled = torch.autograd.profiler._is_profiler_enabled
     fn = library().ts_gemv if weight.dtype == torch.float32 else library().ts_gemv_panels
-    with torch.profiler.record_function(PROFILER_NAME) if profiled else contextlib.nullcontext():
+    with operator(PROFILER_NAME):
         rc = fn(*args)
     if rc != 0:
         raise ValueError(f"ts_gemv refused rows {m}, out {n}, in {k}")

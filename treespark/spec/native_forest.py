@@ -12,13 +12,12 @@ output stays the target's whatever the draft.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 
 import numpy as np
 import torch
 
-from treespark.kernels.native import library
+from treespark.kernels.native import library, operator
 from treespark.spec.budget import Budget
 from treespark.spec.calibration import _EPS, Calibration
 from treespark.spec.forest import Forest
@@ -97,6 +96,5 @@ def _grow(lib, forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2p: torch.
             ctypes.c_double(_EPS), TOP_M, _ptr(forest.parent), _ptr(forest.draft_id), _ptr(forest.token),
             _ptr(forest.q), _ptr(forest.score), _ptr(forest.survival), _ptr(forest.depth), _ptr(opened),
             _ptr(forest.size), forest.parent.shape[1], torch.get_num_threads())
-    profiled = torch.autograd.profiler._is_profiler_enabled
-    with torch.profiler.record_function(PROFILER_NAME) if profiled else contextlib.nullcontext():
+    with operator(PROFILER_NAME):
         return lib.ts_greedy_forest(*args)
