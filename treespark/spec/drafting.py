@@ -238,9 +238,8 @@ class WaveDrafter:
         if self._greedy_natively(base, rows):
             forest, out.waves = native_forest.greedy_forest(*start, base, *self._native_w,
                                                             [r.calibration for r in rows])
-            base = None   # grown: no waves left here
-        else:
-            forest = Forest(*start)
+            return _finished(out, forest, np.full(forest.parent.shape, -1, dtype=np.int64))
+        forest = Forest(*start)
         temp = np.array([r.temperature for r in rows], dtype=np.float64)         # [R]
         cap = np.array([r.budget.branch_cap for r in rows], dtype=np.int64)      # [R]
         is_keyed = np.array([r.key is not None for r in rows], dtype=bool)      # [R]
@@ -316,12 +315,18 @@ class WaveDrafter:
                 q_row = np.pad(q_row, ((0, 0), (0, forest.parent.shape[1] - q_row.shape[1])), constant_values=-1)
             q_row[opens_b[sampled], opens_n[sampled]] = n_rows + np.arange(s)
             n_rows += s
-        trees, keeps = forest.finish()
-        for b, keep in enumerate(keeps):
-            out.trees.append(trees[b])
-            out.q_row_of.append(q_row[b, keep].tolist())
-            out.draft_ids.append(forest.draft_id[b, keep].tolist())
-            out.scores.append(forest.score[b, keep[1:]].tolist())
         if chunks:
             out.q_rows, out.q_totals = torch.cat(chunks), torch.cat(total_chunks)
-        return out
+        return _finished(out, forest, q_row)
+
+
+def _finished(out: RoundDraft, forest: Forest, q_row: np.ndarray) -> RoundDraft:
+    """``out`` with ``forest``'s trees, each node's q row (``q_row`` [R, C]: -1 for none),
+    draft index and score."""
+    trees, keeps = forest.finish()
+    for b, keep in enumerate(keeps):
+        out.trees.append(trees[b])
+        out.q_row_of.append(q_row[b, keep].tolist())
+        out.draft_ids.append(forest.draft_id[b, keep].tolist())
+        out.scores.append(forest.score[b, keep[1:]].tolist())
+    return out
