@@ -67,9 +67,10 @@ def _packed(runner, kv, chunks):
     batch = prefill_batch(chunks, kv)
     pos, slots = torch.as_tensor(batch.positions), torch.as_tensor(batch.slots)
     attend = chunk_attention(runner.attention, kv, slots, pos, torch.as_tensor(batch.tables), list(batch.spans),
+                             torch.as_tensor(np.asarray(batch.spans, dtype=np.int64)),
                              groups=runner.groups, dtype=runner.dtype, scale=runner.scaling)
     out = runner.run(torch.as_tensor(batch.tokens)[None], pos[None], attend)
-    return out.logits, out.taps, batch
+    return out.logits, out.taps, batch, attend
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +79,21 @@ def pairs():
             "llama": random_pair(512, 0)}
 
 
-@pytest.mark.parametrize("path", list(AttentionPath))
+@pytest.mark.parametrize(("path", "native"), [(AttentionPath.REFERENCE, False), (AttentionPath.GROUPED, True),
+                                             (AttentionPath.GROUPED, False)])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_packed_prefill_is_the_padded_forward(pairs, family, path):
+def test_packed_prefill_is_the_padded_forward(pairs, family, path, native, monkeypatch):
     """Three requests mid-prompt (shuffled blocks, contexts of random keys before each
     chunk), chunks of different widths: every real token's logits and taps, and the keys
-    and values it stores, are the padded forward's."""
+    and values it stores, are the padded forward's. On the grouped path, with the chunks'
+    native call (``treespark.kernels.chunks``) and without it (chunk by chunk through SDPA,
+    as on an accelerator)."""
+    import treespark.engine.attend as attend
+
+    if not native:
+        monkeypatch.setattr(attend, "can_attend_chunks", lambda *_: False)
+    elif not attend.can_attend_chunks(torch.float32, torch.zeros(1, 1, 16)):
+        pytest.skip("no native chunk attention here")
     pair = pairs[family]
     runner = TargetRunner(pair.target, pair.drafter.config.target_layer_ids, ProductPlan.fixed(F_LINEAR), path)
     dc = pair.drafter.config
@@ -102,7 +112,10 @@ def test_packed_prefill_is_the_padded_forward(pairs, family, path):
             t[:, 16:] = torch.randn(t[:, 16:].shape, generator=s)     # the contexts before the chunks
         reqs = [_request(str(i), p, b, c) for i, (p, b, c) in enumerate(zip(prompts, blocks, computed, strict=True))]
         chunks = list(zip(reqs, sizes, strict=True))
-        out[how] = (_padded(runner, kv, reqs, chunks) if how == "padded" else _packed(runner, kv, chunks)[:2]), kv
+        if how == "packed":
+            *packed, _, attend = _packed(runner, kv, chunks)
+            assert (attend.packed is not None) == native
+        out[how] = (_padded(runner, kv, reqs, chunks) if how == "padded" else tuple(packed)), kv
     (logits, taps), kv_padded = out["padded"]
     (packed_logits, packed_taps), kv_packed = out["packed"]
     assert packed_logits.shape[:2] == (1, sum(sizes))

@@ -34,6 +34,9 @@ from treespark.kernels.attention import (
     grouped_attention,
     reference_attention,
 )
+from treespark.kernels.chunks import PackedChunks
+from treespark.kernels.chunks import can_attend as can_attend_chunks
+from treespark.kernels.chunks import chunk_attention as native_chunks
 
 
 def table_columns(table: torch.Tensor, nb: int) -> torch.Tensor:
@@ -164,13 +167,17 @@ class ChunkAttention:
     """A prefill's attention over packed chunks: the step's chunks are one row ``[1, N]``
     (no padding), each token written at its slot, each chunk attending its own request's
     keys only, up to its own last position. Attention work is the sum over chunks of
-    size x context, where a padded batch pays rows x widest chunk x longest context."""
+    size x context, where a padded batch pays rows x widest chunk x longest context.
+    With ``packed`` (the grouped path over a CPU float32 store) every chunk is attended in
+    one native call a layer, its blocks read in place (``treespark.kernels.chunks``), and
+    no chunk's mask is built; else chunk by chunk through ``chunks``."""
 
     path: AttentionPath
     store: PagedStore
     slots: torch.Tensor       # [N] where each packed token's keys and values go
     chunks: tuple[Chunk, ...]
     scale: float
+    packed: PackedChunks | None = None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [1, kvh, N, hd]."""
@@ -178,6 +185,8 @@ class ChunkAttention:
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [1, H, N, hd] -> [1, H, N, hd]."""
+        if self.packed is not None:
+            return native_chunks(q, self.store.k[layer], self.store.v[layer], self.packed, self.scale)
         outs = [_attend(self.path, self.store, c.rows, layer, q[:, :, c.offset:c.offset + c.size], c.mask, c.bias,
                         c.table, self.scale, c.rows.block_size) for c in self.chunks]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -214,11 +223,15 @@ class MixedAttention:
 
 
 def chunk_attention(path: AttentionPath, kv: PagedKV, slots: torch.Tensor, positions: torch.Tensor,
-                    tables: torch.Tensor, spans: list[tuple[int, int, int]], *, groups: int, dtype: torch.dtype,
-                    scale: float) -> ChunkAttention:
+                    tables: torch.Tensor, spans: list[tuple[int, int, int]], span_table: torch.Tensor, *,
+                    groups: int, dtype: torch.dtype, scale: float) -> ChunkAttention:
     """Prepare a packed prefill's attention: ``slots`` and ``positions`` [N] of the packed
     tokens, ``tables`` [R, nb] each chunk's block table, ``spans`` each chunk's (offset,
-    size, start); masks, biases and block columns built once for every layer."""
+    size, start), on the host and as ``span_table`` [R, 3] on the device; masks, biases
+    and block columns built once for every layer (none where one native call a layer
+    attends them all: ``ChunkAttention.packed``)."""
+    if path is AttentionPath.GROUPED and can_attend_chunks(dtype, kv.target.k):
+        return ChunkAttention(path, kv.target, slots, (), scale, PackedChunks(tables, span_table, kv.block_size))
     chunks = []
     for i, (offset, size, start) in enumerate(spans):
         t = start + size

@@ -166,14 +166,14 @@ class Prefill:
         batch = prefill_batch(chunks, self.kv)
         n, r = batch.tokens.shape[0], len(chunks)
         ints = self.transfers.upload(np.concatenate([batch.tokens, batch.positions, batch.slots,
-                                                     batch.tables.ravel(), np.asarray(batch.last, dtype=np.int64)]),
-                                     torch.long)
+                                                     batch.tables.ravel(), np.asarray(batch.spans, dtype=np.int64).ravel(),
+                                                     np.asarray(batch.last, dtype=np.int64)]), torch.long)
         tokens, pos, slots = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
         at = 3 * n + batch.tables.size
         attend = chunk_attention(self.runner.attention, self.kv, slots, pos, ints[3 * n:at].view(r, -1),
-                                 list(batch.spans), groups=self.runner.groups, dtype=self.runner.dtype,
-                                 scale=self.runner.scaling)
-        return PrefillInputs([req for req, _ in chunks], batch, tokens, pos, slots, attend, ints[at:])
+                                 list(batch.spans), ints[at:at + 3 * r].view(r, 3), groups=self.runner.groups,
+                                 dtype=self.runner.dtype, scale=self.runner.scaling)
+        return PrefillInputs([req for req, _ in chunks], batch, tokens, pos, slots, attend, ints[at + 3 * r:])
 
     def step(self, chunks: list[tuple[Request, int]], emit: Emit) -> int:
         """One forward over ``chunks`` alone (``finish`` after it). The tokens computed."""

@@ -11,7 +11,8 @@ its float32 original, and a few rows cost little more than one (``gemv.c``).
 
 The C files (``gemv.c``; ``blocks.c``: a decoder layer's few-row forward around its
 attention, ``treespark.kernels.blocks``; ``waves.c``: a greedy round's draft trees,
-``treespark.spec.native_forest``) are compiled once per machine, source and
+``treespark.spec.native_forest``; ``chunks.c``: a prefill's chunks' attention,
+``treespark.kernels.chunks``) are compiled once per machine, source and
 compiler (``cc -O3 -march=native -fopenmp``; a second or so) into
 ``~/.cache/treespark/kernels/`` under a ``filelock``, and loaded with ``ctypes``, which
 releases the GIL during the call. Where there is no C compiler or the build fails, ``library()`` is None, the product plan does not offer the
@@ -35,9 +36,9 @@ from filelock import FileLock
 
 from treespark.kernels.machine import hardware_name
 
-# the products (gemv.c), the decoder-layer blocks built on them (blocks.c) and the greedy
-# rounds' draft trees (waves.c), one library
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.c", "blocks.c", "waves.c"))
+# the products (gemv.c), the decoder-layer blocks built on them (blocks.c), the greedy
+# rounds' draft trees (waves.c) and the prefill chunks' attention (chunks.c), one library
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.c", "blocks.c", "waves.c", "chunks.c"))
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "kernels"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 MAX_ROWS = 16  # the most rows ``native_linear`` takes: W's 4-row block stays in L1 over them
@@ -121,11 +122,14 @@ def load(path: Path) -> ctypes.CDLL:
         "ts_attn_out_mlp": [ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i32] + [ptr] * 5 + [n] * 4 + [i32],
         "ts_paged_attention": [ptr] * 4 + [n, n, ptr, f32, ptr, ptr] + [n] * 6 + [i32],
         "ts_layers": [ptr, n, i32] + [ptr] * 8 + [n, n, ptr, f32] + [n] * 8 + [i32],
+        "ts_chunk_attention": [ptr] * 4 + [n, n, ptr, n, f32, ptr] + [n] * 4 + [i32],
+        "ts_chunk_lanes": [],
         "ts_greedy_forest": [ptr, n, n, ptr, n, ptr, ptr, n] + [ptr] * 7 + [n, f64, n] + [ptr] * 9 + [n, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = i32, argtypes
+    lib.ts_chunk_lanes.restype = n
     lib.ts_tiles()   # AMX's tile registers asked for once, before any product (gemv.c)
     return lib
 
