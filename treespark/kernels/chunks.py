@@ -15,11 +15,12 @@ import torch
 from treespark.kernels.native import library, operator
 
 PROFILER_NAME = "treespark::chunk_attention"
-# the largest head it is given (chunks.c takes up to 256): a score costs it a broadcast load an
-# FMA where SDPA's flash kernel blocks its products, so from heads of 128 SDPA is faster. Two
-# threads, AVX-512 Xeon, against the torch path (gather, mask, flash): heads of 16 (tiny
-# pairs) 0.32-0.57 of its time, 64 (the default pair) 0.42-0.59 at a 256-token chunk over
-# 1,280 keys, 128 (Qwen3) 1.16-1.30 (`treespark bench attention`)
+# the largest head it is given (chunks.c takes up to 256): its products broadcast a key's
+# float per FMA where SDPA's flash kernel blocks them as matrix products, so at long contexts
+# and heads of 128 SDPA is faster. Against the torch path (gather, mask, flash), one thread,
+# AVX-512 Xeon (`treespark bench attention`): heads of 16 (the tiny pairs) 0.33-0.50 of its
+# time, 64 (the default pair) 0.52-0.79, 128 (Qwen3) 0.66 at no context but 1.22-1.33 over
+# 1,024-1,244 keys
 MAX_HEAD = 64
 
 
