@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.test_native import targets
 from treespark.kernels import chunks
 from treespark.kernels.native import library
 
@@ -109,3 +110,24 @@ def test_what_the_native_chunks_take():
     bad = _packed(torch.zeros(1, 1, dtype=torch.int64), [(0, 8, 12)], 16)   # past its blocks
     with pytest.raises(ValueError, match="refused"):
         chunks.chunk_attention(q, cache, cache, bad, 0.25)
+
+
+@pytest.mark.skipif(not targets("__AVX2__"), reason="the compiler does not target AVX2 here")
+def test_the_avx2_build_attends_the_chunks_as_sdpa_does(tmp_path):
+    """The AVX2 form (8 query lanes a vector), built here with AVX-512 off, against the
+    reference: a lane, a mask or a rescale wrong in that form would show."""
+    import ctypes
+
+    from treespark.kernels import native
+
+    avx2 = native.load(native.build(tmp_path, ("-mno-avx512f",)))
+    assert avx2.ts_chunk_lanes() == 8
+    kc, vc, order = _pool(2, 24, 512, 4)
+    tables, spans, n = _layout([(37, 0), (20, 45), (1, 9)], 4, order)
+    q = torch.randn(1, 6, n, 24, generator=torch.Generator().manual_seed(4))
+    packed = _packed(tables, spans, 4)
+    out = torch.empty(1, 6, n, 24)
+    assert avx2.ts_chunk_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), packed.tables.data_ptr(),
+                                   tables.shape[1], 4, packed.spans.data_ptr(), len(spans), 0.2, out.data_ptr(), 6, 2,
+                                   n, 24, ctypes.c_int(1)) == 0
+    torch.testing.assert_close(out, _reference(q, kc, vc, tables, spans, 4, 0.2), atol=2e-6, rtol=1e-5)
