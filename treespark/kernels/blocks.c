@@ -115,26 +115,15 @@ int ts_attn_out_mlp(const float *a, const void *wo, const float *bo, const float
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-/* e^x for 8 floats: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial
- * (relative error ~2e-7, about 2 float ulps), times 2^n; below -87 it is 0, above 89 inf. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(89.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);         /* ln2 in two parts */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
+#include "vexp.h"
+
+#define EXP8_ROUND(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define EXP8_POW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), \
+                                                                           _mm256_set1_epi32(127)), 23))
+#define EXP8_ZERO_BELOW(x, lo, v) _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), v)
+/* e^x for 8 floats (vexp.h) */
+TS_VEXP(exp8, __m256, _mm256_set1_ps, _mm256_min_ps, _mm256_max_ps, _mm256_mul_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps,
+        EXP8_ROUND, EXP8_POW2, EXP8_ZERO_BELOW)
 
 /* s[t] = e^(s[t] - top) over n floats; returns their sum */
 static float exp_shift(float *s, long n, float top) {

@@ -18,11 +18,13 @@
  *   - o[d] += p_j v_j[d], the value's float broadcast.
  * Keys past the tile's last position are never read. A lane's floats depend only on its
  * query and the keys at or before it, in blocks that start at position 0: the same values
- * whatever the chunking, the tile-mates or the threads. e^x is the polynomial of blocks.c's
- * exp8 (~2 float ulps); values are the flash kernel's to float rounding.
+ * whatever the chunking, the tile-mates or the threads. e^x is vexp.h's polynomial (~2 float
+ * ulps); values are the flash kernel's to float rounding.
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "vexp.h"
 
 #define KB 8     /* keys a block */
 #define DC 4     /* output dimensions kept in registers at a time */
@@ -74,23 +76,9 @@ typedef __m256 vq;
 #if defined(QL)
 #define TL (NV * QL)   /* queries a tile */
 
-/* e^x lane-wise: x = n ln2 + r, e^r by its degree-6 Taylor polynomial, times 2^n; 0 below
- * -87 (and at -inf), inf above 89 (blocks.c's exp8) */
-static inline vq q_exp(vq x) {
-    const vq lo = Q_SET1(-87.0f);
-    const vq y = Q_MIN(Q_MAX(x, lo), Q_SET1(89.0f));
-    const vq n = Q_ROUND(Q_MUL(y, Q_SET1(1.44269504088896341f)));
-    vq r = Q_FNMA(n, Q_SET1(0.693359375f), y);
-    r = Q_FNMA(n, Q_SET1(-2.12194440e-4f), r);
-    vq p = Q_SET1(1.0f / 720);
-    p = Q_FMA(p, r, Q_SET1(1.0f / 120));
-    p = Q_FMA(p, r, Q_SET1(1.0f / 24));
-    p = Q_FMA(p, r, Q_SET1(1.0f / 6));
-    p = Q_FMA(p, r, Q_SET1(0.5f));
-    p = Q_FMA(p, r, Q_SET1(1.0f));
-    p = Q_FMA(p, r, Q_SET1(1.0f));
-    return Q_WHERE_LT(x, lo, Q_ZERO(), Q_MUL(p, Q_POW2(n)));
-}
+/* e^x lane-wise (vexp.h) */
+#define Q_ZERO_BELOW(x, lo, v) Q_WHERE_LT(x, lo, Q_ZERO(), v)
+TS_VEXP(q_exp, vq, Q_SET1, Q_MIN, Q_MAX, Q_MUL, Q_FMA, Q_FNMA, Q_ROUND, Q_POW2, Q_ZERO_BELOW)
 
 /* One tile: queries i0 .. i0 + n - 1 (n <= TL) of chunk c, query head h, over KV head g;
  * NV vectors of QL lanes, each key's floats broadcast once for all of them. */

@@ -39,6 +39,7 @@ from treespark.kernels.machine import hardware_name
 # the products (gemv.c), the decoder-layer blocks built on them (blocks.c), the greedy
 # rounds' draft trees (waves.c) and the prefill chunks' attention (chunks.c), one library
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.c", "blocks.c", "waves.c", "chunks.c"))
+HEADERS = (Path(__file__).with_name("vexp.h"),)   # what the sources include (in the build's key)
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "kernels"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 MAX_ROWS = 16  # the most rows ``native_linear`` takes: W's 4-row block stays in L1 over them
@@ -67,15 +68,16 @@ def build(cache_dir: Path = CACHE_DIR, extra_flags: tuple[str, ...] = ()) -> Pat
         raise RuntimeError("no C compiler (cc) on PATH")
     cc, version = found
     flags = (*FLAGS, *extra_flags)
-    texts = [src.read_text() for src in SOURCES]
+    texts = [src.read_text() for src in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\n".join([*texts, hardware_name(), version, *flags]).encode()).hexdigest()[:16]
     lib = Path(cache_dir) / f"gemv-{key}.so"
     lib.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lib) + ".lock"):
         if not lib.exists():
             tmp = lib.with_suffix(".tmp.so")
-            done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True,
-                                  text=True, timeout=300)
+            includes = sorted({f"-I{h.parent}" for h in HEADERS})
+            done = subprocess.run([cc, *flags, *includes, *map(str, SOURCES), "-o", str(tmp), "-lm"],
+                                  capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
             tmp.replace(lib)
