@@ -235,3 +235,28 @@ def test_a_probe_after_a_long_plain_run_renews_a_stale_forecast():
     alloc.cut(["a"], [0.0], [True], chain_draft([0.9, 0.8, 0.7, 0.6]), 0.0)
     assert alloc._profile[0] > 0.85 and alloc._profile[3] > 0.55
     assert alloc.drafting(["a"], budget, [True], 0.0)[0].node_cap >= 2 and alloc.plan.pad >= 1
+
+
+def test_a_steps_rows_weigh_alike_in_the_forecast():
+    """A probe of four rows after a long plain run: the forecast is the rows' mean by rank,
+    whichever row comes first (blended one row after another, the first row's tree was
+    ~0.7 of it), and rows that drafted nothing are not read as trees of zeros."""
+    from treespark.spec.drafting import RoundDraft
+    from treespark.spec.tree import DraftTree
+
+    costs = StepCosts(CostModel.affine(0.01, 0.0005), max_nodes=4, draft=CostModel.affine(0.004, 0.0002))
+    high, low = [0.9, 0.8, 0.7, 0.6], [0.1, 0.1, 0.1, 0.1]
+    profiles = []
+    for rows in ([high, low, low, low], [low, low, low, high], [low, [], high, low, low, []]):
+        alloc = StepAllocator(costs)
+        alloc._profile, alloc._aged = [0.5] * 4, 1000
+        trees = [chain_draft(s) if s else None for s in rows]
+        drafted = RoundDraft(trees=[t.trees[0] if t else DraftTree.root_only(0) for t in trees],
+                             q_row_of=[t.q_row_of[0] if t else [-1] for t in trees],
+                             draft_ids=[t.draft_ids[0] if t else [0] for t in trees], scores=[list(s) for s in rows])
+        ids = [str(i) for i in range(len(rows))]
+        alloc.cut(ids, [0.0] * len(rows), [True] * len(rows), drafted, 0.0)
+        profiles.append(alloc._profile)
+    want = [(h + 3 * x) / 4 for h, x in zip(high, low, strict=True)]
+    for p in profiles:
+        assert p == pytest.approx(want, abs=1e-6)

@@ -152,13 +152,19 @@ class StepAllocator:
         self._history = {i: history.get(i, self._history.get(i)) for i in ids
                          if i in history or i in self._history}
         n = self.costs.max_nodes
-        for s in drafted.scores:
-            ranked = sorted(s, reverse=True)[:n]
-            ranked += [0.0] * (n - len(ranked))
-            # plain steps age the profile as drafted trees do: a probe after a long plain run is
-            # most of what is known now, not a tenth of it (a stale low forecast kept a replica
-            # plain through probe after probe)
-            keep = self.profile_decay ** (1 + self._aged)
+        trees = [s for s in drafted.scores if s]
+        if trees:
+            # the step's trees by rank, each row weighed alike (blended one after another, the
+            # first row of a probe after a long plain run was most of the forecast: one row's
+            # luck set the plan for the next few hundred steps)
+            ranked = [0.0] * n
+            for s in trees:
+                for i, x in enumerate(sorted(s, reverse=True)[:n]):
+                    ranked[i] += x / len(trees)
+            # they count as many drafted trees, and plain steps age the profile as drafted trees
+            # do: a probe after a long plain run is most of what is known now, not a tenth of it
+            # (a stale low forecast kept a replica plain through probe after probe)
+            keep = self.profile_decay ** (len(trees) + self._aged)
             self._aged = 0
             self._profile = ranked if self._profile is None else \
                 [keep * p + (1 - keep) * x for p, x in zip(self._profile, ranked, strict=True)]
