@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treespark.kernels.native import MAX_ROWS, library, most_rows, operator
+from treespark.kernels.native import MAX_ROWS, library, most_rows, operator, pointer
 
 # what torch.profiler calls them
 PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp", "treespark::paged_attention",
@@ -36,10 +36,6 @@ ACTIVATIONS = ("silu", "swish")  # the hidden_act names blocks.c computes
 # paged_attention cuts each row's keys into spans of this many blocks, from the first (work
 # for every thread; the same spans whatever the batch, so a row's values do not depend on it)
 SPAN_BLOCKS = 8
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def qk_norm_weight(q_norm: torch.Tensor, k_norm: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
@@ -86,8 +82,8 @@ def attn_in(x: torch.Tensor,              # [M, D] the residual stream
     x_out = torch.empty_like(x) if d is not None else x
     normed, qkv = torch.empty_like(x), torch.empty(m, n, dtype=torch.float32)
     with operator(PROFILER_NAMES[0]):
-        rc = library().ts_attn_in(x.data_ptr(), _ptr(d), norm_w.data_ptr(), eps, w.data_ptr(), _ptr(b), int(half),
-                                  _ptr(qk_norm), qk_eps, cos.data_ptr(), ssin.data_ptr(), x_out.data_ptr(),
+        rc = library().ts_attn_in(x.data_ptr(), pointer(d), norm_w.data_ptr(), eps, w.data_ptr(), pointer(b), int(half),
+                                  pointer(qk_norm), qk_eps, cos.data_ptr(), ssin.data_ptr(), x_out.data_ptr(),
                                   normed.data_ptr(), qkv.data_ptr(), m, dim, heads, kv_heads, head_dim,
                                   torch.get_num_threads())
     if rc != 0:
@@ -108,8 +104,8 @@ def attn_out_mlp(a: torch.Tensor,                      # [M, A] the attention's 
     x_out, normed, mlp = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
     gu, act = torch.empty(m, 2 * inter, dtype=torch.float32), torch.empty(m, inter, dtype=torch.float32)
     with operator(PROFILER_NAMES[1]):
-        rc = library().ts_attn_out_mlp(a.data_ptr(), wo.data_ptr(), _ptr(bo), x.data_ptr(), norm_w.data_ptr(), eps,
-                                       wgu.data_ptr(), _ptr(bgu), wdown.data_ptr(), _ptr(bdown), int(half),
+        rc = library().ts_attn_out_mlp(a.data_ptr(), wo.data_ptr(), pointer(bo), x.data_ptr(), norm_w.data_ptr(), eps,
+                                       wgu.data_ptr(), pointer(bgu), wdown.data_ptr(), pointer(bdown), int(half),
                                        x_out.data_ptr(), normed.data_ptr(), gu.data_ptr(), act.data_ptr(),
                                        mlp.data_ptr(), m, dim, a.shape[1], inter, torch.get_num_threads())
     if rc != 0:
@@ -205,8 +201,8 @@ class LayerStack:
         self.tap_at = torch.full((len(weights),), -1, dtype=torch.int64)   # each layer's row of the taps out, or -1
         self.tap_at[list(taps)] = torch.arange(len(taps))
         self.array = (_Layer * len(weights))(*(_Layer(
-            *(_ptr(getattr(w, f)) for f in ("in_norm", "wqkv", "bqkv", "qk_norm", "wo", "bo", "post_norm", "wgu",
-                                            "bgu", "wdown", "bdown")), _ptr(keys[i]), _ptr(values[i]),
+            *(pointer(getattr(w, f)) for f in ("in_norm", "wqkv", "bqkv", "qk_norm", "wo", "bo", "post_norm", "wgu",
+                                            "bgu", "wdown", "bdown")), pointer(keys[i]), pointer(values[i]),
             w.in_eps, w.qk_eps, w.post_eps) for i, w in enumerate(weights)))
 
 

@@ -30,6 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from filelock import FileLock
@@ -102,6 +103,13 @@ def build_id() -> str | None:
     keyed by."""
     lib = library()
     return None if lib is None else build().stem + ("+tiles" if lib.ts_tiles() else "")
+
+
+def pointer(a: torch.Tensor | np.ndarray | None) -> int | None:
+    """The address a native call takes for a tensor's or an array's data (None for None)."""
+    if a is None:
+        return None
+    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
 
 
 def operator(name: str):

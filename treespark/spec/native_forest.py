@@ -17,19 +17,13 @@ import ctypes
 import numpy as np
 import torch
 
-from treespark.kernels.native import library, operator
+from treespark.kernels.native import library, operator, pointer
 from treespark.spec.budget import Budget
 from treespark.spec.calibration import _EPS, Calibration
 from treespark.spec.forest import Forest
 from treespark.spec.select import TOP_M
 
 PROFILER_NAME = "treespark::greedy_forest"   # what torch.profiler calls the call (an operator, as native_linear is)
-
-
-def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
-    if a is None:
-        return None
-    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
 
 
 def available(t: torch.Tensor) -> bool:
@@ -91,10 +85,10 @@ def _grow(lib, forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2p: torch.
     caps = np.asarray(branch_caps, dtype=np.int64)
     opened = forest.opened.view(np.uint8)
     d2t64 = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64)
-    args = (_ptr(base), base.shape[1], base.shape[2], _ptr(w1), w1.shape[1], _ptr(w2p), _ptr(d2t64), r_rows,
-            _ptr(forest.theta), _ptr(forest.node_cap), _ptr(caps), _ptr(limits), _ptr(a), _ptr(b), _ptr(off), noff,
-            ctypes.c_double(_EPS), TOP_M, _ptr(forest.parent), _ptr(forest.draft_id), _ptr(forest.token),
-            _ptr(forest.q), _ptr(forest.score), _ptr(forest.survival), _ptr(forest.depth), _ptr(opened),
-            _ptr(forest.size), forest.parent.shape[1], torch.get_num_threads())
+    args = (pointer(base), base.shape[1], base.shape[2], pointer(w1), w1.shape[1], pointer(w2p), pointer(d2t64), r_rows,
+            pointer(forest.theta), pointer(forest.node_cap), pointer(caps), pointer(limits), pointer(a), pointer(b), pointer(off), noff,
+            ctypes.c_double(_EPS), TOP_M, pointer(forest.parent), pointer(forest.draft_id), pointer(forest.token),
+            pointer(forest.q), pointer(forest.score), pointer(forest.survival), pointer(forest.depth), pointer(opened),
+            pointer(forest.size), forest.parent.shape[1], torch.get_num_threads())
     with operator(PROFILER_NAME):
         return lib.ts_greedy_forest(*args)
