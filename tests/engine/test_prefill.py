@@ -62,13 +62,13 @@ def _padded(runner, kv, reqs, chunks):
     return out.logits, out.taps
 
 
-def _packed(runner, kv, chunks):
+def _packed(runner, kv, chunks, native: bool = True):
     """Logits and taps [1, N, ...]."""
     batch = prefill_batch(chunks, kv)
     pos, slots = torch.as_tensor(batch.positions), torch.as_tensor(batch.slots)
     attend = chunk_attention(runner.attention, kv, slots, pos, torch.as_tensor(batch.tables), list(batch.spans),
                              torch.as_tensor(np.asarray(batch.spans, dtype=np.int64)),
-                             groups=runner.groups, dtype=runner.dtype, scale=runner.scaling)
+                             groups=runner.groups, dtype=runner.dtype, scale=runner.scaling, native=native)
     out = runner.run(torch.as_tensor(batch.tokens)[None], pos[None], attend)
     return out.logits, out.taps, batch, attend
 
@@ -82,17 +82,15 @@ def pairs():
 @pytest.mark.parametrize(("path", "native"), [(AttentionPath.REFERENCE, False), (AttentionPath.GROUPED, True),
                                              (AttentionPath.GROUPED, False)])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_packed_prefill_is_the_padded_forward(pairs, family, path, native, monkeypatch):
+def test_packed_prefill_is_the_padded_forward(pairs, family, path, native):
     """Three requests mid-prompt (shuffled blocks, contexts of random keys before each
     chunk), chunks of different widths: every real token's logits and taps, and the keys
     and values it stores, are the padded forward's. On the grouped path, with the chunks'
     native call (``treespark.kernels.chunks``) and without it (chunk by chunk through SDPA,
     as on an accelerator)."""
-    import treespark.engine.attend as attend
+    from treespark.kernels.chunks import can_attend
 
-    if not native:
-        monkeypatch.setattr(attend, "can_attend_chunks", lambda *_: False)
-    elif not attend.can_attend_chunks(torch.float32, torch.zeros(1, 1, 16)):
+    if native and not can_attend(torch.float32, torch.zeros(1, 1, 16)):
         pytest.skip("no native chunk attention here")
     pair = pairs[family]
     runner = TargetRunner(pair.target, pair.drafter.config.target_layer_ids, ProductPlan.fixed(F_LINEAR), path)
@@ -113,7 +111,7 @@ def test_packed_prefill_is_the_padded_forward(pairs, family, path, native, monke
         reqs = [_request(str(i), p, b, c) for i, (p, b, c) in enumerate(zip(prompts, blocks, computed, strict=True))]
         chunks = list(zip(reqs, sizes, strict=True))
         if how == "packed":
-            *packed, _, attend = _packed(runner, kv, chunks)
+            *packed, _, attend = _packed(runner, kv, chunks, native)
             assert (attend.packed is not None) == native
         out[how] = (_padded(runner, kv, reqs, chunks) if how == "padded" else tuple(packed)), kv
     (logits, taps), kv_padded = out["padded"]

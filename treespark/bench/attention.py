@@ -24,16 +24,11 @@ import torch
 
 from treespark.bench.common import markdown_table
 from treespark.bench.serving import peak_bytes
-from treespark.engine.attend import PagedContext, store_attention
+from treespark.engine.attend import ChunkAttention, PagedContext, chunk_attention, store_attention
 from treespark.engine.kv import PagedKV, blocks_for
 from treespark.engine.target import TargetRunner
-from treespark.kernels.attention import (
-    AttentionPath,
-    attention_bias,
-    gather_blocks,
-    grouped_attention,
-)
-from treespark.kernels.chunks import PackedChunks, chunk_attention
+from treespark.kernels.attention import AttentionPath
+from treespark.kernels.chunks import PackedChunks
 from treespark.models.pair import ModelPair
 from treespark.spec.tree import DraftTree, tree_batch
 
@@ -166,22 +161,6 @@ def attention_table(pair: ModelPair, *, batch: int = 8, long_context: int = 4096
     return markdown_table(header, rows) + "\n\n" + verdict
 
 
-def _torch_chunks(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, packed: PackedChunks,
-                  scale: float) -> torch.Tensor:
-    """The packed chunks' attention as the grouped path runs it without the native call:
-    per chunk its causal mask, its bias, its blocks gathered, SDPA's flash kernel."""
-    h, kvh, bs = q.shape[1], kc.shape[1], packed.block_size
-    outs = []
-    for i, (offset, size, start) in enumerate(packed.spans.tolist()):
-        t = start + size
-        mask = (torch.arange(t)[None, :] <= torch.arange(start, t)[:, None])[None, None]
-        table = packed.tables[i:i + 1, :blocks_for(t, bs)]
-        bias = attention_bias(mask, h // kvh, q.dtype, table.shape[1] * bs)
-        outs.append(grouped_attention(q[:, :, offset:offset + size], gather_blocks(kc, table, bs),
-                                      gather_blocks(vc, table, bs), bias, scale))
-    return torch.cat(outs, dim=2)
-
-
 CHUNK_HEADS = {"tiny pairs (4 / 2 heads of 16)": (4, 2, 16), "default target (9 / 3 of 64)": (9, 3, 64),
                "Qwen3-4B (32 / 8 of 128)": (32, 8, 128)}
 CHUNK_SETS = {"256 at 1,024": [(256, 1024)], "2 x 256 at 0 and 1,244": [(256, 0), (256, 1244)],
@@ -190,22 +169,38 @@ CHUNK_SETS = {"256 at 1,024": [(256, 1024)], "2 x 256 at 0 and 1,244": [(256, 0)
 
 @torch.no_grad()
 def chunk_table(*, repeats: int = 9, block_size: int = 16) -> str:
-    """A prefill step's chunk attention, one layer: the torch path (``_torch_chunks``)
-    against the native call (``treespark.kernels.chunks``), at three head shapes, each
-    chunk's blocks shuffled through a pool of random keys and values."""
+    """A prefill step's chunk attention, one layer, each side a ``ChunkAttention`` prepared
+    as the engine prepares it (masks, biases and block columns once a forward, outside the
+    timing): chunk by chunk through SDPA (``chunk_attention(native=False)``) against the
+    native call (``treespark.kernels.chunks``), at three head shapes, each chunk's blocks
+    shuffled through a pool of random keys and values."""
+    from treespark.engine.kv import StoreShape
+
     g = torch.Generator().manual_seed(0)
     rows = []
     for label, (h, kvh, hd) in CHUNK_HEADS.items():
         for chunks_label, chunks in CHUNK_SETS.items():
             nb = max(blocks_for(start + size, block_size) for size, start in chunks)
-            kc, vc = (torch.randn(len(chunks) * nb * block_size, kvh, hd, generator=g) for _ in range(2))
+            kv = PagedKV(StoreShape(1, kvh, hd), StoreShape(1, 1, hd), num_blocks=len(chunks) * nb,
+                         block_size=block_size, device=torch.device("cpu"), dtype=torch.float32)
+            for store in (kv.target.k, kv.target.v):
+                store[0] = torch.randn(store.shape[1:], generator=g)
             tables = torch.randperm(len(chunks) * nb, generator=g).view(len(chunks), nb)
             offsets = np.cumsum([0] + [size for size, _ in chunks]).tolist()
             spans = [(o, size, start) for o, (size, start) in zip(offsets, chunks, strict=False)]
-            packed = PackedChunks(tables, torch.tensor(spans, dtype=torch.int64), block_size)
+            positions = torch.cat([torch.arange(start, start + size) for size, start in chunks])
+            table_of = torch.cat([torch.full((size,), i) for i, (size, _) in enumerate(chunks)])
+            slots = tables[table_of, positions // block_size] * block_size + positions % block_size
             q = torch.randn(1, h, offsets[-1], hd, generator=g)
-            fns = {"torch": partial(_torch_chunks, q, kc, vc, packed, hd ** -0.5),
-                   "native": partial(chunk_attention, q, kc, vc, packed, hd ** -0.5)}
+            span_table = torch.tensor(spans, dtype=torch.int64)
+            attends = {"torch": chunk_attention(AttentionPath.GROUPED, kv, slots, positions, tables, spans,
+                                                span_table, groups=h // kvh, dtype=torch.float32,
+                                                scale=hd ** -0.5, native=False),
+                       # what ``chunk_attention`` makes where the native call takes the heads, made here
+                       # past ``MAX_HEAD`` too (the row that shows why it stops there)
+                       "native": ChunkAttention(AttentionPath.GROUPED, kv.target, slots, (), hd ** -0.5,
+                                                PackedChunks(tables, span_table, block_size))}
+            fns = {name: partial(attend, 0, q) for name, attend in attends.items()}
             err = (fns["torch"]() - fns["native"]()).abs().max().item()
             ms = interleaved_ms(fns, repeats)
             rows.append([label, chunks_label, f"{ms['torch']:.2f}", f"{ms['native']:.2f}",
@@ -237,8 +232,10 @@ def attention_benchmark(**kwargs) -> str:
         "above what it started with, from the profiler's allocation events (`profile_memory=True`).", "",
         "## A prefill step's chunks, one layer", "",
         chunk_table(), "",
-        "*torch path*: per chunk its causal mask and additive bias, its blocks gathered into a copy, SDPA's "
-        "flash kernel (what the grouped path runs without the native call); *native*: every chunk in one "
-        "call, blocks read in place, queries in the vector lanes, no key past a query's position computed "
-        "(`treespark.kernels.chunks`; the engine uses it for heads up to `MAX_HEAD`).",
+        "Both as the engine prepares them (`treespark.engine.attend.chunk_attention`, once a forward, not "
+        "timed), one layer's attention timed. *torch path*: per chunk its blocks gathered into a copy and "
+        "SDPA's flash kernel under the chunk's causal bias (`native=False`: what an accelerator runs); "
+        "*native*: every chunk in one call, blocks read in place, queries in the vector lanes, no key past "
+        "a query's position computed (`treespark.kernels.chunks`; the engine uses it for heads up to "
+        "`MAX_HEAD`).",
     ])

@@ -224,13 +224,14 @@ class MixedAttention:
 
 def chunk_attention(path: AttentionPath, kv: PagedKV, slots: torch.Tensor, positions: torch.Tensor,
                     tables: torch.Tensor, spans: list[tuple[int, int, int]], span_table: torch.Tensor, *,
-                    groups: int, dtype: torch.dtype, scale: float) -> ChunkAttention:
+                    groups: int, dtype: torch.dtype, scale: float, native: bool = True) -> ChunkAttention:
     """Prepare a packed prefill's attention: ``slots`` and ``positions`` [N] of the packed
     tokens, ``tables`` [R, nb] each chunk's block table, ``spans`` each chunk's (offset,
     size, start), on the host and as ``span_table`` [R, 3] on the device; masks, biases
     and block columns built once for every layer (none where one native call a layer
-    attends them all: ``ChunkAttention.packed``)."""
-    if path is AttentionPath.GROUPED and can_attend_chunks(dtype, kv.target.k):
+    attends them all: ``ChunkAttention.packed``, on the grouped path where it can and
+    ``native`` lets it; False: chunk by chunk, as an accelerator runs them)."""
+    if native and path is AttentionPath.GROUPED and can_attend_chunks(dtype, kv.target.k):
         return ChunkAttention(path, kv.target, slots, (), scale, PackedChunks(tables, span_table, kv.block_size))
     chunks = []
     for i, (offset, size, start) in enumerate(spans):

@@ -17,10 +17,10 @@ from treespark.kernels.native import library, operator
 PROFILER_NAME = "treespark::chunk_attention"
 # the largest head it is given (chunks.c takes up to 256): its products broadcast a key's
 # float per FMA where SDPA's flash kernel blocks them as matrix products, so at long contexts
-# and heads of 128 SDPA is faster. Against the torch path (gather, mask, flash), one thread,
-# AVX-512 Xeon (`treespark bench attention`): heads of 16 (the tiny pairs) 0.33-0.50 of its
-# time, 64 (the default pair) 0.52-0.79, 128 (Qwen3) 0.66 at no context but 1.22-1.33 over
-# 1,024-1,244 keys
+# and heads of 128 SDPA is faster. Against the torch path (gather, flash under the bias made
+# once a forward), one layer, one thread, AVX-512 Xeon (`treespark bench attention`): heads
+# of 16 (the tiny pairs) 0.48-0.75 of its time, 64 (the default pair) 0.59-0.89, 128 (Qwen3)
+# 0.74 at no context but 1.27-1.37 over 1,024-1,244 keys
 MAX_HEAD = 64
 
 
