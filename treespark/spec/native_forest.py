@@ -57,15 +57,16 @@ def greedy_forest(roots: list[int], budgets: list[Budget], depth_limits: list[in
     assert lib is not None
     base = base.float().contiguous()
     assert base.shape[0] == len(roots) and w1.dtype == torch.float32 and w1.is_contiguous()
+    caps = np.array([b.branch_cap for b in budgets], dtype=np.int64)
     forest = Forest(roots, budgets, depth_limits, d2t)
-    waves = _grow(lib, forest, base, w1, w2p, calibrations, [b.branch_cap for b in budgets], d2t)
+    waves = _grow(lib, forest, base, w1, w2p, calibrations, caps)
     if waves == _OUTGROWN:
         forest = Forest(roots, budgets, depth_limits, d2t)
         # each node opens in the wave after it is made or never: at most depth waves of
         # node_cap + 1 nodes, branch_cap children each
         depth = int(forest.depth_limit.max(initial=0))
-        forest.reserve(1 + depth * (int(forest.node_cap.max(initial=0)) + 1) * max(b.branch_cap for b in budgets))
-        waves = _grow(lib, forest, base, w1, w2p, calibrations, [b.branch_cap for b in budgets], d2t)
+        forest.reserve(1 + depth * (int(forest.node_cap.max(initial=0)) + 1) * int(caps.max(initial=1)))
+        waves = _grow(lib, forest, base, w1, w2p, calibrations, caps)
     if waves < 0:
         raise RuntimeError(f"ts_greedy_forest failed ({waves})")
     return forest, waves
@@ -75,16 +76,17 @@ _OUTGROWN = -1   # ts_greedy_forest's code for a row that outgrew the forest's a
 
 
 def _grow(lib, forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2p: torch.Tensor,
-          calibrations: list[Calibration], branch_caps: list[int], d2t: np.ndarray | None) -> int:
+          calibrations: list[Calibration], caps: np.ndarray) -> int:
+    """One ``ts_greedy_forest`` call over ``forest``'s arrays (``caps`` [R] int64 the rows'
+    branch caps): the waves run, or ``_OUTGROWN``."""
     r_rows = forest.rows
     noff = 1 + max((len(c.sibling_bias) for c in calibrations), default=0)
     off = np.array([[c.offset(j) for j in range(noff)] for c in calibrations], dtype=np.float64).reshape(r_rows, noff)
     a = np.array([c.a for c in calibrations], dtype=np.float64)
     b = np.array([c.b for c in calibrations], dtype=np.float64)
     limits = np.where(forest.speculates, forest.depth_limit, 0).astype(np.int64)
-    caps = np.asarray(branch_caps, dtype=np.int64)
     opened = forest.opened.view(np.uint8)
-    d2t64 = None if d2t is None else np.ascontiguousarray(d2t, dtype=np.int64)
+    d2t64 = None if forest.d2t is None else np.ascontiguousarray(forest.d2t, dtype=np.int64)
     args = (pointer(base), base.shape[1], base.shape[2], pointer(w1), w1.shape[1], pointer(w2p), pointer(d2t64), r_rows,
             pointer(forest.theta), pointer(forest.node_cap), pointer(caps), pointer(limits), pointer(a), pointer(b), pointer(off), noff,
             ctypes.c_double(_EPS), TOP_M, pointer(forest.parent), pointer(forest.draft_id), pointer(forest.token),
