@@ -24,15 +24,22 @@ from treespark.spec.budget import Budget
 from treespark.spec.select import SlotArrays
 from treespark.spec.tree import DraftTree
 
+# a row's per-candidate arrays and the value an unused column holds
+_ARRAYS = {"parent": -1, "draft_id": -1, "token": 0, "q": 1.0, "score": 1.0, "survival": 1.0, "depth": 0,
+           "opened": False}
+
 
 class Forest:
     """The candidates of every row's tree for one round (see the module docstring).
 
     roots: [R] root token ids; budgets: one per row; depth_limits: [R] the deepest node
-    a row may hold; draft_to_target: draft index -> token id (None: identity)."""
+    a row may hold; draft_to_target: draft index -> token id (None: identity); room: the
+    candidates a row has room for at the start (None: a starting width the arrays grow
+    past as waves need; a native grower writes in place, so it is given room for every
+    node a round can open, ``whole_round``, and ``trim`` after)."""
 
     def __init__(self, roots: list[int], budgets: list[Budget], depth_limits: list[int],
-                 draft_to_target: np.ndarray | None = None) -> None:
+                 draft_to_target: np.ndarray | None = None, room: int | None = None) -> None:
         r = len(roots)
         assert len(budgets) == len(depth_limits) == r
         self.theta = np.array([b.theta for b in budgets], dtype=np.float64)          # [R]
@@ -42,7 +49,8 @@ class Forest:
         self.d2t = draft_to_target
         # a starting width: a node opened and later pushed out of the top keeps its
         # children as candidates, so a row may outgrow it (``_grow``)
-        cap = 1 + (int(self.node_cap.max(initial=0)) + 1) * max((b.branch_cap for b in budgets), default=1)
+        branch = max((b.branch_cap for b in budgets), default=1)
+        cap = 1 + (int(self.node_cap.max(initial=0)) + 1) * branch if room is None else max(room, 1)
         self.size = np.ones(r, dtype=np.int64)                   # [R] candidates per row
         self.parent = np.full((r, cap), -1, dtype=np.int64)      # [R, C]
         self.draft_id = np.full((r, cap), -1, dtype=np.int64)
@@ -58,17 +66,30 @@ class Forest:
     def rows(self) -> int:
         return len(self.size)
 
-    def reserve(self, need: int) -> None:
-        """Room for ``need`` candidates a row (what a native grower writes into in place)."""
-        self._grow(need)
+    @staticmethod
+    def whole_round(budgets: list[Budget], depth_limits: list[int]) -> int:
+        """The most candidates a row of a round can hold: each node opens in the wave after
+        it is made or never, so at most ``depth`` waves of ``node_cap + 1`` nodes open,
+        ``branch_cap`` children each (a node opened and later pushed out of the top keeps
+        its children)."""
+        depth = max(depth_limits, default=0)
+        return 1 + depth * (max((b.node_cap for b in budgets), default=0) + 1) * \
+            max((b.branch_cap for b in budgets), default=1)
+
+    def trim(self) -> None:
+        """The arrays cut to the widest row's candidates (after a native grower, so the
+        ranking and the finish sort what the round made, not the room it was given)."""
+        c = max(int(self.size.max(initial=1)), 1)
+        if c < self.parent.shape[1]:
+            for name in _ARRAYS:
+                setattr(self, name, np.ascontiguousarray(getattr(self, name)[:, :c]))
 
     def _grow(self, need: int) -> None:
         cap = self.parent.shape[1]
         if need <= cap:
             return
         extra = max(need, 2 * cap) - cap
-        for name, fill in (("parent", -1), ("draft_id", -1), ("token", 0), ("q", 1.0), ("score", 1.0),
-                           ("survival", 1.0), ("depth", 0), ("opened", False)):
+        for name, fill in _ARRAYS.items():
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.full((a.shape[0], extra), fill, dtype=a.dtype)], 1))
 

@@ -50,25 +50,18 @@ def greedy_forest(roots: list[int], budgets: list[Budget], depth_limits: list[in
     """A round's ``Forest`` (as ``Forest(roots, budgets, depth_limits, d2t)`` would start it)
     grown to the end at T = 0, and the waves run. base [R, D, Vd] the drafter's base
     logits; w1 [V, r] float32 (rows by the parent's token id); w2p W2's ``panels``; one
-    calibration (the map at T = 0) a row. Grown first in the forest's starting room; a row
-    that outgrows it (a node pushed out of the top keeps its children) has the round
-    grown again in room for every node a round can open."""
+    calibration (the map at T = 0) a row. Grown in one call in room for every node a
+    round can open (``Forest.whole_round``), then trimmed to what it made."""
     lib = library()
     assert lib is not None
     base = base.float().contiguous()
     assert base.shape[0] == len(roots) and w1.dtype == torch.float32 and w1.is_contiguous()
     caps = np.array([b.branch_cap for b in budgets], dtype=np.int64)
-    forest = Forest(roots, budgets, depth_limits, d2t)
+    forest = Forest(roots, budgets, depth_limits, d2t, room=Forest.whole_round(budgets, depth_limits))
     waves = _grow(lib, forest, base, w1, w2p, calibrations, caps)
-    if waves == _OUTGROWN:
-        forest = Forest(roots, budgets, depth_limits, d2t)
-        # each node opens in the wave after it is made or never: at most depth waves of
-        # node_cap + 1 nodes, branch_cap children each
-        depth = int(forest.depth_limit.max(initial=0))
-        forest.reserve(1 + depth * (int(forest.node_cap.max(initial=0)) + 1) * int(caps.max(initial=1)))
-        waves = _grow(lib, forest, base, w1, w2p, calibrations, caps)
     if waves < 0:
-        raise RuntimeError(f"ts_greedy_forest failed ({waves})")
+        raise RuntimeError(f"ts_greedy_forest failed ({waves}: {'outgrew its room' if waves == _OUTGROWN else 'error'})")
+    forest.trim()
     return forest, waves
 
 
