@@ -14,6 +14,7 @@ from treespark.engine.config import EngineConfig
 from treespark.engine.core import Engine
 from treespark.engine.kv import StoreShape
 from treespark.engine.target import TargetRunner
+from treespark.kernels import blocks
 from treespark.kernels.attention import AttentionPath
 from treespark.kernels.linear import F_LINEAR, ProductPlan
 from treespark.spec.params import SamplingParams
@@ -64,17 +65,31 @@ def test_bf16_verify_forward_agrees():
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_drafter_block_over_the_paged_context_is_the_dense_one(pairs, family):
-    """The block's keys and values go into the layer's context copy, not the store."""
+def test_drafter_block_over_the_paged_context_is_the_dense_one(pairs, family, monkeypatch):
+    """The dense reference's logits either way the pass runs: in one native call over the
+    store itself (the block's keys and values written at each row's next positions, which
+    the engine reserves; the llama pair's 16 rows) or per layer over context copies (the
+    qwen3 pair's 20 rows, past the blocks' 16: the store untouched). Nothing below a row's
+    context moves."""
     pair = pairs[family]
     runner = _runners(pair)[AttentionPath.GROUPED]
-    scene = paged_scene(runner, _dshape(pair), LENGTHS, nodes=4, seed=5)
+    blk = pair.drafter.config.block_size
+    scene = paged_scene(runner, _dshape(pair), LENGTHS, nodes=blk, seed=5)
     before = scene.kv.drafter.k.clone()
+    calls = []
+    native_pass = blocks.layers
+    monkeypatch.setattr(blocks, "layers", lambda *a: calls.append(1) or native_pass(*a))
     new = draft(pair, scene, reference=False)
     ref = draft(pair, scene, reference=True)
-    assert new.shape == (4, pair.drafter.config.block_size, pair.drafter.config.draft_vocab)
+    assert new.shape == (4, blk, pair.drafter.config.draft_vocab)
     torch.testing.assert_close(new, ref, atol=1e-4, rtol=1e-4)
-    assert torch.equal(scene.kv.drafter.k, before)
+    assert len(calls) == (family == "llama" and blocks.library() is not None)
+    bs, k = scene.kv.block_size, scene.kv.drafter.k
+    for row, n in enumerate(LENGTHS):
+        table = scene.table[row].tolist()
+        ctx, ahead = ([table[p // bs] * bs + p % bs for p in ps] for ps in (range(n), range(n, n + blk)))
+        assert torch.equal(k[:, ctx], before[:, ctx])
+        assert torch.equal(k[:, ahead], before[:, ahead]) != bool(calls)
 
 
 def _greedy(pair, path, prompts):

@@ -123,6 +123,27 @@ def test_no_block_holding_tree_tokens_is_ever_keyed(mimic16):
     assert engine.prefix_cache_hits == 3 * 8
 
 
+def test_a_running_request_holds_room_for_the_drafters_block(pair64):
+    """The drafter's block pass writes its block's keys and values at a row's next
+    positions in place (``treespark.models.drafter_blocks``): every step, each running
+    request's blocks hold its context plus the block, even where its tree is smaller (a
+    one-node chain verifies 2 tokens; the block is 4)."""
+    engine = Engine(pair64, EngineConfig(max_batch_size=4, max_context=64, max_tree_nodes=4, block_size=4),
+                    budget=Budget.chain(1))
+    blk, bs = pair64.drafter.config.block_size, engine.kv.block_size
+    assert blk > engine.budget.node_cap + 1 == 2   # the tree alone would leave the block short
+    reserve, short = engine.sched.reserve_trees, []
+
+    def reserved() -> None:
+        reserve()
+        short.extend(r.id for r in engine.sched.running if len(r.blocks) * bs < r.computed + blk)
+
+    engine.sched.reserve_trees = reserved
+    reqs = [(f"r{i}", [i + 1, 5, 7, 11, 2, 3, 9][: 3 + i], SamplingParams(max_tokens=20 + i)) for i in range(3)]
+    run(engine, reqs)
+    assert short == [] and engine.kv.blocks_in_use == 0
+
+
 def test_blocks_hold_4x_the_requests_of_dense_rows_at_one_budget(pair64):
     """At the KV bytes of 4 dense rows (3 running + the prefill row, a full max_context
     and tree each), 300-token requests (200 prompt + 100 generated) held at once: rows

@@ -66,6 +66,32 @@ def test_the_native_block_pass_gives_the_torch_layers_logits(b, monkeypatch):
     torch.testing.assert_close(native, torch_layers, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_the_native_context_is_the_torch_layers_keys_and_values(stored, monkeypatch):
+    """Every layer's context keys and values in one ``attn_in`` call (no query heads, each
+    layer's k and v stacked; exact bfloat16 panels for a drafter stored in bfloat16) are
+    the torch layers' to float rounding, at a few rows; a prefill's many rows and
+    training take the torch layers."""
+    d = _drafter(layers=3)
+    if stored == "bfloat16":
+        with torch.no_grad():
+            for p in d.parameters():
+                p.copy_(p.bfloat16().float())
+    gen = torch.Generator().manual_seed(5)
+    taps = torch.randn(1, 7, d.config.context_size, generator=gen)
+    positions = torch.tensor([[40, 41, 43, 44, 47, 48, 52]])
+    calls = _counting(monkeypatch)
+    k, v = d.context_kv(taps, positions)
+    assert calls[0] == 1 and d.native._made(d.layers)[4].half == (stored == "bfloat16")
+    ref_k, ref_v = d.context_kv_train(taps, positions)
+    assert k.shape == ref_k.shape == (3, 1, d.config.num_key_value_heads, 7, d.config.head_dim)
+    torch.testing.assert_close(k, ref_k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(v, ref_v, rtol=1e-4, atol=1e-4)
+    many = torch.randn(1, MAX_ROWS + 1, d.config.context_size, generator=gen)
+    d.context_kv(many, torch.arange(MAX_ROWS + 1)[None])
+    assert calls[0] == 1
+
+
 def test_rows_past_the_kernels_and_training_run_the_torch_layers(monkeypatch):
     d = _drafter()
     b = MAX_ROWS // d.config.block_size + 1

@@ -29,6 +29,7 @@ from treespark.engine.kv import KVStore, PagedKV, PagedRows, PagedStore, blocks_
 from treespark.kernels import blocks
 from treespark.kernels.attention import (
     AttentionPath,
+    PagedView,
     attention_bias,
     gather_blocks,
     grouped_attention,
@@ -261,3 +262,10 @@ class PagedContext:
             table_columns(self.table, blocks_for(self.tokens + extra, self.block_size))
         return (gather_blocks(self.store.k[layer], table, self.block_size),
                 gather_blocks(self.store.v[layer], table, self.block_size))
+
+    def paged(self, extra: int) -> PagedView:
+        """The store and the table's columns up to the longest row's context + ``extra``
+        (the engine reserves a drafting row's blocks for its drafter block as well)."""
+        table = self.table if self.tokens is None else \
+            table_columns(self.table, blocks_for(self.tokens + extra, self.block_size))
+        return PagedView(self.store.k, self.store.v, table, self.block_size)

@@ -134,8 +134,10 @@ class Engine:
         cfg = self.config
         bs = cfg.block_size
         self.block_bytes = bs * bytes_per_token(*shapes, self.runner.dtype)
-        # one request at its longest, with its largest tree
-        per_request = blocks_for(cfg.max_context + cfg.max_tree_nodes + 1, bs)
+        # one request at its longest, with its largest tree (or the drafter's block, written
+        # past its context in place: ``treespark.models.drafter_blocks``)
+        room = max(cfg.max_tree_nodes + 1, dc.block_size)
+        per_request = blocks_for(cfg.max_context + room, bs)
         blocks = pool_blocks(per_request, self.block_bytes, max_batch_size=cfg.max_batch_size,
                              kv_blocks=cfg.kv_blocks, budget_bytes=cfg.kv_budget_bytes,
                              memory_fraction=cfg.kv_memory_fraction, device=self.device)
@@ -172,7 +174,8 @@ class Engine:
         self.allocator: StepAllocator | None = None  # per-step allocation (``treespark.engine.step_alloc``)
         self.vocab_size = self.runner.vocab_size
         self.sched = Scheduler(self.kv, lambda req: self._row_budget(req).node_cap + 1, max_batch_size=cfg.max_batch_size,
-                               max_num_batched_tokens=cfg.max_num_batched_tokens, prefill_chunk=cfg.prefill_chunk)
+                               max_num_batched_tokens=cfg.max_num_batched_tokens, prefill_chunk=cfg.prefill_chunk,
+                               kv_room=lambda req: max(self._row_budget(req).node_cap + 1, dc.block_size))
         self.prefill = Prefill(self.runner, self.drafter, self.kv, self.sched, self.transfers)
         # the verify step's logits, written into the same memory step after step (CPU; the
         # largest step's, [rows x nodes x V] float32, kept: 78 MB at 8 x 16 x 151,936)

@@ -25,11 +25,15 @@ from treespark.engine.request import Request
 
 class Scheduler:
     def __init__(self, kv: PagedKV, tree_slots: Callable[[Request], int], *, max_batch_size: int,
-                 max_num_batched_tokens: int, prefill_chunk: int) -> None:
+                 max_num_batched_tokens: int, prefill_chunk: int,
+                 kv_room: Callable[[Request], int] | None = None) -> None:
         """``tree_slots(req)``: positions one step's tree of ``req`` may write (its root and
-        its node cap)."""
+        its node cap: the tokens its step verifies); ``kv_room(req)``: positions past its
+        committed ones its blocks hold for a step (its tree's, and the drafter's block,
+        written there in place; default ``tree_slots``)."""
         self.kv = kv
         self.tree_slots = tree_slots
+        self.kv_room = tree_slots if kv_room is None else kv_room
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk
@@ -63,7 +67,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.seq):
             if req not in self.running:
                 continue  # preempted for an older one
-            need = blocks_for(req.computed + self.tree_slots(req), bs) - len(req.blocks)
+            need = blocks_for(req.computed + self.kv_room(req), bs) - len(req.blocks)
             while need > pool.num_free:
                 victim = max(self.running + self.prefilling, key=lambda r: r.seq)
                 self.preempt(victim)
@@ -120,7 +124,7 @@ class Scheduler:
         # a request capturing its tapped states needs them computed at every position
         keys = block_hashes(tokens, bs) if pool.caching and req.taps is None else []
         hits = pool.lookup(keys[:(n - 1) // bs])
-        need = blocks_for(n + self.tree_slots(req), bs) - len(hits)
+        need = blocks_for(n + self.kv_room(req), bs) - len(hits)
         if need > pool.num_free - sum(1 for b in hits if pool.ref[b] == 0):
             return False
         pool.hold(hits)

@@ -97,12 +97,29 @@ def gather_blocks(cache: torch.Tensor,    # [slots, kvh, hd] one layer of a page
     return blocks.view(b, nb * block_size, kvh, hd).transpose(1, 2)
 
 
+@dataclass(frozen=True)
+class PagedView:
+    """A paged store itself, as a native pass writes and attends in place: every layer's
+    keys and values [L, slots, kvh, hd], and the blocks [B, nb] of a batch's rows."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    block_size: int
+
+
 class ContextKV(Protocol):
     """A batch's cached keys and values, read one layer at a time."""
 
     def read(self, layer: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, kvh, C, hd], C >= every row's context + ``extra``: a copy
         the caller may write into (positions past a row's context hold nothing)."""
+        ...
+
+    def paged(self, extra: int) -> PagedView | None:
+        """The store in place, its table covering every row's context + ``extra``
+        positions, which are the row's own to write (reserved for it); None where the
+        context is no paged store."""
         ...
 
 
@@ -115,3 +132,6 @@ class DenseKV:
 
     def read(self, layer: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
         return F.pad(self.k[layer], (0, 0, 0, extra)), F.pad(self.v[layer], (0, 0, 0, extra))
+
+    def paged(self, extra: int) -> None:
+        return None

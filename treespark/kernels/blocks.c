@@ -61,13 +61,14 @@ static void silu_mul(const float *g, const float *u, float *a, long I);
  * own, so the same values on any) */
 #define ROW_THREADS(M, threads) ((M) >= 8 ? (threads) : 1)
 
-/* x, d, x_out, normed: [M, D]; w: [(Hq + 2 Hkv) hd, D] (+ b); qk_w: [Hq + Hkv, hd] or NULL;
+/* x, d, x_out, normed: [M, D]; w: [(Hq + 2 Hkv) hd, D] (+ b); qk_w: [Hq + Hkv, hd] or NULL
+ * (Hq may be 0: keys and values alone, as the drafter's context is made);
  * cos, ssin: [M, hd]; qkv: [M, (Hq + 2 Hkv) hd] out, q and k normed and rotated. d NULL:
  * no residual (x_out untouched, the norm of x). Returns 0, or -1 for shapes it does not take. */
 int ts_attn_in(const float *x, const float *d, const float *norm_w, float eps, const void *w, const float *b,
                int half, const float *qk_w, float qk_eps, const float *cos, const float *ssin, float *x_out,
                float *normed, float *qkv, long M, long D, long Hq, long Hkv, long hd, int threads) {
-    if (M < 1 || D < 1 || hd < 2 || hd % 2 || hd > 512 || Hq < 1 || Hkv < 1) return -1;
+    if (M < 1 || D < 1 || hd < 2 || hd % 2 || hd > 512 || Hq < 0 || Hkv < 1) return -1;
     const long N = (Hq + 2 * Hkv) * hd;
     const int nt = ROW_THREADS(M, threads);
 #pragma omp parallel for num_threads(nt) schedule(static)

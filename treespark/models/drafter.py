@@ -248,15 +248,23 @@ class DSparkDrafter(nn.Module):
     def context_kv_train(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """taps: [B, S, n_taps*th], positions: [B, S] -> keys, values [L, B, kvh, S, hd]
         for every drafter layer (what the drafter's KV cache stores per position)."""
-        ctx = self.context(taps)
+        return self._layers_kv(self.context(taps), positions)
+
+    def _layers_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.rotary(positions, ctx.dtype)
         ks, vs = zip(*(layer.self_attn.kv(ctx, cos, sin) for layer in self.layers), strict=True)
         return torch.stack(ks), torch.stack(vs)
 
     @torch.no_grad()
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``context_kv_train`` without gradients: what serving writes to the KV cache."""
-        return self.context_kv_train(taps, positions)
+        """``context_kv_train`` without gradients: what serving writes to the KV cache (at
+        a decoding step's few rows on the CPU, one native call after ``fc``:
+        ``NativeBlockPass.context_kv``)."""
+        x = self.fc(taps.to(self.fc.weight.dtype))
+        if not self.native.runs_context(x):
+            return self._layers_kv(self.hidden_norm(x), positions)
+        cos, sin = self.rotary(positions, x.dtype)
+        return self.native.context_kv(self.layers, x, self.hidden_norm.weight, self.hidden_norm.eps, cos, sin)
 
     def _block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
         ids = torch.full((anchors.shape[0], self.config.block_size), self.config.mask_token_id,

@@ -3,19 +3,27 @@
 At the rows of a CPU drafting step (one block of ``block_size`` rows a request, up to
 ``MAX_ROWS`` in all) the drafter's layers run as the target's do: ``attn_in`` and
 ``attn_out_mlp`` around an attention over the layer's context keys and values, with the
-block's own written into them. The values are the torch layers' to float rounding
-(``tests/models/test_drafter_blocks.py``).
+block's own written into them. Over a paged store (the engine's, ``ContextKV.paged``)
+the whole pass is one ``blocks.layers`` call, as a decoding step's target forward is:
+the block's keys and values written at its rows' next positions in the store itself
+(the engine reserves them; the commit writes the kept positions' context over them) and
+attended in place, where the per-layer pass copies each layer's context to write them
+into. The context's keys and values (``context_kv``: every layer's from the committed
+positions' taps) are one ``blocks.attn_in`` call at those rows too, every layer's k and v
+products stacked into one, with no query heads. The values are the torch layers' to
+float rounding (``tests/models/test_drafter_blocks.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from treespark.kernels import blocks, native
-from treespark.kernels.attention import ContextKV, grouped_attention
+from treespark.kernels.attention import ContextKV, PagedView, attention_bias, grouped_attention
 from treespark.kernels.layer_ops import rope_sign
 from treespark.models.drafter_config import DSparkConfig
 
@@ -43,16 +51,37 @@ def layer_weights(layer: nn.Module, c: DSparkConfig) -> tuple[blocks.LayerWeight
                                layer.post_attention_layernorm.weight.detach(), eps, gate_up, None, down, None), half
 
 
+def context_weights(layers: nn.ModuleList, c: DSparkConfig) -> ContextWeights:
+    """Every layer's k and v products as one (``ContextWeights``)."""
+    attn = [layer.self_attn for layer in layers]
+    w = torch.cat([a.k_proj.weight for a in attn] + [a.v_proj.weight for a in attn]).detach().contiguous()
+    panels = native.exact_panels(w)
+    k_norm = torch.cat([a.k_norm.weight.detach().expand(c.num_key_value_heads, -1) for a in attn]).contiguous()
+    return ContextWeights(w if panels is None else panels, panels is not None, k_norm)
+
+
+@dataclass(frozen=True)
+class ContextWeights:
+    """The context's keys and values of every layer in one product: k and v weights
+    stacked [L kvh hd (every layer's k) + L kvh hd (every layer's v), h] (float32, or the
+    exact bfloat16 panels, ``half``), and the k norms per head [L kvh, hd]."""
+
+    w: torch.Tensor
+    half: bool
+    k_norm: torch.Tensor
+
+
 class NativeBlockPass:
     """A drafter's block pass on the native blocks, and the stacked weights it reads."""
 
     def __init__(self, config: DSparkConfig) -> None:
         self.config = config
-        # (the layers, their parameters, each one's storage and version, ``fused_layers``)
+        # (the layers, their parameters, each one's storage and version, ``fused_layers``, ``context_weights``)
         self._fused: tuple[nn.ModuleList, list[nn.Parameter], list[tuple[int, int]],
-                           list[tuple[blocks.LayerWeights, bool]]] | None = None
+                           list[tuple[blocks.LayerWeights, bool]], ContextWeights] | None = None
         with torch.device("cpu"):   # CPU float32 only: made once, not per pass
             self._rope_sign = rope_sign(config.head_dim, torch.device("cpu"), torch.float32)
+        self._stack: tuple[tuple, blocks.LayerStack] | None = None   # (what it was made for, ``_paged_stack``)
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether the block pass of ``x`` [B, blk, h] runs here: float32 on the CPU, at
@@ -65,18 +94,44 @@ class NativeBlockPass:
         norms per head): made once, again when a weight changes in place (a load, a training
         step, a move) or other layers come. The parameters are listed when made, so a step
         checks their versions without walking the modules (~0.1 ms a step)."""
+        return self._made(layers)[3]
+
+    def _made(self, layers: nn.ModuleList):
         f = self._fused
         if f is None or f[0] is not layers or [(p.data_ptr(), p._version) for p in f[1]] != f[2]:
             params = list(layers.parameters())
             f = self._fused = (layers, params, [(p.data_ptr(), p._version) for p in params],
-                               [layer_weights(layer, self.config) for layer in layers])
-        return f[3]
+                               [layer_weights(layer, self.config) for layer in layers],
+                               context_weights(layers, self.config))
+        return f
+
+    def runs_context(self, x: torch.Tensor) -> bool:
+        """Whether ``context_kv`` takes the rows of ``x`` [..., h]: float32 on the CPU, at
+        most ``MAX_ROWS`` rows, no gradients, the library built."""
+        return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+                and blocks.can_run(x.numel() // x.shape[-1], self.config.hidden_act))
+
+    def context_kv(self, layers: nn.ModuleList, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                   cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's keys and values [L, B, kvh, S, hd] of the context rows ``x`` [B, S,
+        h] before their norm (``norm_w``, ``eps``: the drafter's hidden norm), ``cos``,
+        ``sin`` [B, S, hd]: one ``attn_in`` call (views of its output)."""
+        c = self.config
+        b, s, h = x.shape
+        hkv, hd, n_layers = c.num_key_value_heads, c.head_dim, len(layers)
+        cw = self._made(layers)[4]
+        _, y = blocks.attn_in(x.reshape(b * s, h).contiguous(), None, norm_w, eps, cw.w, None, cw.half, cw.k_norm,
+                              c.rms_norm_eps, cos.reshape(b * s, hd).contiguous(),
+                              (sin * self._rope_sign).reshape(b * s, hd).contiguous(), 0, n_layers * hkv, hd)
+        kv = y.view(b, s, 2, n_layers, hkv, hd).permute(2, 3, 0, 4, 1, 5)          # [2, L, B, kvh, S, hd]
+        return kv[0], kv[1]
 
     def __call__(self, layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  context: ContextKV, ctx_len: torch.Tensor, positions: torch.Tensor,
                  context_layer: ContextLayer) -> torch.Tensor:
         """The block's last hidden states [B, blk, h] from its embeddings ``x`` [B, blk, h]:
-        per layer two native calls around its attention over ``context_layer``'s keys and
+        one ``blocks.layers`` call where the context is a paged store it takes, else per
+        layer two native calls around its attention over ``context_layer``'s keys and
         values, the block's own written at ``positions`` [B, blk]."""
         c = self.config
         b, blk, h = x.shape
@@ -84,6 +139,17 @@ class NativeBlockPass:
         cos = cos.reshape(b * blk, hd).contiguous()
         ssin = (sin * self._rope_sign).reshape(b * blk, hd).contiguous()
         x = x.reshape(b * blk, h).contiguous()
+        view = context.paged(blk)
+        stack = None if view is None else self._paged_stack(layers, view)
+        if stack is not None:
+            assert view is not None
+            bs, table = view.block_size, view.table
+            slots = table.gather(1, positions // bs) * bs + positions % bs                   # [B, blk]
+            keys = table.shape[1] * bs
+            seen = torch.arange(keys)[None] < (ctx_len + blk)[:, None]                       # [B, keys]
+            bias = attention_bias(seen[:, None, None].expand(b, 1, blk, keys), hq // hkv, torch.float32, keys)
+            x, mlp, _ = blocks.layers(stack, x, cos, ssin, slots, table, bs, bias, hd ** -0.5)
+            return (x + mlp).view(b, blk, h)
         mlp = bias = None
         for i, (w, half) in enumerate(self.fused_layers(layers)):
             x, y = blocks.attn_in(x, mlp, w.in_norm, w.in_eps, w.wqkv, w.bqkv, half, w.qk_norm, w.qk_eps, cos, ssin,
@@ -98,3 +164,19 @@ class NativeBlockPass:
             x, mlp = blocks.attn_out_mlp(a, w.wo, w.bo, x, w.post_norm, w.post_eps, w.wgu, w.bgu, w.wdown, w.bdown,
                                          half)
         return (x + mlp).view(b, blk, h)
+
+    def _paged_stack(self, layers: nn.ModuleList, view: PagedView) -> blocks.LayerStack | None:
+        """The layers and ``view``'s store as ``blocks.layers`` takes them, where it takes
+        them (a float32 store on the CPU, every layer's products in one precision); None
+        elsewhere. Made once per store and weights; only the last is kept."""
+        fused = self.fused_layers(layers)
+        halves = {half for _, half in fused}
+        if not (len(halves) == 1 and view.k.dtype == view.v.dtype == torch.float32 and view.k.device.type == "cpu"
+                and view.k.is_contiguous() and view.v.is_contiguous() and view.k.shape[0] == len(fused)):
+            return None
+        key = (view.k, view.v, fused)
+        if self._stack is None or any(a is not b for a, b in zip(self._stack[0], key, strict=True)):
+            c = self.config
+            self._stack = key, blocks.LayerStack([w for w, _ in fused], view.k, view.v, halves.pop(),
+                                                 c.num_attention_heads, c.num_key_value_heads, c.head_dim, ())
+        return self._stack[1]
