@@ -184,6 +184,27 @@ def test_rope_is_transformers_to_the_bit(dtype):
     assert torch.equal(rope(k, cos[:, None], signed), k_ref)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_table_holds_the_models_own_cos_and_sin(fused, dtype):
+    """A forward looks its positions' cos and sin up in a table made once from the
+    model's rotary embedding (up to ``max_positions``): each position's values to the
+    bit, whatever else the batch holds; a scaling whose values move with the batch's
+    longest position (dynamic) keeps computing them."""
+    target = random_pair(512, 0).target.to(dtype)
+    runner = TargetRunner(target, (0,), ProductPlan.fixed(F_LINEAR), fused=fused, max_positions=300)
+    assert runner._rope is not None and runner._rope[0].shape == (300, runner.head_dim)
+    positions = torch.tensor([[0, 7, 299], [150, 151, 3]])
+    h = torch.zeros(2, 3, target.config.hidden_size, dtype=dtype)
+    cos, sin = target.model.rotary_emb(h, positions)
+    want = cos[:, None].to(dtype), sin[:, None].to(dtype) * (rope_sign(runner.head_dim, h.device, dtype) if fused else 1)
+    for got, ref in zip(runner._rotary(h, positions), want, strict=True):
+        assert got.shape == ref.shape and torch.equal(got, ref)
+    target.model.rotary_emb.rope_type = "dynamic"
+    assert TargetRunner(target, (0,), ProductPlan.fixed(F_LINEAR), fused=fused)._rope is None
+    target.model.rotary_emb.rope_type = "default"
+
+
 @pytest.mark.parametrize("layout", [F_LINEAR, SMALL])
 def test_logits_into_a_kept_buffer_are_the_same_bits(layout):
     """``logits_into``: where the plan runs the head as ``F.linear`` the logits are written

@@ -124,19 +124,19 @@ class Engine:
         self.pair = pair
         self.config = config or EngineConfig()
         self.drafter = pair.drafter
-        self.runner = TargetRunner(pair.target, self.drafter.config.target_layer_ids, products,
-                                   attention=self.config.attention, compile_backend=self.config.compile_backend)
+        cfg, dc = self.config, self.drafter.config
+        # the most positions past its context a step writes for a request: its largest tree,
+        # or the drafter's block, written there in place (``treespark.models.drafter_blocks``)
+        room = max(cfg.max_tree_nodes + 1, dc.block_size)
+        self.runner = TargetRunner(pair.target, dc.target_layer_ids, products, attention=cfg.attention,
+                                   compile_backend=cfg.compile_backend, max_positions=cfg.max_context + room)
         backend = self.config.compile_backend
         self._walk_level = walk_level if backend is None else compiled(walk_level, backend)  # a depth of the T > 0 walk
         self.device = self.runner.device
-        dc = self.drafter.config
         shapes = (self.runner.store_shape, StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim))
-        cfg = self.config
         bs = cfg.block_size
         self.block_bytes = bs * bytes_per_token(*shapes, self.runner.dtype)
-        # one request at its longest, with its largest tree (or the drafter's block, written
-        # past its context in place: ``treespark.models.drafter_blocks``)
-        room = max(cfg.max_tree_nodes + 1, dc.block_size)
+        # one request at its longest, with its largest tree or block
         per_request = blocks_for(cfg.max_context + room, bs)
         blocks = pool_blocks(per_request, self.block_bytes, max_batch_size=cfg.max_batch_size,
                              kv_blocks=cfg.kv_blocks, budget_bytes=cfg.kv_budget_bytes,

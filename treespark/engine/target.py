@@ -65,14 +65,18 @@ class TargetRunner:
 
     def __init__(self, model: PreTrainedModel, tap_layers: tuple[int, ...],
                  products: ProductPlan | None = None, fused: bool = True,
-                 attention: AttentionPath = AttentionPath.GROUPED, compile_backend: str | None = None) -> None:
+                 attention: AttentionPath = AttentionPath.GROUPED, compile_backend: str | None = None,
+                 max_positions: int | None = None) -> None:
         """``products``: the CPU product layout per row count (default: ``product_plan``,
         timed on this machine); ignored off CPU. ``fused``: the fused forward (False: the
         reference, separate products and transformers' norm modules). ``attention``: the
         attention path (``treespark.kernels.attention``; the reference is the plain gather
         + SDPA). ``compile_backend``: the fused forward's norms, rotary embeddings and
         activation compiled by ``torch.compile`` with this backend (``inductor``, ...;
-        ``treespark.kernels.layer_ops.compiled_layer_ops``); None: not compiled."""
+        ``treespark.kernels.layer_ops.compiled_layer_ops``); None: not compiled.
+        ``max_positions``: the positions a forward may hold (default: the model's
+        ``max_position_embeddings``), whose rotary cos and sin are made once, in a table
+        a forward looks its positions up in (``_rotary``)."""
         self.model = model
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
@@ -104,6 +108,7 @@ class TargetRunner:
         if fused:
             self._rope_sign = rope_sign(self.head_dim, self.device, self.dtype)   # [D]
             self._qk_norms = [self._qk_norm(layer.self_attn) for layer in base.layers]
+        self._rope = self._rope_table(max_positions or cfg.max_position_embeddings)
         # on CPU: which layout each row count runs in (treespark.kernels.linear), and a copy of
         # every product weight in oneDNN's layout (or in bfloat16) where the plan multiplies by one
         self.products: ProductPlan | None = None
@@ -124,6 +129,29 @@ class TargetRunner:
         self._block_weights_by: dict[bool, list[blocks.LayerWeights]] = {}
         self._tiles: bool | None = None   # ``_half_tiles``
         self._stacks: tuple[PagedStore | None, dict[bool, blocks.LayerStack]] = (None, {})
+
+    def _rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary cos and sin [n, D] of positions 0 .. n - 1, in the forward's dtype
+        (sin with ``rope_sign`` applied for the fused forward), from the model's own
+        rotary embedding: each position's values are the ones it computes for that
+        position alone. None where they are not (dynamic and longrope scaling: they
+        change with the longest position in the batch)."""
+        rotary = self.base.rotary_emb
+        if "dynamic" in str(getattr(rotary, "rope_type", "default")) or getattr(rotary, "rope_type", "") == "longrope":
+            return None
+        cos, sin = rotary(torch.zeros(1, dtype=self.dtype, device=self.device),
+                          torch.arange(n, device=self.device)[None])
+        cos, sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        return cos, sin * self._rope_sign if self.fused else sin
+
+    def _rotary(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, K, D] of ``positions`` [B, K] (sin with ``rope_sign`` applied in
+        the fused forward): looked up in the table where there is one, else computed."""
+        if self._rope is not None:
+            return self._rope[0][positions][:, None], self._rope[1][positions][:, None]
+        cos, sin = self.base.rotary_emb(h, positions)
+        cos, sin = cos[:, None].to(self.dtype), sin[:, None].to(self.dtype)   # [B, 1, K, D]
+        return cos, sin * self._rope_sign if self.fused else sin
 
     def _qk_norm(self, attn: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
         """Qwen3's q and k norms as one per-head weight [Hq + Hkv, D] and their eps (None
@@ -237,10 +265,7 @@ class TargetRunner:
         device: the part ``treespark.engine.graphs`` captures."""
         b, k = tokens.shape
         h = self.base.embed_tokens(tokens).to(self.dtype)                  # [B, K, h]
-        cos, sin = self.base.rotary_emb(h, positions)
-        cos, sin = cos[:, None].to(self.dtype), sin[:, None].to(self.dtype)   # [B, 1, K, D]
-        if self.fused:
-            sin = sin * self._rope_sign
+        cos, sin = self._rotary(h, positions)                                # [B, 1, K, D]
         x = h.reshape(b * k, -1)
         half = self._on_blocks(b * k)
         if half is None:
