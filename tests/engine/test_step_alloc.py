@@ -150,7 +150,7 @@ def test_sampled_rows_stay_seeded_and_complete(mimic16):
 def test_policy_time_counts_the_allocations_work_not_time_the_thread_waits(monkeypatch):
     """policy_s is CPU time: a call that waits (here a sleep standing in for the OS
     running another process) is charged its work only, not the wait."""
-    def slow_plan(forecasts, costs, *, theta=0.0):
+    def slow_plan(forecasts, costs, *, theta=0.0, best=None):
         time.sleep(0.05)
         return DraftPlan(2, 0.5, 1.0, 0.5)
 
@@ -191,7 +191,7 @@ def test_probes_keep_their_cost_at_the_share_of_plain_decoding_at_every_batch():
 def test_plain_steps_replan_nothing_until_the_profile_the_batch_or_the_price_moves(monkeypatch):
     calls = []
 
-    def counted(forecasts, costs, *, theta=0.0):
+    def counted(forecasts, costs, *, theta=0.0, best=None):
         calls.append((len(forecasts), theta))
         return DraftPlan(0, float("inf"), 1.0, 1.0)
 

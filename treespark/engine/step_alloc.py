@@ -1,7 +1,8 @@
 """The engine's per-step allocation: how much each step drafts and verifies.
 
-The maths is ``treespark.pricing.allocate`` (numpy, no model); this is its engine side,
-two calls per decode step:
+The maths is ``treespark.pricing.allocate`` (numpy, no model; its argmax in one native
+call here, ``treespark.kernels.best``, the same doubles); this is its engine side, two
+calls per decode step:
 
 * before drafting, ``drafting`` caps each row's drafting budget at the cap (``draft_cap``:
   twice the pad, room to grow) of the pad ``plan_drafting`` finds worth drafting (drafting
@@ -42,11 +43,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from treespark.kernels.best import ranked_argmax
+from treespark.kernels.native import library
 from treespark.pricing.allocate import (
     Allocation,
+    Best,
+    BestFn,
     DraftPlan,
     StepCosts,
     allocate,
+    best_allocation,
     draft_cap,
     plan_drafting,
 )
@@ -56,6 +64,26 @@ from treespark.spec.drafting import RoundDraft
 from treespark.spec.params import StepStats
 
 PROBE_NODES = 4   # a probe drafts up to this many nodes a row
+
+
+def native_best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, theta: float,
+                ahead: bool = False) -> Best:
+    """``best_allocation``'s argmax in one native call (``treespark.kernels.best``): the
+    same doubles (an empty batch: ``best_allocation``)."""
+    if not scores:
+        return best_allocation(scores, costs, draft_s, theta, ahead)
+    n, bs = costs.max_nodes, len(scores)
+    lens = [min(len(s), n) for s in scores]
+    flat = np.array([x for s, k in zip(scores, lens, strict=True) for x in s[:k]], dtype=np.float64)
+    r = ranked_argmax(flat, np.asarray(lens, dtype=np.int64), n, max(theta, 1e-12), costs.verify_row(bs),
+                      costs.drafting_by_pad(bs) if ahead else None, draft_s, costs.node_s)
+    return Best(r.rows, r.scores, r.pad, r.take, r.goodput, r.plain)
+
+
+def engine_best() -> BestFn:
+    """The argmax a replica's allocation runs: ``native_best`` where the kernels are
+    built, else ``best_allocation``."""
+    return native_best if library() is not None else best_allocation
 
 
 @dataclass
@@ -68,6 +96,7 @@ class StepAllocator:
     plan: DraftPlan | None = None
     policy_s: float = 0.0                      # CPU seconds of this step's two calls (and observe)
     probe_share: float = 0.01                  # the most of plain decoding's time the probes take
+    best: BestFn = field(default_factory=engine_best)   # the argmax both calls run (the native one where built)
     _plain_steps: int = 0
     profile_decay: float = 0.9                 # weight of the past in the per-rank mean, per drafted tree and plain step
     _history: dict[str, list[float]] = field(default_factory=dict)   # each T > 0 row's last candidates
@@ -114,7 +143,7 @@ class StepAllocator:
             return list(budgets)
         key = (len(ids), theta, id(self.costs), self._profile_version)
         if self._planned is None or self._planned[0] != key:   # else nothing it plans on has moved
-            self._planned = key, plan_drafting([self._profile] * len(ids), self.costs, theta=theta)
+            self._planned = key, plan_drafting([self._profile] * len(ids), self.costs, theta=theta, best=self.best)
         self.plan = self._planned[1]
         cap = draft_cap(self.plan.pad)
         self._plain_steps = self._plain_steps + 1 if cap == 0 else 0
@@ -147,7 +176,7 @@ class StepAllocator:
         c = self.costs
         draft_s = c.drafting_s(len(ids), self._drafted_cap)
         alloc = allocate(drafted.scores, c, draft_s=draft_s, theta=theta, sampled=sampled,
-                         proxies=[self._history.get(i) for i in ids])
+                         proxies=[self._history.get(i) for i in ids], best=self.best)
         history = {i: s for i, s in zip(ids, drafted.scores, strict=True) if s}
         self._history = {i: history.get(i, self._history.get(i)) for i in ids
                          if i in history or i in self._history}

@@ -12,7 +12,8 @@ its float32 original, and a few rows cost little more than one (``gemv.c``).
 The C files (``gemv.c``; ``blocks.c``: a decoder layer's few-row forward around its
 attention, ``treespark.kernels.blocks``; ``waves.c``: a greedy round's draft trees,
 ``treespark.spec.native_forest``; ``chunks.c``: a prefill's chunks' attention,
-``treespark.kernels.chunks``) are compiled once per machine, source and
+``treespark.kernels.chunks``; ``best.c``: the per-step allocation's argmax,
+``treespark.kernels.best``) are compiled once per machine, source and
 compiler (``cc -O3 -march=native -fopenmp``; a second or so) into
 ``~/.cache/treespark/kernels/`` under a ``filelock``, and loaded with ``ctypes``, which
 releases the GIL during the call. Where there is no C compiler or the build fails, ``library()`` is None, the product plan does not offer the
@@ -38,8 +39,9 @@ from filelock import FileLock
 from treespark.kernels.machine import hardware_name
 
 # the products (gemv.c), the decoder-layer blocks built on them (blocks.c), the greedy
-# rounds' draft trees (waves.c) and the prefill chunks' attention (chunks.c), one library
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.c", "blocks.c", "waves.c", "chunks.c"))
+# rounds' draft trees (waves.c), the prefill chunks' attention (chunks.c) and the
+# per-step allocation's argmax (best.c), one library
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.c", "blocks.c", "waves.c", "chunks.c", "best.c"))
 HEADERS = (Path(__file__).with_name("vexp.h"),)   # what the sources include (in the build's key)
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "kernels"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -135,6 +137,7 @@ def load(path: Path) -> ctypes.CDLL:
         "ts_chunk_attention": [ptr] * 4 + [n, n, ptr, n, f32, ptr] + [n] * 4 + [i32],
         "ts_chunk_lanes": [],
         "ts_greedy_forest": [ptr, n, n, ptr, n, ptr, ptr, n] + [ptr] * 7 + [n, f64, n] + [ptr] * 9 + [n, i32],
+        "ts_best": [ptr, ptr, n, n, f64, ptr, ptr, f64, f64, ptr, ptr, ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -35,7 +35,7 @@ numpy only: the allocation is tested, and benchmarked, without a model.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +71,7 @@ class StepCosts:
     # caches per batch size (new in every copy: ``dataclasses.replace`` leaves them behind)
     _rows: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
     _draft_rows: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _by_pad: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def drafting_s(self, bs: int, cap: int) -> float:
         """Seconds of a step that drafts ``bs`` rows of at most ``cap`` nodes each (0: no drafting)."""
@@ -86,6 +87,15 @@ class StepCosts:
                 else np.zeros(self.max_nodes + 1)
             row = self.draft_scale * row
             self._draft_rows[bs] = row
+        return row
+
+    def drafting_by_pad(self, bs: int) -> np.ndarray:
+        """[max_nodes + 1] seconds: the drafting of a plan of each pad (at its ``draft_cap``)
+        at ``bs`` rows (cached per batch size)."""
+        row = self._by_pad.get(bs)
+        if row is None:
+            row = self._by_pad[bs] = self.drafting_row(bs)[np.minimum(draft_cap(np.arange(self.max_nodes + 1)),
+                                                                      self.max_nodes)]
         return row
 
     def verify_row(self, bs: int) -> np.ndarray:
@@ -121,7 +131,9 @@ class Allocation:
 
 
 @dataclass(frozen=True)
-class _Best:
+class Best:
+    """The argmax over (kappa, B) (``best_allocation``)."""
+
     rows: np.ndarray      # [N] row of each candidate, in rank order
     scores: np.ndarray    # [N]
     pad: int              # kappa: the most nodes any row takes
@@ -130,18 +142,19 @@ class _Best:
     plain: float
 
 
-def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, theta: float,
-          ahead: bool = False) -> _Best:
+def best_allocation(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, theta: float,
+                    ahead: bool = False) -> Best:
     """The argmax over (kappa, B): the top B candidates with at most kappa per row. For a
     pad kappa and a node count the cost is fixed and the top scores are best, so this is
     the optimum over all per-row counts. ``ahead``: a step not drafted yet, so drafting
     is priced too, at the cap a pad drafts under (``draft_cap``; nothing when no node is
-    taken)."""
+    taken). numpy, the reference: the engine calls ``treespark.kernels.best``'s, the same
+    doubles in one native call where the kernels are built."""
     bs = len(scores)
     lens = [min(len(s), costs.max_nodes) for s in scores]
     if not any(lens):
         t0 = draft_s + costs.verify_row(max(bs, 1))[0]
-        return _Best(np.zeros(0, dtype=np.int64), np.zeros(0), 0, 0, bs / t0, bs / t0)
+        return Best(np.zeros(0, dtype=np.int64), np.zeros(0), 0, 0, bs / t0, bs / t0)
     s = np.concatenate([np.asarray(x, dtype=np.float64)[:n] for x, n in zip(scores, lens, strict=True)])
     rows = np.repeat(np.arange(bs), lens)
     idx = np.concatenate([np.arange(n) for n in lens])
@@ -152,12 +165,12 @@ def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, t
     t = costs.verify_row(bs)
     plain = bs / (draft_s + t[0])
     if len(s) == 0:
-        return _Best(rows, s, 0, 0, plain, plain)
+        return Best(rows, s, 0, 0, plain, plain)
     by_row = np.argsort(rows, kind="stable")                  # each row's candidates, in rank order
     idx = np.empty_like(by_row)                               # a candidate's rank within its row
     idx[by_row] = np.arange(len(rows)) - np.searchsorted(rows[by_row], rows[by_row])
     kappa = np.arange(1, int(idx.max(initial=-1)) + 2)[:, None]   # [K, 1] pads worth trying
-    fixed = costs.drafting_row(bs)[np.minimum(draft_cap(kappa), costs.max_nodes)] if ahead else 0.0   # [K, 1]
+    fixed = costs.drafting_by_pad(bs)[kappa] if ahead else 0.0   # [K, 1]
     taken = idx[None, :] < kappa                              # [K, N]
     tokens = bs + np.cumsum(np.where(taken, s[None, :], 0.0), axis=1)
     nodes = np.cumsum(taken, axis=1)
@@ -165,13 +178,17 @@ def _best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: float, t
     good = tokens / (draft_s + fixed + t[pad] + costs.node_s * nodes)  # [K, N]
     k, m = np.unravel_index(int(np.argmax(good)), good.shape)
     if good[k, m] <= plain:
-        return _Best(rows, s, 0, 0, plain, plain)
-    return _Best(rows, s, int(kappa[k, 0]), int(m) + 1, float(good[k, m]), plain)
+        return Best(rows, s, 0, 0, plain, plain)
+    return Best(rows, s, int(kappa[k, 0]), int(m) + 1, float(good[k, m]), plain)
+
+
+# (scores, costs, draft_s, theta, ahead) -> the argmax (``best_allocation``, or the native one)
+BestFn = Callable[[Sequence[Sequence[float]], StepCosts, float, float, bool], Best]
 
 
 def allocate(scores: Sequence[Sequence[float]], costs: StepCosts, *, draft_s: float = 0.0,
              theta: float = 0.0, sampled: Sequence[bool] | None = None,
-             proxies: Sequence[Sequence[float] | None] | None = None) -> Allocation:
+             proxies: Sequence[Sequence[float] | None] | None = None, best: BestFn | None = None) -> Allocation:
     """The nodes one step verifies (see the module docstring).
 
     scores[r]: row ``r``'s candidate scores in node order (node 1 first; the root is not a
@@ -183,7 +200,7 @@ def allocate(scores: Sequence[Sequence[float]], costs: StepCosts, *, draft_s: fl
     sampled = [False] * bs if sampled is None else list(sampled)
     proxies = [None] * bs if proxies is None else list(proxies)
     view = [(() if p is None else p) if smp else s for s, smp, p in zip(scores, sampled, proxies, strict=True)]
-    best = _best(view, costs, draft_s, theta)
+    best = (best or best_allocation)(view, costs, draft_s, theta, False)
     if len(best.scores) == 0:
         step_theta, pad = theta, costs.max_nodes   # nothing to price against: the drafting budget decides
     elif best.take == 0:
@@ -212,11 +229,12 @@ class DraftPlan:
     plain_goodput: float
 
 
-def plan_drafting(forecasts: Sequence[Sequence[float]], costs: StepCosts, *, theta: float = 0.0) -> DraftPlan:
+def plan_drafting(forecasts: Sequence[Sequence[float]], costs: StepCosts, *, theta: float = 0.0,
+                  best: BestFn | None = None) -> DraftPlan:
     """The best (kappa, B) over ``forecasts`` (each row's candidate scores of its last
     drafted step: history, so nothing the next step draws moves it) with the drafting
-    costs counted: the pad worth drafting for the next step."""
-    best = _best(forecasts, costs, 0.0, theta, ahead=True)
+    costs counted: the pad worth drafting for the next step (``best`` as ``allocate``'s)."""
+    best = (best or best_allocation)(forecasts, costs, 0.0, theta, True)
     if best.take == 0:
         return DraftPlan(0, math.inf, best.plain, best.plain)
     return DraftPlan(best.pad, max(float(best.scores[:best.take].min()), theta), best.goodput, best.plain)
