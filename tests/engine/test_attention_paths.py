@@ -5,6 +5,8 @@ trees, and the same greedy tokens."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -90,6 +92,8 @@ def test_drafter_block_over_the_paged_context_is_the_dense_one(pairs, family, mo
         ctx, ahead = ([table[p // bs] * bs + p % bs for p in ps] for ps in (range(n), range(n, n + blk)))
         assert torch.equal(k[:, ctx], before[:, ctx])
         assert torch.equal(k[:, ahead], before[:, ahead]) != bool(calls)
+    copied = copy.deepcopy(pair.drafter)                 # the store's pointers stay behind
+    assert copied.native._stack is None and copied.native._fused is None
 
 
 def _greedy(pair, path, prompts):

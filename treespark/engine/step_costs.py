@@ -142,7 +142,10 @@ def measure_verify(engine, batch_sizes, tokens, *, deadline: float, max_passes: 
     made non-decreasing in k and bs (``isotonic``). Cells above ``max_step_tokens`` are
     extrapolated along k. Timed: the forward the engine verifies with, over its paged
     store (``time_paged_forward``; with ``cuda_graphs`` the replayed one,
-    ``time_graphed_forward``)."""
+    ``time_graphed_forward``), over ``context`` committed tokens a row, or the engine's
+    ``max_context`` where that is shorter (a forward holds no position past it and its
+    trees: the rotary table ends there)."""
+    context = min(context, engine.config.max_context)
     runner = engine.runner
     g = torch.Generator().manual_seed(0)
     if engine.graphs is None:

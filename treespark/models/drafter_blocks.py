@@ -83,6 +83,11 @@ class NativeBlockPass:
             self._rope_sign = rope_sign(config.head_dim, torch.device("cpu"), torch.float32)
         self._stack: tuple[tuple, blocks.LayerStack] | None = None   # (what it was made for, ``_paged_stack``)
 
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy`` of a drafter, pickling) starts without the made weights
+        and the store's pointers (ctypes arrays pickle as nothing): it makes its own."""
+        return {**self.__dict__, "_fused": None, "_stack": None}
+
     def runs(self, x: torch.Tensor) -> bool:
         """Whether the block pass of ``x`` [B, blk, h] runs here: float32 on the CPU, at
         most ``MAX_ROWS`` rows, no gradients, the library built."""
