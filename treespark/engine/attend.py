@@ -257,15 +257,18 @@ class PagedContext:
     block_size: int
     tokens: int | None    # the longest row's context; None: the table holds it and the room
 
-    def read(self, layer: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self.table if self.tokens is None else \
+    def _columns(self, extra: int) -> torch.Tensor:
+        """The table's columns up to the longest row's context + ``extra`` (every column
+        with ``tokens`` None)."""
+        return self.table if self.tokens is None else \
             table_columns(self.table, blocks_for(self.tokens + extra, self.block_size))
+
+    def read(self, layer: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._columns(extra)
         return (gather_blocks(self.store.k[layer], table, self.block_size),
                 gather_blocks(self.store.v[layer], table, self.block_size))
 
     def paged(self, extra: int) -> PagedView:
-        """The store and the table's columns up to the longest row's context + ``extra``
-        (the engine reserves a drafting row's blocks for its drafter block as well)."""
-        table = self.table if self.tokens is None else \
-            table_columns(self.table, blocks_for(self.tokens + extra, self.block_size))
-        return PagedView(self.store.k, self.store.v, table, self.block_size)
+        """The store and ``_columns(extra)`` (the engine reserves a drafting row's blocks
+        for its drafter block as well)."""
+        return PagedView(self.store.k, self.store.v, self._columns(extra), self.block_size)

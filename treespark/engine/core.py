@@ -173,9 +173,12 @@ class Engine:
         self.on_step: Callable[[StepStats], None] | None = None
         self.allocator: StepAllocator | None = None  # per-step allocation (``treespark.engine.step_alloc``)
         self.vocab_size = self.runner.vocab_size
-        self.sched = Scheduler(self.kv, lambda req: self._row_budget(req).node_cap + 1, max_batch_size=cfg.max_batch_size,
+        def tree_slots(req: Request) -> int:
+            return self._row_budget(req).node_cap + 1
+
+        self.sched = Scheduler(self.kv, tree_slots, max_batch_size=cfg.max_batch_size,
                                max_num_batched_tokens=cfg.max_num_batched_tokens, prefill_chunk=cfg.prefill_chunk,
-                               kv_room=lambda req: max(self._row_budget(req).node_cap + 1, dc.block_size))
+                               kv_room=lambda req: max(tree_slots(req), dc.block_size))
         self.prefill = Prefill(self.runner, self.drafter, self.kv, self.sched, self.transfers)
         # the verify step's logits, written into the same memory step after step (CPU; the
         # largest step's, [rows x nodes x V] float32, kept: 78 MB at 8 x 16 x 151,936)

@@ -75,9 +75,8 @@ def native_best(scores: Sequence[Sequence[float]], costs: StepCosts, draft_s: fl
     n, bs = costs.max_nodes, len(scores)
     lens = [min(len(s), n) for s in scores]
     flat = np.array([x for s, k in zip(scores, lens, strict=True) for x in s[:k]], dtype=np.float64)
-    r = ranked_argmax(flat, np.asarray(lens, dtype=np.int64), n, max(theta, 1e-12), costs.verify_row(bs),
-                      costs.drafting_by_pad(bs) if ahead else None, draft_s, costs.node_s)
-    return Best(r.rows, r.scores, r.pad, r.take, r.goodput, r.plain)
+    return Best(*ranked_argmax(flat, np.asarray(lens, dtype=np.int64), n, max(theta, 1e-12), costs.verify_row(bs),
+                               costs.drafting_by_pad(bs) if ahead else None, draft_s, costs.node_s))
 
 
 def engine_best() -> BestFn:

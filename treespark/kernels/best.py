@@ -11,30 +11,21 @@ scans them in the same order and the same arithmetic: the same doubles (the engi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from treespark.kernels.native import library, pointer
 
 
-@dataclass(frozen=True)
-class RankedArgmax:
-    rows: np.ndarray     # [N] int64 the candidates' rows, in rank order (those >= the floor)
-    scores: np.ndarray   # [N] float64 their scores
-    pad: int             # the argmax's kappa (0: plain decoding is best)
-    take: int            # its prefix of the ranking (0: plain decoding)
-    goodput: float       # its goodput (plain decoding's where that is best)
-    plain: float         # plain decoding's
-
-
 def ranked_argmax(scores: np.ndarray, lens: np.ndarray, max_nodes: int, floor: float, verify: np.ndarray,
-                  fixed: np.ndarray | None, draft_s: float, node_s: float) -> RankedArgmax:
+                  fixed: np.ndarray | None, draft_s: float, node_s: float
+                  ) -> tuple[np.ndarray, np.ndarray, int, int, float, float]:
     """``ts_best`` over ``scores`` (float64, contiguous: every row's first ``lens[r]``
     candidates, row after row; ``lens`` int64 [B], each at most ``max_nodes``), keeping
     those >= ``floor``; ``verify`` [max_nodes + 1] float64 the verify seconds by nodes,
     ``fixed`` [max_nodes + 1] float64 the drafting seconds of a plan by its pad (None:
-    drafted already)."""
+    drafted already). Returns the kept candidates' rows [N] and scores [N] in rank order,
+    the argmax's pad and prefix (0, 0: plain decoding is best), its goodput and plain
+    decoding's: ``treespark.pricing.allocate.Best``'s fields, in its order."""
     assert scores.dtype == verify.dtype == np.float64 and lens.dtype == np.int64
     n = len(scores)
     rows, s, out = np.empty(n, dtype=np.int64), np.empty(n), np.empty(5)
@@ -43,4 +34,4 @@ def ranked_argmax(scores: np.ndarray, lens: np.ndarray, max_nodes: int, floor: f
     if rc != 0:
         raise ValueError(f"ts_best refused {len(lens)} rows of up to {max_nodes} candidates")
     k = int(out[0])
-    return RankedArgmax(rows[:k], s[:k], int(out[1]), int(out[2]), float(out[3]), float(out[4]))
+    return rows[:k], s[:k], int(out[1]), int(out[2]), float(out[3]), float(out[4])

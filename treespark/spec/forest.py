@@ -24,9 +24,9 @@ from treespark.spec.budget import Budget
 from treespark.spec.select import SlotArrays
 from treespark.spec.tree import DraftTree
 
-# a row's per-candidate arrays and the value an unused column holds
-_ARRAYS = {"parent": -1, "draft_id": -1, "token": 0, "q": 1.0, "score": 1.0, "survival": 1.0, "depth": 0,
-           "opened": False}
+# a row's per-candidate arrays: the value an unused column holds, and the dtype
+_ARRAYS = {"parent": (-1, np.int64), "draft_id": (-1, np.int64), "token": (0, np.int64), "q": (1.0, np.float64),
+           "score": (1.0, np.float64), "survival": (1.0, np.float64), "depth": (0, np.int64), "opened": (False, bool)}
 
 
 class Forest:
@@ -52,15 +52,9 @@ class Forest:
         branch = max((b.branch_cap for b in budgets), default=1)
         cap = 1 + (int(self.node_cap.max(initial=0)) + 1) * branch if room is None else max(room, 1)
         self.size = np.ones(r, dtype=np.int64)                   # [R] candidates per row
-        self.parent = np.full((r, cap), -1, dtype=np.int64)      # [R, C]
-        self.draft_id = np.full((r, cap), -1, dtype=np.int64)
-        self.token = np.zeros((r, cap), dtype=np.int64)
+        for name, (fill, dtype) in _ARRAYS.items():              # [R, C] each
+            setattr(self, name, np.full((r, cap), fill, dtype=dtype))
         self.token[:, 0] = roots
-        self.q = np.ones((r, cap))
-        self.score = np.ones((r, cap))
-        self.survival = np.ones((r, cap))
-        self.depth = np.zeros((r, cap), dtype=np.int64)
-        self.opened = np.zeros((r, cap), dtype=bool)
 
     @property
     def rows(self) -> int:
@@ -89,7 +83,7 @@ class Forest:
         if need <= cap:
             return
         extra = max(need, 2 * cap) - cap
-        for name, fill in _ARRAYS.items():
+        for name, (fill, _) in _ARRAYS.items():
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.full((a.shape[0], extra), fill, dtype=a.dtype)], 1))
 
