@@ -78,6 +78,9 @@ def validate_prompt(prompt_ids, vocab_size: int) -> list[int]:
         raise ValueError("prompt_ids must be a list of token ids")
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids is empty: at least one token is needed")
+    if (isinstance(prompt_ids, list) and set(map(type, prompt_ids)) == {int}
+            and 0 <= min(prompt_ids) and max(prompt_ids) < vocab_size):
+        return list(prompt_ids)  # the usual prompt, checked at C speed (the loop below names what is wrong)
     prompt = []
     for t in prompt_ids:
         if isinstance(t, bool) or not isinstance(t, int):

@@ -1,4 +1,4 @@
-/* e^x for a vector of floats, the one polynomial every kernel here uses: x = n ln2 + r,
+/* e^x for a vector of floats, the polynomial every kernel here uses: x = n ln2 + r,
  * |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error ~2e-7, about 2 float
  * ulps), times 2^n; 0 below -87 (and at -inf), inf above 89.
  *
@@ -23,6 +23,28 @@
         p = FMA(p, r, SET1(1.0f));                                                         \
         p = FMA(p, r, SET1(1.0f));                                                         \
         return ZERO_BELOW(x, lo, MUL(p, POW2(n)));                                         \
+    }
+
+/* 2^x for a vector of floats x <= 0 (a softmax's scores less their maximum, in log2 units):
+ * x = n + r, |r| <= 1/2, 2^r by a degree-6 polynomial fitted to it on [-1/2, 1/2] (Chebyshev
+ * nodes; relative error ~1e-7, about 2 float ulps), times 2^n; 0 below -125 (and at -inf).
+ * One multiply fewer than e^x (the caller folds log2 e into its scale), and an ISA with a
+ * scale-by-2^n instruction does the rest in one.
+ *
+ * TS_VEXP2(name, V, SET1, SUB, FMA, ROUND, SCALE) defines `static inline V name(V x)`:
+ * SCALE(p, n, x, lo) = p 2^n for integral n where x >= lo, else 0. */
+#define TS_VEXP2(name, V, SET1, SUB, FMA, ROUND, SCALE)                                      \
+    static inline V name(V x) {                                                            \
+        const V n = ROUND(x);                                                              \
+        const V r = SUB(x, n);                                                             \
+        V p = SET1(1.5465312753804028e-4f);                                                \
+        p = FMA(p, r, SET1(1.3395280111581087e-3f));                                       \
+        p = FMA(p, r, SET1(9.618040174245834e-3f));                                        \
+        p = FMA(p, r, SET1(5.550340563058853e-2f));                                        \
+        p = FMA(p, r, SET1(2.4022650718688965e-1f));                                       \
+        p = FMA(p, r, SET1(6.931471824645996e-1f));                                        \
+        p = FMA(p, r, SET1(1.0f));                                                         \
+        return SCALE(p, n, x, SET1(-125.0f));                                              \
     }
 
 #endif
