@@ -136,7 +136,9 @@ def attention_table(pair: ModelPair, *, batch: int = 8, long_context: int = 4096
 
     dc = pair.drafter.config
     dshape = StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim)
-    runners = {p: TargetRunner(pair.target, dc.target_layer_ids, attention=p) for p in AttentionPath}
+    # (the rotary table holds the longest context's positions and its tree's, as an engine's)
+    runners = {p: TargetRunner(pair.target, dc.target_layer_ids, attention=p, max_positions=long_context + nodes + 1)
+               for p in AttentionPath}
     rng = np.random.default_rng(1)
     contexts = {f"{batch} x {long_context}": [long_context] * batch,
                 f"{batch} x 64-512": sorted(rng.integers(64, 513, batch).tolist())}

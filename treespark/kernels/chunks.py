@@ -19,8 +19,8 @@ PROFILER_NAME = "treespark::chunk_attention"
 # float per FMA where SDPA's flash kernel blocks them as matrix products, so at long contexts
 # and heads of 128 SDPA is faster. Against the torch path (gather, flash under the bias made
 # once a forward), one layer, one thread, AVX-512 Xeon (`treespark bench attention`): heads
-# of 16 (the tiny pairs) 0.48-0.75 of its time, 64 (the default pair) 0.59-0.89, 128 (Qwen3)
-# 0.74 at no context but 1.27-1.37 over 1,024-1,244 keys
+# of 16 (the tiny pairs) 0.40-0.56 of its time, 64 (the default pair) 0.57-0.83, 128 (Qwen3)
+# 0.80 at no context but 1.29-1.39 over 1,024-1,244 keys
 MAX_HEAD = 64
 
 
