@@ -39,9 +39,9 @@ def _context(d: DSparkDrafter, b: int, c: int) -> tuple[torch.Tensor, torch.Tens
     return k, v, torch.tensor([c - 3 * i for i in range(b)])
 
 
-def _counting(monkeypatch) -> list[int]:
+def _counting(monkeypatch, *names: str) -> list[int]:
     calls = [0]
-    for name in ("attn_in", "attn_out_mlp"):
+    for name in names or ("attn_in", "attn_out_mlp"):
         fn = getattr(blocks, name)
 
         def counted(*args, _fn=fn, **kwargs):
@@ -70,8 +70,9 @@ def test_the_native_block_pass_gives_the_torch_layers_logits(b, monkeypatch):
 def test_the_native_context_is_the_torch_layers_keys_and_values(stored, monkeypatch):
     """Every layer's context keys and values in one ``attn_in`` call (no query heads, each
     layer's k and v stacked; exact bfloat16 panels for a drafter stored in bfloat16) are
-    the torch layers' to float rounding, at a few rows; a prefill's many rows and
-    training take the torch layers."""
+    the torch layers' to float rounding, at a few rows; at a prefill's many rows too: the
+    native norm and rotation around torch's product where the weights are float32 (the
+    torch layers where they are panels this CPU cannot take at that many rows)."""
     d = _drafter(layers=3)
     if stored == "bfloat16":
         with torch.no_grad():
@@ -87,9 +88,15 @@ def test_the_native_context_is_the_torch_layers_keys_and_values(stored, monkeypa
     assert k.shape == ref_k.shape == (3, 1, d.config.num_key_value_heads, 7, d.config.head_dim)
     torch.testing.assert_close(k, ref_k, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(v, ref_v, rtol=1e-4, atol=1e-4)
-    many = torch.randn(1, MAX_ROWS + 1, d.config.context_size, generator=gen)
-    d.context_kv(many, torch.arange(MAX_ROWS + 1)[None])
-    assert calls[0] == 1
+    many = torch.randn(1, 3 * MAX_ROWS, d.config.context_size, generator=gen)
+    at = torch.arange(3 * MAX_ROWS)[None] + 5
+    rotations = _counting(monkeypatch, "qk_rope")
+    k, v = d.context_kv(many, at)
+    one_call = d.native._in_one_call(d.layers, 3 * MAX_ROWS)   # (bfloat16 panels as AMX tiles: up to 64 rows)
+    assert calls[0] == 1 + one_call and rotations[0] == (not one_call and stored == "float32")
+    ref_k, ref_v = d.context_kv_train(many, at)
+    torch.testing.assert_close(k, ref_k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(v, ref_v, rtol=1e-4, atol=1e-4)
 
 
 def test_rows_past_the_kernels_and_training_run_the_torch_layers(monkeypatch):

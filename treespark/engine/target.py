@@ -38,7 +38,13 @@ from treespark.engine.products import (
 )
 from treespark.kernels import blocks
 from treespark.kernels.attention import AttentionPath
-from treespark.kernels.layer_ops import ACTIVATIONS, EAGER, compiled_layer_ops, rope_sign
+from treespark.kernels.layer_ops import (
+    ACTIVATIONS,
+    EAGER,
+    NATIVE_OPS,
+    compiled_layer_ops,
+    rope_sign,
+)
 from treespark.kernels.linear import F_LINEAR, HALF, NATIVE, PACKED, ProductPlan, planned_linear
 
 
@@ -101,7 +107,9 @@ class TargetRunner:
         self.fused = fused
         if compile_backend is not None and not fused:
             raise ValueError("the compiled forward is the fused one: compile_backend needs fused=True")
-        self.ops = EAGER if compile_backend is None else compiled_layer_ops(compile_backend)
+        # (a CPU's forward runs its norms, rotation and activation natively, over any rows)
+        self.ops = (compiled_layer_ops(compile_backend) if compile_backend is not None
+                    else NATIVE_OPS if self.device.type == "cpu" else EAGER)
         self.act = getattr(cfg, "hidden_act", "silu")
         if fused and self.act not in ACTIVATIONS:
             raise ValueError(f"the fused forward runs {sorted(ACTIVATIONS)}, not hidden_act={self.act!r}")

@@ -7,6 +7,9 @@
  *                    q, k per head: (Qwen3) rms_norm(.) w_qk, then rotary embedding;
  *   ts_attn_out_mlp: s = x + a Wo^T;  n = rms_norm(s) w;  g|u = n Wgu^T;
  *                    m = (silu(g) u) Wdown^T.
+ * Their non-product parts are also callable alone, for rows whose products run elsewhere (a
+ * prefill's hundreds of rows, through oneDNN): ts_add_norm (s = x + d, rms_norm(s) w),
+ * ts_qk_rope (the q/k norms and the rotation, in place) and ts_silu_rows (silu(g) u).
  *
  * The products are gemv.c's (float32 weights, or `half`: bfloat16 panels); everything else
  * runs a row at a time, over the threads from 8 rows (ROW_THREADS). The maths is the fused torch forward's
@@ -61,15 +64,11 @@ static void silu_mul(const float *g, const float *u, float *a, long I);
  * own, so the same values on any) */
 #define ROW_THREADS(M, threads) ((M) >= 8 ? (threads) : 1)
 
-/* x, d, x_out, normed: [M, D]; w: [(Hq + 2 Hkv) hd, D] (+ b); qk_w: [Hq + Hkv, hd] or NULL
- * (Hq may be 0: keys and values alone, as the drafter's context is made);
- * cos, ssin: [M, hd]; qkv: [M, (Hq + 2 Hkv) hd] out, q and k normed and rotated. d NULL:
- * no residual (x_out untouched, the norm of x). Returns 0, or -1 for shapes it does not take. */
-int ts_attn_in(const float *x, const float *d, const float *norm_w, float eps, const void *w, const float *b,
-               int half, const float *qk_w, float qk_eps, const float *cos, const float *ssin, float *x_out,
-               float *normed, float *qkv, long M, long D, long Hq, long Hkv, long hd, int threads) {
-    if (M < 1 || D < 1 || hd < 2 || hd % 2 || hd > 512 || Hq < 0 || Hkv < 1) return -1;
-    const long N = (Hq + 2 * Hkv) * hd;
+/* x, d, x_out, normed: [M, D]: s = x + d into x_out, normed = rms_norm(s) norm_w. d NULL: no
+ * residual (x_out untouched, the norm of x). Returns 0, or -1 for shapes it does not take. */
+int ts_add_norm(const float *x, const float *d, const float *norm_w, float eps, float *x_out, float *normed, long M,
+                long D, int threads) {
+    if (M < 1 || D < 1) return -1;
     const int nt = ROW_THREADS(M, threads);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (long m = 0; m < M; ++m) {
@@ -81,7 +80,17 @@ int ts_attn_in(const float *x, const float *d, const float *norm_w, float eps, c
         }
         rms_row(s, norm_w, eps, normed + m * D, D);
     }
-    if (product(normed, w, b, half, qkv, M, N, D, threads)) return -1;
+    return 0;
+}
+
+/* qkv: [M, (Hq + 2 Hkv) hd] in place: each row's Hq + Hkv q and k heads normed (qk_w: [Hq +
+ * Hkv, hd], or NULL for none) and rotated (cos, ssin: [M, hd]); the values left as they are.
+ * Returns 0, or -1 for shapes it does not take. */
+int ts_qk_rope(float *qkv, const float *qk_w, float qk_eps, const float *cos, const float *ssin, long M, long Hq,
+               long Hkv, long hd, int threads) {
+    if (M < 1 || hd < 2 || hd % 2 || hd > 512 || Hq < 0 || Hkv < 1) return -1;
+    const long N = (Hq + 2 * Hkv) * hd;
+    const int nt = ROW_THREADS(M, threads);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (long m = 0; m < M; ++m)
         for (long h = 0; h < Hq + Hkv; ++h) {
@@ -92,6 +101,28 @@ int ts_attn_in(const float *x, const float *d, const float *norm_w, float eps, c
     return 0;
 }
 
+/* gu: [M, 2 I] each row's gate then up; act: [M, I] = silu(gate) up. Returns 0, or -1. */
+int ts_silu_rows(const float *gu, float *act, long M, long I, int threads) {
+    if (M < 1 || I < 1) return -1;
+    const int nt = ROW_THREADS(M, threads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (long m = 0; m < M; ++m) silu_mul(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
+    return 0;
+}
+
+/* x, d, x_out, normed: [M, D]; w: [(Hq + 2 Hkv) hd, D] (+ b); qk_w: [Hq + Hkv, hd] or NULL
+ * (Hq may be 0: keys and values alone, as the drafter's context is made);
+ * cos, ssin: [M, hd]; qkv: [M, (Hq + 2 Hkv) hd] out, q and k normed and rotated. d NULL:
+ * no residual (x_out untouched, the norm of x). Returns 0, or -1 for shapes it does not take. */
+int ts_attn_in(const float *x, const float *d, const float *norm_w, float eps, const void *w, const float *b,
+               int half, const float *qk_w, float qk_eps, const float *cos, const float *ssin, float *x_out,
+               float *normed, float *qkv, long M, long D, long Hq, long Hkv, long hd, int threads) {
+    if (M < 1 || D < 1 || hd < 2 || hd % 2 || hd > 512 || Hq < 0 || Hkv < 1) return -1;
+    ts_add_norm(x, d, norm_w, eps, x_out, normed, M, D, threads);
+    if (product(normed, w, b, half, qkv, M, (Hq + 2 * Hkv) * hd, D, threads)) return -1;
+    return ts_qk_rope(qkv, qk_w, qk_eps, cos, ssin, M, Hq, Hkv, hd, threads);
+}
+
 /* a: [M, A] the attention's output; wo: [D, A]; x, x_out, normed: [M, D]; wgu: [2 I, D]
  * (gate rows, then up); wdown: [D, I]; gu: [M, 2 I] and act: [M, I] scratch; mlp: [M, D]
  * out. Biases may be NULL. Returns 0, or -1 for shapes it does not take. */
@@ -100,16 +131,9 @@ int ts_attn_out_mlp(const float *a, const void *wo, const float *bo, const float
                     float *normed, float *gu, float *act, float *mlp, long M, long D, long A, long I, int threads) {
     if (M < 1 || D < 1 || A < 1 || I < 1) return -1;
     if (product(a, wo, bo, half, x_out, M, D, A, threads)) return -1;
-    const int nt = ROW_THREADS(M, threads);
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (long m = 0; m < M; ++m) {
-        float *s = x_out + m * D;
-        for (long j = 0; j < D; ++j) s[j] = s[j] + x[m * D + j];
-        rms_row(s, norm_w, eps, normed + m * D, D);
-    }
+    ts_add_norm(x_out, x, norm_w, eps, x_out, normed, M, D, threads);
     if (product(normed, wgu, bgu, half, gu, M, 2 * I, D, threads)) return -1;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (long m = 0; m < M; ++m) silu_mul(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, I);
+    ts_silu_rows(gu, act, M, I, threads);
     return product(act, wdown, bdown, half, mlp, M, D, I, threads);
 }
 

@@ -31,7 +31,7 @@ from treespark.kernels.native import MAX_ROWS, library, most_rows, operator, poi
 
 # what torch.profiler calls them
 PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp", "treespark::paged_attention",
-                  "treespark::layers")
+                  "treespark::layers", "treespark::add_norm", "treespark::qk_rope", "treespark::silu_rows")
 ACTIVATIONS = ("silu", "swish")  # the hidden_act names blocks.c computes
 # paged_attention cuts each row's keys into spans of this many blocks, from the first (work
 # for every thread; the same spans whatever the batch, so a row's values do not depend on it)
@@ -89,6 +89,45 @@ def attn_in(x: torch.Tensor,              # [M, D] the residual stream
     if rc != 0:
         raise ValueError(f"ts_attn_in refused rows {m}, hidden {dim}, heads {heads}/{kv_heads}, head_dim {head_dim}")
     return x_out, qkv
+
+
+def add_norm(x: torch.Tensor, d: torch.Tensor | None, norm_w: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + d, its RMSNorm times ``norm_w``) over rows x, d [M, D] (float32, contiguous); x
+    itself and its norm where ``d`` is None: ``attn_in``'s first part, for rows whose
+    products run elsewhere."""
+    m, dim = x.shape
+    x_out = torch.empty_like(x) if d is not None else x
+    normed = torch.empty_like(x)
+    with operator(PROFILER_NAMES[4]):
+        rc = library().ts_add_norm(x.data_ptr(), pointer(d), norm_w.data_ptr(), eps, x_out.data_ptr(),
+                                   normed.data_ptr(), m, dim, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"ts_add_norm refused rows {m}, hidden {dim}")
+    return x_out, normed
+
+
+def qk_rope(qkv: torch.Tensor,                        # [M, (Hq + 2 Hkv) hd], changed in place
+            qk_norm: torch.Tensor | None, qk_eps: float,  # [Hq + Hkv, hd] per-head weight, or None
+            cos: torch.Tensor, ssin: torch.Tensor,    # [M, hd] (ssin: rope_sign applied)
+            heads: int, kv_heads: int, head_dim: int) -> None:
+    """``attn_in``'s last part: each row's q and k heads normed (Qwen3) and rotated, in place."""
+    with operator(PROFILER_NAMES[5]):
+        rc = library().ts_qk_rope(qkv.data_ptr(), pointer(qk_norm), qk_eps, cos.data_ptr(), ssin.data_ptr(),
+                                  qkv.shape[0], heads, kv_heads, head_dim, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"ts_qk_rope refused rows {qkv.shape[0]}, heads {heads}/{kv_heads}, head_dim {head_dim}")
+
+
+def silu_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2 I] (gate, then up, a row) -> silu(gate) up [M, I]: ``attn_out_mlp``'s activation."""
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    act = torch.empty(m, inter, dtype=torch.float32)
+    with operator(PROFILER_NAMES[6]):
+        rc = library().ts_silu_rows(gate_up.data_ptr(), act.data_ptr(), m, inter, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"ts_silu_rows refused rows {m}, width {gate_up.shape[1]}")
+    return act
 
 
 def attn_out_mlp(a: torch.Tensor,                      # [M, A] the attention's output, heads flattened

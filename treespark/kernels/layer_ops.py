@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from treespark.kernels import blocks
 from treespark.kernels.compile import compiled
+from treespark.kernels.native import library
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,6 +94,57 @@ class LayerOps:
 
 
 EAGER = LayerOps(rms_norm, residual_rms_norm, act_mul, qk_norm_rope, backend=None)
+
+
+def _native(*ts: torch.Tensor) -> bool:
+    """Whether ``blocks``' row functions take these tensors: contiguous float32 on the CPU,
+    no gradient asked, the library built."""
+    return (library() is not None and not torch.is_grad_enabled()
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts))
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` in one native call where it can (a weight over the last dim), else it."""
+    if weight.shape != x.shape[-1:] or not _native(x, weight):
+        return rms_norm(x, weight, eps)
+    return blocks.add_norm(x.view(-1, x.shape[-1]), None, weight, eps)[1].view(x.shape)
+
+
+def native_residual_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual_rms_norm`` in one native call where it can, else it."""
+    if weight.shape != x.shape[-1:] or x.shape != residual.shape or not _native(x, residual, weight):
+        return residual_rms_norm(x, residual, weight, eps)
+    d = x.shape[-1]
+    s, normed = blocks.add_norm(x.view(-1, d), residual.view(-1, d), weight, eps)
+    return s.view(x.shape), normed.view(x.shape)
+
+
+def native_act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """``act_mul`` in one native call for silu, else it."""
+    if act not in blocks.ACTIVATIONS or not _native(gate_up):
+        return act_mul(gate_up, act)
+    width = gate_up.shape[-1]
+    return blocks.silu_rows(gate_up.view(-1, width)).view(*gate_up.shape[:-1], width // 2)
+
+
+def native_qk_norm_rope(y: torch.Tensor, b: int, k: int, heads: int, kv_heads: int, head_dim: int,
+                        qk_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor):
+    """``qk_norm_rope`` in one native call where it can: the q and k heads of ``y`` (the
+    product's own output) normed and rotated in place, q, k and v returned as views of it."""
+    cos, signed_sin = cos.reshape(b * k, head_dim), signed_sin.reshape(b * k, head_dim)
+    if not _native(y, cos, signed_sin, *(() if qk_norm is None else (qk_norm,))):
+        return qk_norm_rope(y, b, k, heads, kv_heads, head_dim, qk_norm, eps, cos.view(b, 1, k, head_dim),
+                            signed_sin.view(b, 1, k, head_dim))
+    blocks.qk_rope(y, qk_norm, eps, cos, signed_sin, heads, kv_heads, head_dim)
+    y = y.view(b, k, -1, head_dim).transpose(1, 2)                   # [B, Hq + 2 Hkv, K, D]
+    return y[:, :heads], y[:, heads:heads + kv_heads], y[:, heads + kv_heads:]
+
+
+# the CPU's: the eager operators' maths, each in one native call over the rows (blocks.c:
+# the functions its decoding blocks run), the eager operators where a call cannot take its
+# tensors (an accelerator, bfloat16, another activation, gradients)
+NATIVE_OPS = LayerOps(native_rms_norm, native_residual_rms_norm, native_act_mul, native_qk_norm_rope, backend=None)
 
 
 def compiled_layer_ops(backend: str = "inductor") -> LayerOps:

@@ -261,7 +261,7 @@ class DSparkDrafter(nn.Module):
         a decoding step's few rows on the CPU, one native call after ``fc``:
         ``NativeBlockPass.context_kv``)."""
         x = self.fc(taps.to(self.fc.weight.dtype))
-        if not self.native.runs_context(x):
+        if not self.native.runs_context(self.layers, x):
             return self._layers_kv(self.hidden_norm(x), positions)
         cos, sin = self.rotary(positions, x.dtype)
         return self.native.context_kv(self.layers, x, self.hidden_norm.weight, self.hidden_norm.eps, cos, sin)

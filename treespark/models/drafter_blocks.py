@@ -10,8 +10,9 @@ the block's keys and values written at its rows' next positions in the store its
 attended in place, where the per-layer pass copies each layer's context to write them
 into. The context's keys and values (``context_kv``: every layer's from the committed
 positions' taps) are one ``blocks.attn_in`` call at those rows too, every layer's k and v
-products stacked into one, with no query heads. The values are the torch layers' to
-float rounding (``tests/models/test_drafter_blocks.py``).
+products stacked into one, with no query heads; at a prefill's hundreds of rows, the
+norm and the rotation are one native call each around torch's product (float32 weights).
+The values are the torch layers' to float rounding (``tests/models/test_drafter_blocks.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from treespark.kernels import blocks, native
@@ -110,24 +112,39 @@ class NativeBlockPass:
                                context_weights(layers, self.config))
         return f
 
-    def runs_context(self, x: torch.Tensor) -> bool:
-        """Whether ``context_kv`` takes the rows of ``x`` [..., h]: float32 on the CPU, at
-        most ``MAX_ROWS`` rows, no gradients, the library built."""
-        return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-                and blocks.can_run(x.numel() // x.shape[-1], self.config.hidden_act))
+    def runs_context(self, layers: nn.ModuleList, x: torch.Tensor) -> bool:
+        """Whether ``context_kv`` takes the rows of ``x`` [..., h]: float32 on the CPU, no
+        gradients, the library built; past the blocks' rows (a prefill's) where the product
+        is a float32 weight's (torch's, around the native norms and rotation)."""
+        if not (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+                and blocks.can_run(1, self.config.hidden_act)):
+            return False
+        return self._in_one_call(layers, x.numel() // x.shape[-1]) or not self._made(layers)[4].half
+
+    def _in_one_call(self, layers: nn.ModuleList, rows: int) -> bool:
+        """Whether ``rows`` context rows take one ``attn_in`` call (the blocks' rows; any on AMX tiles)."""
+        cw = self._made(layers)[4]
+        return blocks.can_run(rows, self.config.hidden_act, cw.half and native.most_rows(cw.w) is None)
 
     def context_kv(self, layers: nn.ModuleList, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
                    cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's keys and values [L, B, kvh, S, hd] of the context rows ``x`` [B, S,
         h] before their norm (``norm_w``, ``eps``: the drafter's hidden norm), ``cos``,
-        ``sin`` [B, S, hd]: one ``attn_in`` call (views of its output)."""
+        ``sin`` [B, S, hd]: one ``attn_in`` call (views of its output); past its rows the
+        norm, torch's product and the k norms and rotation, each one call."""
         c = self.config
         b, s, h = x.shape
         hkv, hd, n_layers = c.num_key_value_heads, c.head_dim, len(layers)
         cw = self._made(layers)[4]
-        _, y = blocks.attn_in(x.reshape(b * s, h).contiguous(), None, norm_w, eps, cw.w, None, cw.half, cw.k_norm,
-                              c.rms_norm_eps, cos.reshape(b * s, hd).contiguous(),
-                              (sin * self._rope_sign).reshape(b * s, hd).contiguous(), 0, n_layers * hkv, hd)
+        rows = x.reshape(b * s, h).contiguous()
+        cos = cos.reshape(b * s, hd).contiguous()
+        ssin = (sin * self._rope_sign).reshape(b * s, hd).contiguous()
+        if self._in_one_call(layers, b * s):
+            _, y = blocks.attn_in(rows, None, norm_w, eps, cw.w, None, cw.half, cw.k_norm, c.rms_norm_eps, cos, ssin,
+                                  0, n_layers * hkv, hd)
+        else:
+            y = F.linear(blocks.add_norm(rows, None, norm_w, eps)[1], cw.w)
+            blocks.qk_rope(y, cw.k_norm, c.rms_norm_eps, cos, ssin, 0, n_layers * hkv, hd)
         kv = y.view(b, s, 2, n_layers, hkv, hd).permute(2, 3, 0, 4, 1, 5)          # [2, L, B, kvh, S, hd]
         return kv[0], kv[1]
 
