@@ -345,7 +345,9 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
         if (hd % SV == 0) {                                   /* scores, SV keys at a time */
             const float *qs[R];
             for (long r = 0; r < R; ++r) qs[r] = q + ((b * H + g * G + r / K) * K + r % K) * hd;
-            for (long t = 0; t < n; ++t) at[t] = ((table[b * nb + j0 + t / bs] * bs + t % bs) * kvh + g) * hd;
+            for (long j = j0, t = 0; j < j1; ++j)           /* block by block: no division a key */
+                for (long off = 0, base = table[b * nb + j] * bs; off < bs; ++off, ++t)
+                    at[t] = ((base + off) * kvh + g) * hd;
             span_scores(qs, kc, at, n, R, hd, W, br, T, scale, s, mx);
         } else
 #endif
