@@ -240,6 +240,32 @@ def test_the_block_head_runs_no_deeper_than_the_rows_may_draft(mimic16, monkeypa
         assert tokens[rid] == generate(mimic16, p, max_new_tokens=12, budget=Budget.off()).token_ids
 
 
+def test_a_plain_steps_round_is_its_roots_as_the_waves_make_it(mimic16, monkeypatch):
+    """A step in which no row drafts (plain rows, rows at their last token) runs no
+    backbone pass and no forest: its round is each row's root alone, field for field what
+    the wave drafter makes of rows that draft nothing."""
+    from treespark.spec.drafting import RoundDraft, RowDraft
+    from treespark.spec.sampling import TorchSampler
+
+    engine = Engine(mimic16, EngineConfig(max_batch_size=2, max_context=64), budget=Budget.off())
+    rows = [RowDraft(root=t, budget=b, depth_limit=d, temperature=0.0, calibration=Calibration(1.0, 0.0),
+                     sampler=TorchSampler(0)) for t, b, d in ((7, Budget.off(), 3), (9, Budget.chain(2), 0))]
+    made, roots = engine.waves.draft(None, rows), RoundDraft.roots([7, 9])
+    assert [(t.tokens, t.parents, t.depths, t.q, t.survival, t.children) for t in made.trees] == \
+        [(t.tokens, t.parents, t.depths, t.q, t.survival, t.children) for t in roots.trees]
+    assert (made.q_row_of, made.draft_ids, made.scores, made.waves, made.q_rows) == \
+        (roots.q_row_of, roots.draft_ids, roots.scores, roots.waves, roots.q_rows)
+    monkeypatch.setattr(engine.waves, "draft", lambda *a: pytest.fail("a plain step grew a forest"))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=6))
+    engine.add_request("b", [4, 5], SamplingParams(max_tokens=2), budget=Budget.chain(3))  # its last token: no depth
+    tokens = {"a": [], "b": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    for rid, p, n in (("a", [1, 2, 3], 6), ("b", [4, 5], 2)):
+        assert tokens[rid] == generate(mimic16, p, max_new_tokens=n, budget=Budget.off()).token_ids
+
+
 def test_a_bfloat16_drafter_scores_its_waves_on_w2_panels():
     """A drafter stored in bfloat16 (the shipped one) reads its Markov W2 from exact bfloat16
     panels: the same trees, step by step, as from its float32 copy, and greedy output

@@ -361,19 +361,19 @@ class Engine:
         ``table``), then the trees in depth waves."""
         block = self.drafter.config.block_size
         # a row drafts no deeper than its node cap (a node at depth d has d - 1 ancestors) nor its block
-        rows = [RowDraft(root=r.root, budget=b, depth_limit=min(block, r.params.max_tokens - len(r.output) - 1,
-                                                                b.node_cap),
+        limits = [min(block, r.params.max_tokens - len(r.output) - 1, b.node_cap)
+                  for r, b in zip(batch, budgets, strict=True)]
+        deepest = max((d for b, d in zip(budgets, limits, strict=True) if not b.is_off), default=0)
+        if deepest <= 0:   # a plain step: no backbone pass, no forest
+            return RoundDraft.roots([r.root for r in batch])
+        rows = [RowDraft(root=r.root, budget=b, depth_limit=d,
                          temperature=self.calibration.draft_temperature(r.params.temperature),
                          calibration=self.calibration.at(r.params.temperature), sampler=r.sampler,
                          key=PositionKey.of(r.params.seed, r.next_index) if r.params.keyed else None)
-                for r, b in zip(batch, budgets, strict=True)]
-        base = None
-        deepest = max((row.depth_limit for b, row in zip(budgets, rows, strict=True) if not b.is_off), default=0)
-        if deepest > 0:
-            context = PagedContext(self.kv.drafter, table, self.kv.block_size, max(lengths))
-            drafter = self.drafter if self.draft_graphs is None else self.draft_graphs
-            base = drafter.block_logits(anchors, context, lengths_d, deepest)
-        return self.waves.draft(base, rows)
+                for r, b, d in zip(batch, budgets, limits, strict=True)]
+        context = PagedContext(self.kv.drafter, table, self.kv.block_size, max(lengths))
+        drafter = self.drafter if self.draft_graphs is None else self.draft_graphs
+        return self.waves.draft(drafter.block_logits(anchors, context, lengths_d, deepest), rows)
 
     def _verify_forward(self, batch: list[Request], trees: list[DraftTree], lengths: list[int],
                         table: torch.Tensor, pre: PrefillInputs | None

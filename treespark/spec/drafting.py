@@ -174,6 +174,13 @@ class RoundDraft:
     scores: list[list[float]] = field(default_factory=list)
     waves: int = 0
 
+    @classmethod
+    def roots(cls, roots: list[int]) -> RoundDraft:
+        """A round in which no row drafts: each tree its root alone (what ``WaveDrafter.draft``
+        makes of it, without a forest)."""
+        return cls(trees=[DraftTree.root_only(t) for t in roots], q_row_of=[[-1] for _ in roots],
+                   draft_ids=[[-1] for _ in roots], scores=[[] for _ in roots])
+
     def trimmed(self, counts: list[int]) -> RoundDraft:
         """Each tree cut to its ``counts[i]`` best nodes by (score desc, index): a
         prefix-closed set (scores never rise to a child or a later sibling), so each
