@@ -103,11 +103,20 @@ def _native(*ts: torch.Tensor) -> bool:
             and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts))
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as rows [N, D] (itself where it is; a view otherwise)."""
+    return x if x.dim() == 2 else x.view(-1, x.shape[-1])
+
+
+def _shaped(y: torch.Tensor, *shape: int) -> torch.Tensor:
+    return y if y.shape == shape else y.view(shape)
+
+
 def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``rms_norm`` in one native call where it can (a weight over the last dim), else it."""
     if weight.shape != x.shape[-1:] or not _native(x, weight):
         return rms_norm(x, weight, eps)
-    return blocks.add_norm(x.view(-1, x.shape[-1]), None, weight, eps)[1].view(x.shape)
+    return _shaped(blocks.add_norm(_rows(x), None, weight, eps)[1], *x.shape)
 
 
 def native_residual_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -115,17 +124,15 @@ def native_residual_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: to
     """``residual_rms_norm`` in one native call where it can, else it."""
     if weight.shape != x.shape[-1:] or x.shape != residual.shape or not _native(x, residual, weight):
         return residual_rms_norm(x, residual, weight, eps)
-    d = x.shape[-1]
-    s, normed = blocks.add_norm(x.view(-1, d), residual.view(-1, d), weight, eps)
-    return s.view(x.shape), normed.view(x.shape)
+    s, normed = blocks.add_norm(_rows(x), _rows(residual), weight, eps)
+    return _shaped(s, *x.shape), _shaped(normed, *x.shape)
 
 
 def native_act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """``act_mul`` in one native call for silu, else it."""
     if act not in blocks.ACTIVATIONS or not _native(gate_up):
         return act_mul(gate_up, act)
-    width = gate_up.shape[-1]
-    return blocks.silu_rows(gate_up.view(-1, width)).view(*gate_up.shape[:-1], width // 2)
+    return _shaped(blocks.silu_rows(_rows(gate_up)), *gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 def native_qk_norm_rope(y: torch.Tensor, b: int, k: int, heads: int, kv_heads: int, head_dim: int,
