@@ -92,7 +92,7 @@ def test_the_native_context_is_the_torch_layers_keys_and_values(stored, monkeypa
     at = torch.arange(3 * MAX_ROWS)[None] + 5
     rotations = _counting(monkeypatch, "qk_rope")
     k, v = d.context_kv(many, at)
-    one_call = d.native._in_one_call(d.layers, 3 * MAX_ROWS)   # (bfloat16 panels as AMX tiles: up to 64 rows)
+    one_call = d.native._in_one_call(d.native._made(d.layers)[4], 3 * MAX_ROWS)   # (bfloat16 panels as AMX tiles: up to 64 rows)
     assert calls[0] == 1 + one_call and rotations[0] == (not one_call and stored == "float32")
     ref_k, ref_v = d.context_kv_train(many, at)
     torch.testing.assert_close(k, ref_k, rtol=1e-4, atol=1e-4)

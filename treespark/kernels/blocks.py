@@ -18,6 +18,10 @@ the float32 weights or their bfloat16 copies (``half``): for a plan that runs th
 (``ts_layers``: the same three functions per layer, and the keys' and values' writes at
 their slots): what's left of a step's Python per layer, ~0.1 ms (the views, the writes'
 indexing, the calls' arguments), is paid once a forward.
+
+``add_norm``, ``qk_rope`` and ``silu_rows`` are ``attn_in``'s and ``attn_out_mlp``'s
+non-product parts alone, over any rows: a prefill's hundreds of rows, whose products
+oneDNN runs (``treespark.kernels.layer_ops.NATIVE_OPS``).
 """
 
 from __future__ import annotations

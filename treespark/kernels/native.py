@@ -10,7 +10,7 @@ the bytes, in panels of 16 rows (``to_panels``), and widened exactly: the same v
 its float32 original, and a few rows cost little more than one (``gemv.c``).
 
 The C files (``gemv.c``; ``blocks.c``: a decoder layer's few-row forward around its
-attention, ``treespark.kernels.blocks``; ``waves.c``: a greedy round's draft trees,
+attention, and its norms, rotation and activation over any rows, ``treespark.kernels.blocks``; ``waves.c``: a greedy round's draft trees,
 ``treespark.spec.native_forest``; ``chunks.c``: a prefill's chunks' attention,
 ``treespark.kernels.chunks``; ``best.c``: the per-step allocation's argmax,
 ``treespark.kernels.best``) are compiled once per machine, source and

@@ -119,11 +119,11 @@ class NativeBlockPass:
         if not (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
                 and blocks.can_run(1, self.config.hidden_act)):
             return False
-        return self._in_one_call(layers, x.numel() // x.shape[-1]) or not self._made(layers)[4].half
-
-    def _in_one_call(self, layers: nn.ModuleList, rows: int) -> bool:
-        """Whether ``rows`` context rows take one ``attn_in`` call (the blocks' rows; any on AMX tiles)."""
         cw = self._made(layers)[4]
+        return self._in_one_call(cw, x.numel() // x.shape[-1]) or not cw.half
+
+    def _in_one_call(self, cw: ContextWeights, rows: int) -> bool:
+        """Whether ``rows`` context rows take one ``attn_in`` call (the blocks' rows; any on AMX tiles)."""
         return blocks.can_run(rows, self.config.hidden_act, cw.half and native.most_rows(cw.w) is None)
 
     def context_kv(self, layers: nn.ModuleList, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
@@ -139,7 +139,7 @@ class NativeBlockPass:
         rows = x.reshape(b * s, h).contiguous()
         cos = cos.reshape(b * s, hd).contiguous()
         ssin = (sin * self._rope_sign).reshape(b * s, hd).contiguous()
-        if self._in_one_call(layers, b * s):
+        if self._in_one_call(cw, b * s):
             _, y = blocks.attn_in(rows, None, norm_w, eps, cw.w, None, cw.half, cw.k_norm, c.rms_norm_eps, cos, ssin,
                                   0, n_layers * hkv, hd)
         else:
