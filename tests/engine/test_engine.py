@@ -250,7 +250,7 @@ def test_a_plain_steps_round_is_its_roots_as_the_waves_make_it(mimic16, monkeypa
     engine = Engine(mimic16, EngineConfig(max_batch_size=2, max_context=64), budget=Budget.off())
     rows = [RowDraft(root=t, budget=b, depth_limit=d, temperature=0.0, calibration=Calibration(1.0, 0.0),
                      sampler=TorchSampler(0)) for t, b, d in ((7, Budget.off(), 3), (9, Budget.chain(2), 0))]
-    made, roots = engine.waves.draft(None, rows), RoundDraft.roots([7, 9])
+    made, roots = engine.waves.draft(torch.zeros(2, 1, engine.waves.vocab), rows), RoundDraft.roots([7, 9])
     assert [(t.tokens, t.parents, t.depths, t.q, t.survival, t.children) for t in made.trees] == \
         [(t.tokens, t.parents, t.depths, t.q, t.survival, t.children) for t in roots.trees]
     assert (made.q_row_of, made.draft_ids, made.scores, made.waves, made.q_rows) == \

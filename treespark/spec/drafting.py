@@ -235,11 +235,11 @@ class WaveDrafter:
         self.transfers = transfers
         self._no_keys = torch.zeros(0, 2, dtype=torch.long, device=w2.device)   # a wave without keyed rows
 
-    def _greedy_natively(self, base: torch.Tensor | None, rows: list[RowDraft]) -> bool:
-        return (self._native_w is not None and base is not None and base.device.type == "cpu"
+    def _greedy_natively(self, base: torch.Tensor, rows: list[RowDraft]) -> bool:
+        return (self._native_w is not None and base.device.type == "cpu"
                 and all(r.temperature == 0 for r in rows))
 
-    def draft(self, base: torch.Tensor | None, rows: list[RowDraft]) -> RoundDraft:
+    def draft(self, base: torch.Tensor, rows: list[RowDraft]) -> RoundDraft:
         start = ([r.root for r in rows], [r.budget for r in rows], [r.depth_limit for r in rows], self.d2t)
         out = RoundDraft(trees=[])
         if self._greedy_natively(base, rows):
@@ -261,7 +261,7 @@ class WaveDrafter:
         chunks: list[torch.Tensor] = []
         total_chunks: list[torch.Tensor] = []
         n_rows = 0
-        while base is not None:
+        while True:
             opens_b, opens_n = forest.to_open()
             if not len(opens_b):
                 break
