@@ -183,10 +183,8 @@ def tree_batch(trees: list[DraftTree], lengths: list[int], device: torch.device,
     tokens_d, positions, lens_d = ints[:, :kmax], ints[:, kmax:2 * kmax], ints[:, 2 * kmax:]
     tree_mask_d = upload(tree_mask, torch.bool)
     total = max(lengths) + kmax
-    cols = torch.arange(total, device=device)[None, None, :]              # [1, 1, T]
-    in_ctx = cols < lens_d[:, :, None]                                    # [B, 1, T]
-    rel = cols - lens_d[:, :, None]                                       # tree slot of a column
-    in_tree = (rel >= 0) & (rel < kmax)
-    tree_cols = torch.gather(tree_mask_d, 2, rel.clamp(0, kmax - 1).expand(n, kmax, total))
-    mask = (in_ctx.expand(n, kmax, total) | (in_tree & tree_cols))[:, None]
-    return TreeBatch(tokens_d, positions, lens_d + torch.arange(kmax, device=device)[None], mask)
+    write_pos = lens_d + torch.arange(kmax, device=device)[None]           # [B, K] each node's column
+    # the context's columns, then each node's tree row written over the row's K tree columns
+    mask = torch.arange(total, device=device).expand(n, kmax, total) < lens_d[:, :, None]   # [B, K, T]
+    mask.scatter_(2, write_pos[:, None, :].expand(n, kmax, kmax), tree_mask_d)
+    return TreeBatch(tokens_d, positions, write_pos, mask[:, None])
