@@ -101,8 +101,9 @@ def test_the_profiler_sees_the_blocks_as_operators():
 @needs_native
 @pytest.mark.parametrize("b,k,heads,kv_heads", [(1, 1, 9, 3), (2, 3, 4, 2), (8, 1, 4, 4), (1, 8, 6, 1)])
 def test_paged_attention_reads_the_blocks_in_place_as_the_gathered_sdpa_does(b, k, heads, kv_heads):
-    """Over shuffled blocks, a tree-like mask (each query its own allowed keys, columns past
-    the context masked): grouped_attention's values over the gathered copy."""
+    """Over shuffled blocks, a tree-like mask (each query its own allowed keys; the mask
+    narrower than the blocks, whose keys past it are masked): grouped_attention's values
+    over the gathered copy, under the bias that mask makes."""
     g = torch.Generator().manual_seed(b * 100 + k)
     bs, nb, hd, t = 4, 5, 16, 18
     slots = 64
@@ -114,7 +115,7 @@ def test_paged_attention_reads_the_blocks_in_place_as_the_gathered_sdpa_does(b, 
     q = torch.randn(b, heads, k, hd, generator=g)
     assert blocks.can_attend(q, kc)
     want = grouped_attention(q, gather_blocks(kc, table, bs), gather_blocks(vc, table, bs), bias, 0.3)
-    torch.testing.assert_close(blocks.paged_attention(q, kc, vc, table, bs, bias, 0.3), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(blocks.paged_attention(q, kc, vc, table, bs, mask, 0.3), want, rtol=1e-5, atol=1e-5)
 
 
 @needs_native
@@ -139,9 +140,8 @@ def test_a_rows_paged_attention_does_not_depend_on_the_batch():
     mask[0, ..., :10] = True                                   # a short row ...
     mask[1, ..., :width - 3] = True                            # ... beside a long one
     q = torch.randn(2, heads, 1, hd, generator=g)
-    both = blocks.paged_attention(q, kc, vc, table, bs, attention_bias(mask, 2, torch.float32, width))
-    alone_mask = mask[:1, ..., :3 * bs]
-    alone = blocks.paged_attention(q[:1], kc, vc, table[:1, :3], bs, attention_bias(alone_mask, 2, torch.float32, 3 * bs))
+    both = blocks.paged_attention(q, kc, vc, table, bs, mask)
+    alone = blocks.paged_attention(q[:1], kc, vc, table[:1, :3], bs, mask[:1, ..., :3 * bs])
     assert torch.equal(both[:1], alone)
 
 
@@ -160,10 +160,9 @@ def test_a_query_tokens_attention_does_not_depend_on_the_tokens_beside_it(hd, bs
     mask[..., :t - k] = True                                   # the context, then a chain of k nodes
     mask[0, 0, :, t - k:t] = torch.tril(torch.ones(k, k, dtype=torch.bool))
     q = torch.randn(1, heads, k, hd, generator=g)
-    together = blocks.paged_attention(q, kc, vc, table, bs, attention_bias(mask, 3, torch.float32, nb * bs), 0.2)
+    together = blocks.paged_attention(q, kc, vc, table, bs, mask, 0.2)
     for i in range(k):
-        alone = blocks.paged_attention(q[:, :, i:i + 1], kc, vc, table, bs,
-                                       attention_bias(mask[:, :, i:i + 1], 3, torch.float32, nb * bs), 0.2)
+        alone = blocks.paged_attention(q[:, :, i:i + 1], kc, vc, table, bs, mask[:, :, i:i + 1], 0.2)
         assert torch.equal(together[:, :, i:i + 1], alone), i
     want = grouped_attention(q, gather_blocks(kc, table, bs), gather_blocks(vc, table, bs),
                              attention_bias(mask, 3, torch.float32, nb * bs), 0.2)
@@ -192,7 +191,7 @@ def test_the_avx2_build_attends_as_the_gathered_sdpa_does(tmp_path):
     scratch = torch.empty(b * kv_heads * splits * (heads // kv_heads) * k * (blocks.SPAN_BLOCKS * bs + hd + 2))
     out = torch.empty(b, heads, k, hd)
     assert avx2.ts_paged_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), table.data_ptr(), nb, bs,
-                                   bias.data_ptr(), 0.3, scratch.data_ptr(), out.data_ptr(), b, heads, kv_heads, k,
+                                   mask.view(torch.uint8).data_ptr(), nb * bs, 0.3, scratch.data_ptr(), out.data_ptr(), b, heads, kv_heads, k,
                                    hd, blocks.SPAN_BLOCKS, ctypes.c_int(1)) == 0
     want = grouped_attention(q, gather_blocks(kc, table, bs), gather_blocks(vc, table, bs), bias, 0.3)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -211,7 +210,7 @@ def _paged_forward(runner: TargetRunner, seq: torch.Tensor, k: int, bs: int = 4)
     table = torch.randperm(4 * b * nb, generator=g)[:b * nb].view(b, nb) + 1      # block 0: the null block
     store = PagedStore(runner.store_shape, (4 * b * nb + 1) * bs, torch.device("cpu"), torch.float32)
     pos = torch.arange(n)
-    rows = PagedRows(table[:, pos // bs] * bs + pos % bs, table, bs)
+    rows = PagedRows(table, bs, n)
     runner.forward(seq[:, :n0], pos[None, :n0].expand(b, -1), pos[None, :n0].expand(b, -1), store, rows,
                    torch.ones(n0, n0, dtype=torch.bool).tril()[None, None].expand(b, -1, -1, -1))
     mask = torch.zeros(k, n, dtype=torch.bool)
@@ -275,3 +274,30 @@ def test_on_amx_tiles_the_layer_stack_takes_a_batch_of_trees(family, monkeypatch
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
     assert not blocks.can_run(blocks.TILE_ROWS + 1, "silu", tiles=True) and blocks.can_run(40, "silu", tiles=True)
     assert not blocks.can_run(MAX_ROWS + 1, "silu")
+
+
+@needs_native
+def test_the_native_attention_reads_the_mask_and_never_makes_the_bias():
+    """A paged forward's attention prepared once (``table_attention``): the few-token
+    queries the native attention takes leave the additive bias unmade; a wide one (SDPA)
+    makes it, once, and both give the reference's values."""
+    from treespark.engine.attend import table_attention
+    from treespark.engine.kv import PagedStore, StoreShape
+
+    g = torch.Generator().manual_seed(3)
+    bs, nb, hd, heads, kv_heads = 4, 6, 16, 4, 2
+    store = PagedStore(StoreShape(1, kv_heads, hd), 64, torch.device("cpu"), torch.float32)
+    store.k.copy_(torch.randn(store.k.shape, generator=g))
+    store.v.copy_(torch.randn(store.v.shape, generator=g))
+    table = torch.randperm(64 // bs, generator=g)[:nb][None]
+    for k in (3, MAX_ROWS + 1):
+        mask = torch.rand(1, 1, k, nb * bs - 2, generator=g) < 0.6
+        mask[..., 0] = True
+        attend = table_attention(store, table, bs, mask, torch.zeros(1, k, dtype=torch.long), groups=heads // kv_heads,
+                                 dtype=torch.float32, scale=0.25)
+        q = torch.randn(1, heads, k, hd, generator=g)
+        got = attend(0, q)
+        assert ("bias" in vars(attend)) == (k > MAX_ROWS)
+        want = grouped_attention(q, gather_blocks(store.k[0], table, bs), gather_blocks(store.v[0], table, bs),
+                                 attention_bias(mask, heads // kv_heads, torch.float32, nb * bs), 0.25)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,6 @@
-"""The blocked argmax and top-k over the vocabulary (``treespark.kernels.vocab``) against
-torch's own, on rows made to catch a wrong block or a wrong place inside one.
+"""The argmax (native, or blocked without the library) and the blocked top-k over the
+vocabulary (``treespark.kernels.vocab``) against torch's own, on rows made to catch a
+wrong block or a wrong place inside one.
 
 (``bench``: ``python -c "import torch, timeit; from treespark.kernels import vocab;
 torch.set_num_threads(1); x = torch.randn(8, 16, 151936); print(timeit.timeit(lambda:
@@ -26,8 +27,18 @@ def test_vocabulary_rows_take_the_blocked_path_and_short_ones_do_not():
     assert not vocab._blocked(torch.zeros(2, V + 1), 1)      # not whole blocks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_is_torchs_first_maximal_index(dtype):
+@pytest.mark.parametrize("dtype,native", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, False)])
+def test_argmax_is_torchs_first_maximal_index(dtype, native, monkeypatch):
+    """Either way (the native call on float32 rows where the library is built; the blocks
+    without it, or on bfloat16), torch's first maximal index."""
+    if native and vocab.library() is None:
+        pytest.skip("no native library here")
+    calls = []
+    if native:
+        real = vocab.library()
+        monkeypatch.setattr(vocab, "library", lambda: calls.append(1) or real)
+    else:
+        monkeypatch.setattr(vocab, "library", lambda: None)
     g = torch.Generator().manual_seed(0)
     x = _rows(g, 12).to(dtype)
     top = x.max() + 1
@@ -43,6 +54,7 @@ def test_argmax_is_torchs_first_maximal_index(dtype):
     got = vocab.argmax(x)
     assert torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
     assert got[:9].tolist() == [5, V - 1, 130, 3, 127, 40, 0, 77_777, 0]
+    assert bool(calls) == native
 
 
 def test_argmax_keeps_the_leading_shape_and_takes_a_strided_input():
@@ -83,3 +95,21 @@ def test_short_rows_and_other_shapes_fall_back_to_torch():
     assert torch.equal(vocab.topk(x, 16).indices, x.topk(16, dim=-1).indices)
     empty = torch.zeros(0, V)
     assert vocab.topk(empty, 8).values.shape == (0, 8) and vocab.argmax(empty).shape == (0,)
+
+
+@pytest.mark.skipif(vocab.library() is None, reason="no native library here")
+def test_the_plain_c_argmax_without_avx512_is_the_same(tmp_path):
+    """``vocab.c``'s loops without AVX-512 (built here with it off) on the same rows."""
+    import ctypes
+
+    from treespark.kernels import native
+
+    plain = native.load(native.build(tmp_path, ("-mno-avx512f",)))
+    g = torch.Generator().manual_seed(5)
+    x = _rows(g, 4, 4_100)
+    x[1, 4_099] = 99.0                                         # the last, past the vector steps
+    x[2, 17], x[2, 3_000] = float("nan"), 99.0                 # a NaN wins over a larger number
+    x[3] = float("-inf")
+    out = torch.empty(4, dtype=torch.int64)
+    assert plain.ts_argmax_rows(x.data_ptr(), 4, 4_100, out.data_ptr(), ctypes.c_int(1)) == 0
+    assert torch.equal(out, x.argmax(-1)) and out[1:].tolist() == [4_099, 17, 0]

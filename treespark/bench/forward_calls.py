@@ -36,8 +36,7 @@ def paged_rows(runner: TargetRunner, batch: int, length: int) -> tuple[PagedStor
     nb = blocks_for(length, BLOCK)
     table = 1 + torch.arange(batch * nb, device=runner.device).view(batch, nb)
     store = PagedStore(runner.store_shape, (batch * nb + 1) * BLOCK, runner.device, runner.dtype)
-    pos = torch.arange(length, device=runner.device)
-    return store, PagedRows(table[:, pos // BLOCK] * BLOCK + pos % BLOCK, table, BLOCK)
+    return store, PagedRows(table, BLOCK, length)
 
 
 def _depths(parents: tuple[int, ...]) -> list[int]:

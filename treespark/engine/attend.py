@@ -19,7 +19,9 @@ per forward into what the chosen path takes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -60,38 +62,37 @@ class LayerAttention(Protocol):
 
 
 def _attend(path: AttentionPath, store: KVStore | PagedStore, rows: slice | PagedRows | None, layer: int,
-            q: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None,
+            q: torch.Tensor, mask: torch.Tensor, bias: Callable[[], torch.Tensor | None], table: torch.Tensor | None,
             scale: float, block_size: int) -> torch.Tensor:
     """q [B, H, K, hd] over the keys of ``rows`` (the reference: read slot by slot, the
-    boolean mask; grouped: the blocks of ``table`` when paged, the bias)."""
+    boolean mask; grouped: the blocks of ``table`` when paged, in place under the mask
+    where the native attention takes them, else SDPA with ``bias()``, the additive bias)."""
     if path is AttentionPath.REFERENCE:
         assert rows is not None
         keys, values = store.read(layer, rows, mask.shape[-1])
         return reference_attention(q, keys, values, mask, scale)
-    assert bias is not None
     if table is not None:
         assert isinstance(store, PagedStore)
         if blocks.can_attend(q, store.k[layer]):
-            return blocks.paged_attention(q, store.k[layer], store.v[layer], table, block_size, bias, scale)
+            return blocks.paged_attention(q, store.k[layer], store.v[layer], table, block_size, mask, scale)
         keys = gather_blocks(store.k[layer], table, block_size)
         values = gather_blocks(store.v[layer], table, block_size)
     else:
         assert rows is not None
         keys, values = store.read(layer, rows, mask.shape[-1])
-    return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), bias, scale)
+    additive = bias()
+    assert additive is not None
+    return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), additive, scale)
 
 
-def _prepared(path: AttentionPath, rows: slice | PagedRows, mask: torch.Tensor, groups: int,
+def _prepared(path: AttentionPath, rows: PagedRows, mask: torch.Tensor, groups: int,
               dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(bias, table) of the grouped path, built once for every layer: its keys a whole
-    number of blocks (paged) or the mask's (dense); (None, None) on the reference path."""
+    """(bias, table) of a chunk's grouped path, built once for every layer: its keys a
+    whole number of blocks; (None, None) on the reference path."""
     if path is not AttentionPath.GROUPED:
         return None, None
-    t = mask.shape[-1]
-    if isinstance(rows, PagedRows):
-        nb = blocks_for(t, rows.block_size)
-        return attention_bias(mask, groups, dtype, nb * rows.block_size), table_columns(rows.table, nb)
-    return attention_bias(mask, groups, dtype, t), None
+    nb = blocks_for(mask.shape[-1], rows.block_size)
+    return attention_bias(mask, groups, dtype, nb * rows.block_size), table_columns(rows.table, nb)
 
 
 @dataclass(frozen=True)
@@ -105,11 +106,22 @@ class StoreAttention:
     rows: slice | PagedRows | None  # None: the grouped path over ``table`` alone (``table_attention``)
     slots: torch.Tensor | None      # [B, K] a paged store's slot of each token
     write_pos: torch.Tensor | None  # [B, K] a dense store's position of each token in its row
-    mask: torch.Tensor              # [B, 1, K, T] bool (the reference path's)
-    bias: torch.Tensor | None       # [B, 1, G*K, T'] additive, T' >= T (the grouped path's)
+    mask: torch.Tensor              # [B, 1, K, T] bool, True = may attend
     table: torch.Tensor | None      # [B, T' / block size] the blocks it reads (the grouped path's, paged)
     scale: float
+    groups: int                     # query heads a KV head
+    dtype: torch.dtype              # the queries'
     block_size: int = 0             # the paged store's (with ``table``)
+
+    @cached_property
+    def bias(self) -> torch.Tensor | None:
+        """The grouped path's additive bias [B, 1, G*K, T'] (T' >= T: whole blocks over a
+        table), made the first time SDPA needs it and kept for every layer; None on the
+        reference path. The native attention reads ``mask`` itself and never makes it."""
+        if self.path is not AttentionPath.GROUPED:
+            return None
+        keys = self.mask.shape[-1] if self.table is None else self.table.shape[1] * self.block_size
+        return attention_bias(self.mask, self.groups, self.dtype, keys)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.slots is not None:
@@ -120,34 +132,33 @@ class StoreAttention:
             self.store.write(layer, self.rows, self.write_pos, k, v)
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        return _attend(self.path, self.store, self.rows, layer, q, self.mask, self.bias, self.table, self.scale,
-                       self.block_size)
+        return _attend(self.path, self.store, self.rows, layer, q, self.mask, lambda: self.bias, self.table,
+                       self.scale, self.block_size)
 
 
 def store_attention(path: AttentionPath, store: KVStore | PagedStore, rows: slice | PagedRows,
                     write_pos: torch.Tensor, mask: torch.Tensor, *, groups: int, dtype: torch.dtype,
                     scale: float) -> StoreAttention:
-    """Prepare a padded batch's attention (the grouped path's bias and block columns, and a
-    paged store's write slots, once for every layer)."""
+    """Prepare a padded batch's attention (the grouped path's block columns, and a paged
+    store's write slots, once for every layer; the bias when first needed)."""
     if isinstance(rows, PagedRows):
-        slots = torch.gather(rows.slots, 1, write_pos)                      # [B, K]
+        slots = rows.slots_at(write_pos)                                    # [B, K]
         if path is AttentionPath.GROUPED:
             table = table_columns(rows.table, blocks_for(mask.shape[-1], rows.block_size))
             return table_attention(store, table, rows.block_size, mask, slots, groups=groups, dtype=dtype,
                                    scale=scale)
-        return StoreAttention(path, store, rows, slots, None, mask, None, None, scale, rows.block_size)
-    bias, _ = _prepared(path, rows, mask, groups, dtype)
-    return StoreAttention(path, store, rows, None, write_pos, mask, bias, None, scale)
+        return StoreAttention(path, store, rows, slots, None, mask, None, scale, groups, dtype, rows.block_size)
+    return StoreAttention(path, store, rows, None, write_pos, mask, None, scale, groups, dtype)
 
 
 def table_attention(store: PagedStore, table: torch.Tensor, block_size: int, mask: torch.Tensor,
                     slots: torch.Tensor, *, groups: int, dtype: torch.dtype, scale: float) -> StoreAttention:
     """The grouped path over the blocks of ``table`` [B, nb] (``mask`` [B, 1, K, T], T <=
-    nb * block_size), writing at ``slots`` [B, K]: the bias over whole blocks, built once
-    for every layer. What ``store_attention`` prepares for a paged store, from tensors
+    nb * block_size), writing at ``slots`` [B, K] (its bias over whole blocks, when SDPA
+    first needs it). What ``store_attention`` prepares for a paged store, from tensors
     only: the static-shape forward's (``treespark.engine.graphs``)."""
-    bias = attention_bias(mask, groups, dtype, table.shape[1] * block_size)
-    return StoreAttention(AttentionPath.GROUPED, store, None, slots, None, mask, bias, table, scale, block_size)
+    return StoreAttention(AttentionPath.GROUPED, store, None, slots, None, mask, table, scale, groups, dtype,
+                          block_size)
 
 
 @dataclass(frozen=True)
@@ -188,8 +199,8 @@ class ChunkAttention:
         """q: [1, H, N, hd] -> [1, H, N, hd]."""
         if self.packed is not None:
             return native_chunks(q, self.store.k[layer], self.store.v[layer], self.packed, self.scale)
-        outs = [_attend(self.path, self.store, c.rows, layer, q[:, :, c.offset:c.offset + c.size], c.mask, c.bias,
-                        c.table, self.scale, c.rows.block_size) for c in self.chunks]
+        outs = [_attend(self.path, self.store, c.rows, layer, q[:, :, c.offset:c.offset + c.size], c.mask,
+                        lambda c=c: c.bias, c.table, self.scale, c.rows.block_size) for c in self.chunks]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 

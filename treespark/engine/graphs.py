@@ -228,7 +228,7 @@ class GraphedForward(BucketGraphs[StaticInputs, tuple[torch.Tensor, torch.Tensor
         if shape is None:
             return self.runner.forward(tokens, positions, write_pos, self.store, rows, mask, logits_into=logits_into)
         inputs = self._inputs(shape, lambda: StaticInputs.empty(shape, self.block_size, tokens.device))
-        inputs.fill(tokens, positions, torch.gather(rows.slots, 1, write_pos), table_columns(rows.table, nb), mask)
+        inputs.fill(tokens, positions, rows.slots_at(write_pos), table_columns(rows.table, nb), mask)
         x, taps = self._run(shape)
         return ForwardOutput(logits=self.runner.logits(x[:b, :k], "all", logits_into), taps=taps[:b, :k])
 

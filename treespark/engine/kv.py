@@ -30,6 +30,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -174,12 +175,30 @@ class BlockPool:
 
 @dataclass(frozen=True)
 class PagedRows:
-    """A batch's view of a paged store: ``slots[b, t]`` is the slot of row b's position t
-    (the null block's where the row has no block there), from the block table ``table``."""
+    """A batch's view of a paged store, positions 0 .. ``length`` - 1 of each row of the
+    block table ``table``: ``slots[b, t]`` is the slot of row b's position t (the null
+    block's where the row has no block there), made the first time a path reads every
+    position (the reference path's gather); a forward that only writes its tokens looks
+    theirs up alone (``slots_at``)."""
 
-    slots: torch.Tensor  # [B, T] long, on the device
     table: torch.Tensor  # [B, nb] block ids, on the device
     block_size: int
+    length: int          # T
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """[B, T] long, on the device."""
+        bs, nb = self.block_size, self.table.shape[1]
+        cols = torch.arange(self.length, device=self.table.device)
+        blk = (cols // bs).clamp(max=nb - 1)
+        ids = torch.where((cols // bs < nb)[None], self.table[:, blk], 0)
+        return ids * bs + cols % bs
+
+    def slots_at(self, pos: torch.Tensor) -> torch.Tensor:
+        """The slots of positions ``pos`` [B, S] (each within its row's blocks): ``slots``
+        gathered at ``pos``, without making it."""
+        bs = self.block_size
+        return torch.gather(self.table, 1, pos // bs) * bs + pos % bs
 
 
 class PagedStore:
@@ -192,8 +211,8 @@ class PagedStore:
         self.v = torch.zeros(dims, device=device, dtype=dtype)
 
     def write(self, layer: int, rows: PagedRows, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """pos: [B, S] positions (< rows' T); k, v: [B, kvh, S, hd]."""
-        self.write_at(layer, torch.gather(rows.slots, 1, pos), k, v)
+        """pos: [B, S] positions (within the rows' blocks); k, v: [B, kvh, S, hd]."""
+        self.write_at(layer, rows.slots_at(pos), k, v)
 
     def write_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots: [B, S] the slot of each new token; k, v: [B, kvh, S, hd]."""
@@ -246,14 +265,9 @@ class PagedKV:
         return tab
 
     def rows(self, table: torch.Tensor, t: int) -> PagedRows:
-        """The slots of positions 0..t-1 of each row of ``table`` ([B, nb] block ids on the
-        device; positions past its last column map to the null block), on the device."""
-        bs = self.block_size
-        nb = table.shape[1]
-        cols = torch.arange(t, device=table.device)
-        blk = (cols // bs).clamp(max=nb - 1)
-        ids = torch.where((cols // bs < nb)[None], table[:, blk], 0)
-        return PagedRows(ids * bs + cols % bs, table, bs)
+        """Positions 0..t-1 of each row of ``table`` ([B, nb] block ids on the device;
+        positions past its last column map to the null block)."""
+        return PagedRows(table, self.block_size, t)
 
     def slots(self, blocks: list[int], positions: list[int]) -> list[int]:
         bs = self.block_size

@@ -283,7 +283,7 @@ class TargetRunner:
             hd = self.head_dim
             x, mlp_out, taps = blocks.layers(stack, x, cos.reshape(b * k, hd).contiguous(),
                                              sin.reshape(b * k, hd).contiguous(), attend.slots, attend.table,
-                                             attend.block_size, attend.bias, attend.scale)
+                                             attend.block_size, attend.mask, attend.scale)
         else:
             x, mlp_out, taps = self._block_layers(x, cos, sin, attend, b, k, half)
         x = x + mlp_out
@@ -335,7 +335,7 @@ class TargetRunner:
         CPU (a decoding step's); None elsewhere (the per-layer blocks run it). Made once per
         store and weight copy; only the last store's are kept."""
         if not (isinstance(attend, StoreAttention) and attend.table is not None and attend.slots is not None
-                and attend.bias is not None and attend.bias.dtype == torch.float32
+                and attend.path is AttentionPath.GROUPED and attend.dtype == torch.float32
                 and isinstance(attend.store, PagedStore) and attend.store.k.dtype == torch.float32
                 and attend.store.k.device.type == "cpu"):
             return None

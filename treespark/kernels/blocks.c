@@ -236,10 +236,11 @@ static inline __m256 lane_sums(const __m256 *a) {
 }
 #endif
 
-/* s[r W + t] = q_r . k_t scale + bias_r[t] (-inf where the bias is) for the n keys of a span
- * (key t at kc + at[t]) and R queries (query r at qs[r]); mx[r] their maxima. hd a multiple of SV. */
+/* s[r W + t] = q_r . k_t scale where query r may see key t (t < lim and ms[r][t]), -inf
+ * elsewhere, for the n keys of a span (key t at kc + at[t]) and R queries (query r at
+ * qs[r]); mx[r] their maxima. hd a multiple of SV. */
 static void span_scores(const float *const *qs, const float *kc, const long *at, long n, long R, long hd, long W,
-                        const float *bias, long T, float scale, float *s, float *mx) {
+                        const uint8_t *const *ms, long lim, float scale, float *s, float *mx) {
     for (long r = 0; r < R; ++r) mx[r] = -INFINITY;
     for (long t0 = 0; t0 < n; t0 += SV) {
         const float *k[SV];
@@ -255,12 +256,12 @@ static void span_scores(const float *const *qs, const float *kc, const long *at,
             }
             float dot[SV];
             V_STORE(dot, lane_sums(acc));
-            const float *br = bias + r * T;
+            const uint8_t *mr = ms[r];
             float m = mx[r];
             for (int j = 0; j < SV && t0 + j < n; ++j) {
-                const float bv = br[t0 + j];
-                const float v = bv == -INFINITY ? -INFINITY : dot[j] * scale + bv;
-                s[r * W + t0 + j] = v;
+                const long t = t0 + j;
+                const float v = t < lim && mr[t] ? dot[j] * scale : -INFINITY;
+                s[r * W + t] = v;
                 if (v > m) m = v;
             }
             mx[r] = m;
@@ -307,7 +308,8 @@ static void silu_mul(const float *g, const float *u, float *a, long I) {
 float ts_exp_shift(float *s, long n, float top) { return exp_shift(s, n, top); }
 
 /* Attention of a few query tokens a row over a paged store, read in place through the
- * block table (no gathered copy): out = softmax(q k^T scale + bias) v per query head, over
+ * block table (no gathered copy): out = softmax(q k^T scale, over the keys the mask lets a
+ * token see) v per query head, over
  * the KV head it groups under (query head h reads KV head h / G). Split-K: each (row, KV
  * head) pair's keys are cut into spans of `span` blocks from the first, each span's softmax
  * computed apart (its max, its sum, its unnormalised output) and merged after in order;
@@ -321,12 +323,14 @@ float ts_exp_shift(float *s, long n, float top) { return exp_shift(s, n, top); }
  * threads, AVX-512 Xeon: one query 0.56-0.70 of the time, 4 and 8 queries 0.41-0.51, at
  * 128-2,048 keys.
  * q: [B, H, K, hd]; kc, vc: [slots, kvh, hd] one layer's keys and values; table: [B, nb]
- * block ids (block_size bs); bias: [B, 1, G K, nb bs] additive, its row (h mod G) K + k
- * for query head h at token k (grouped_attention's layout); -inf keys are skipped, and a
- * query with every key masked gets zeros. scratch: at least B kvh ceil(nb / span) (G K
- * (span bs + hd + 2)) floats; out: [B, H, K, hd]. Returns 0, or -1 for shapes it does not take. */
+ * block ids (block_size bs); mask: [B, K, mT] bytes, nonzero where token k of row b may
+ * see key t (every query head alike; keys from mT on are masked): what grouped_attention's
+ * bias is built from, read as it stands (1 byte a key and token, where the bias is 4 a
+ * key, token and query head). Masked keys are skipped, and a query with every key masked
+ * gets zeros. scratch: at least B kvh ceil(nb / span) (G K (span bs + hd + 2)) floats;
+ * out: [B, H, K, hd]. Returns 0, or -1 for shapes it does not take. */
 int ts_paged_attention(const float *q, const float *kc, const float *vc, const int64_t *table, long nb, long bs,
-                       const float *bias, float scale, float *scratch, float *out, long B, long H, long kvh, long K,
+                       const uint8_t *mask, long mT, float scale, float *scratch, float *out, long B, long H, long kvh, long K,
                        long hd, long span, int threads) {
     if (B < 1 || H < 1 || kvh < 1 || H % kvh || K < 1 || hd < 1 || nb < 1 || bs < 1 || span < 1) return -1;
     const long splits = (nb + span - 1) / span;
@@ -338,7 +342,10 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
         const long b = it / (kvh * splits), g = (it / splits) % kvh, sp = it % splits;
         const long j0 = sp * span, j1 = j0 + span < nb ? j0 + span : nb, n = (j1 - j0) * bs;
         float *s = scratch + it * per, *o = s + R * W, *mx = o + R * hd, *sm = mx + R;
-        const float *br = bias + b * R * T + j0 * bs;
+        /* each query's mask row from the span's first key, and the keys it has there */
+        const uint8_t *ms[R];
+        for (long r = 0; r < R; ++r) ms[r] = mask + (b * K + r % K) * mT + j0 * bs;
+        const long lim = mT - j0 * bs;
 #if defined(SV)
         /* the span's keys and values: where each key's head starts in kc, and its value's in vc */
         long at[hd % SV == 0 ? span * bs : 1];
@@ -348,7 +355,7 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
             for (long j = j0, t = 0; j < j1; ++j)           /* block by block: no division a key */
                 for (long off = 0, base = table[b * nb + j] * bs; off < bs; ++off, ++t)
                     at[t] = ((base + off) * kvh + g) * hd;
-            span_scores(qs, kc, at, n, R, hd, W, br, T, scale, s, mx);
+            span_scores(qs, kc, at, n, R, hd, W, ms, lim, scale, s, mx);
         } else
 #endif
         {
@@ -359,13 +366,12 @@ int ts_paged_attention(const float *q, const float *kc, const float *vc, const i
                 const long t = (j - j0) * bs + off;
                 const float *kt = kc + ((base + off) * kvh + g) * hd;
                 for (long r = 0; r < R; ++r) {
-                    const float bv = br[r * T + t];
-                    if (bv == -INFINITY) { s[r * W + t] = -INFINITY; continue; }
+                    if (!(t < lim && ms[r][t])) { s[r * W + t] = -INFINITY; continue; }
                     const float *qr = q + ((b * H + g * G + r / K) * K + r % K) * hd;
                     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                     for (long d = 0; d < hd; ++d) dot += qr[d] * kt[d];
-                    const float v = dot * scale + bv;
+                    const float v = dot * scale;
                     s[r * W + t] = v;
                     if (v > mx[r]) mx[r] = v;
                 }
@@ -453,11 +459,11 @@ typedef struct {
  * stream after the last layer's attention out; mlp: [M, D] out, the last layer's MLP output
  * (not yet added); taps: [n, M, D], where tap_at[i] >= 0 takes the residual stream entering
  * layer i + 1 (the output of layer i) into taps[tap_at[i]] (i < L - 1); cos, ssin: [M, hd];
- * slots: [M] each token's slot; table [B, nb], bias [B, 1, G K, nb bs]: ts_paged_attention's.
+ * slots: [M] each token's slot; table [B, nb], mask [B, K, mT]: ts_paged_attention's.
  * Returns 0, -1 for shapes it does not take, -2 when out of memory. */
 int ts_layers(const ts_layer *layers, long L, int half, float *x, float *mlp, float *taps, const long *tap_at,
               const float *cos, const float *ssin, const int64_t *slots, const int64_t *table, long nb, long bs,
-              const float *bias, float scale, long B, long K, long D, long Hq, long Hkv, long hd, long I, long span,
+              const uint8_t *mask, long mT, float scale, long B, long K, long D, long Hq, long Hkv, long hd, long I, long span,
               int threads) {
     if (L < 1 || B < 1 || K < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || nb < 1 || bs < 1 || span < 1) return -1;
     const long M = B * K, N = (Hq + 2 * Hkv) * hd, A = Hq * hd;
@@ -484,7 +490,7 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, float *mlp, fl
             const long b = m / K, t = m % K;
             for (long h = 0; h < Hq; ++h) memcpy(q + ((b * Hq + h) * K + t) * hd, row + h * hd, (size_t)hd * sizeof(float));
         }
-        rc = ts_paged_attention(q, ly->kc, ly->vc, table, nb, bs, bias, scale, ascratch, att, B, Hq, Hkv, K, hd, span,
+        rc = ts_paged_attention(q, ly->kc, ly->vc, table, nb, bs, mask, mT, scale, ascratch, att, B, Hq, Hkv, K, hd, span,
                                 threads);
         if (rc) break;
         for (long m = 0; m < M; ++m) {

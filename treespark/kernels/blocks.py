@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treespark.kernels.native import MAX_ROWS, library, most_rows, operator, pointer
+from treespark.kernels.native import MAX_ROWS, as_long, library, most_rows, operator, pointer
 
 # what torch.profiler calls them
 PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp", "treespark::paged_attention",
@@ -165,28 +165,38 @@ def can_attend(q: torch.Tensor, cache: torch.Tensor) -> bool:
             and q.shape[0] * q.shape[2] <= MAX_ROWS and library() is not None)
 
 
+def mask_bytes(mask: torch.Tensor, b: int, k: int) -> torch.Tensor:
+    """A boolean mask [B, 1, K, T] (True = may attend) as the bytes [B, K, T] the native
+    attention reads: a view where it is contiguous (no operator called)."""
+    assert mask.dtype == torch.bool and mask.shape[:3] == (b, 1, k), (tuple(mask.shape), b, k)
+    return (mask if mask.is_contiguous() else mask.contiguous()).view(torch.uint8)
+
+
 def paged_attention(q: torch.Tensor,       # [B, H, K, hd]
                     kc: torch.Tensor,      # [slots, kvh, hd] one layer's keys of a paged store
                     vc: torch.Tensor,      # [slots, kvh, hd] and values
                     table: torch.Tensor,   # [B, nb] the blocks each row reads
                     block_size: int,
-                    bias: torch.Tensor,    # [B, 1, G K, nb block_size] ``attention_bias``'s
+                    mask: torch.Tensor,    # [B, 1, K, T] bool, True = may attend (T <= nb block_size)
                     scale: float | None = None) -> torch.Tensor:
     """``grouped_attention`` of the keys and values ``table`` names, read in place (no
-    gathered copy, no SDPA call): [B, H, K, hd], its values to float rounding."""
+    gathered copy, no SDPA call) under the boolean mask itself (no additive bias made):
+    [B, H, K, hd], its values to float rounding."""
     b, h, k, hd = q.shape
     kvh, nb = kc.shape[1], table.shape[1]
-    assert bias.shape == (b, 1, (h // kvh) * k, nb * block_size), (bias.shape, q.shape, kvh, nb, block_size)
-    assert bias.is_contiguous() and kc.is_contiguous() and vc.is_contiguous()
+    t = mask.shape[-1]
+    assert t <= nb * block_size, (tuple(mask.shape), nb, block_size)
+    assert kc.is_contiguous() and vc.is_contiguous()
+    m = mask_bytes(mask, b, k)
     q = q.contiguous()
-    table = table.to(torch.int64).contiguous()
+    table = as_long(table)
     splits = -(-nb // SPAN_BLOCKS)
     rows = (h // kvh) * k
     scratch = torch.empty(b * kvh * splits * rows * (SPAN_BLOCKS * block_size + hd + 2), dtype=torch.float32)
     out = torch.empty(b, h, k, hd, dtype=torch.float32)
     with operator(PROFILER_NAMES[2]):
         rc = library().ts_paged_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), table.data_ptr(), nb,
-                                          block_size, bias.data_ptr(), hd ** -0.5 if scale is None else scale,
+                                          block_size, m.data_ptr(), t, hd ** -0.5 if scale is None else scale,
                                           scratch.data_ptr(), out.data_ptr(), b, h, kvh, k, hd, SPAN_BLOCKS,
                                           torch.get_num_threads())
     if rc != 0:
@@ -250,35 +260,37 @@ class LayerStack:
 
 
 def layers(stack: LayerStack,
-           x: torch.Tensor,          # [B K, D] the embeddings (each row's K tokens together)
+           x: torch.Tensor,          # [B K, D] the embeddings (each row's K tokens together),
+                                     # contiguous float32: overwritten (the caller's to give up)
            cos: torch.Tensor, ssin: torch.Tensor,   # [B K, hd] (ssin: rope_sign applied)
            slots: torch.Tensor,      # [B, K] each token's slot in the paged store
            table: torch.Tensor,      # [B, nb] the blocks each row reads
            block_size: int,
-           bias: torch.Tensor,       # [B, 1, G K, nb block_size] ``attention_bias``'s
+           mask: torch.Tensor,       # [B, 1, K, T] bool, True = may attend (``paged_attention``'s)
            scale: float,
            ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """A few-row forward's every layer in one call (``ts_layers``): per layer ``attn_in``,
     the new keys and values written at ``slots``, ``paged_attention`` and ``attn_out_mlp``,
     on the same functions in the same order, so the same floats as those calls made one by
-    one. Returns the residual stream after the last layer's attention [B K, D], that
-    layer's MLP output [B K, D] (not yet added) and each of ``stack.taps``' outputs."""
+    one. Returns the residual stream after the last layer's attention [B K, D] (``x``
+    itself, written in place), that layer's MLP output [B K, D] (not yet added) and each
+    of ``stack.taps``' outputs."""
     b, k = slots.shape
     m, dim = x.shape
     count = len(stack.weights)
     assert m == b * k and dim == stack.hidden and 1 <= m <= max_rows(stack.tiles), (tuple(x.shape), b, k)
     hq, hkv, hd = stack.heads, stack.kv_heads, stack.head_dim
-    assert bias.shape == (b, 1, (hq // hkv) * k, table.shape[1] * block_size) and bias.is_contiguous()
-    x = x.contiguous().clone()
+    assert mask.shape[-1] <= table.shape[1] * block_size, (tuple(mask.shape), tuple(table.shape), block_size)
+    mb = mask_bytes(mask, b, k)
+    assert x.dtype == torch.float32 and x.is_contiguous()
     mlp = torch.empty_like(x)
     out = torch.empty(len(stack.taps), m, dim, dtype=torch.float32)
-    slots = slots.to(torch.int64).contiguous()
-    table = table.to(torch.int64).contiguous()
+    slots, table = as_long(slots), as_long(table)
     with operator(PROFILER_NAMES[3]):
         rc = library().ts_layers(ctypes.cast(stack.array, ctypes.c_void_p), count, int(stack.half), x.data_ptr(),
                                  mlp.data_ptr(), out.data_ptr(), stack.tap_at.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
-                                 slots.data_ptr(), table.data_ptr(), table.shape[1], block_size, bias.data_ptr(),
-                                 scale, b, k, dim, hq, hkv, hd, stack.inter, SPAN_BLOCKS, torch.get_num_threads())
+                                 slots.data_ptr(), table.data_ptr(), table.shape[1], block_size, mb.data_ptr(),
+                                 mask.shape[-1], scale, b, k, dim, hq, hkv, hd, stack.inter, SPAN_BLOCKS, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"ts_layers refused {b} rows of {k} tokens over {table.shape[1]} blocks (rc {rc})")
     return x, mlp, {i: out[j] for j, i in enumerate(stack.taps)}

@@ -13,7 +13,8 @@ The C files (``gemv.c``; ``blocks.c``: a decoder layer's few-row forward around 
 attention, and its norms, rotation and activation over any rows, ``treespark.kernels.blocks``; ``waves.c``: a greedy round's draft trees,
 ``treespark.spec.native_forest``; ``chunks.c``: a prefill's chunks' attention,
 ``treespark.kernels.chunks``; ``best.c``: the per-step allocation's argmax,
-``treespark.kernels.best``) are compiled once per machine, source and
+``treespark.kernels.best``; ``vocab.c``: each row's argmax over the vocabulary,
+``treespark.kernels.vocab``) are compiled once per machine, source and
 compiler (``cc -O3 -march=native -fopenmp``; a second or so) into
 ``~/.cache/treespark/kernels/`` under a ``filelock``, and loaded with ``ctypes``, which
 releases the GIL during the call. Where there is no C compiler or the build fails, ``library()`` is None, the product plan does not offer the
@@ -40,8 +41,9 @@ from treespark.kernels.machine import hardware_name
 
 # the products (gemv.c), the decoder-layer blocks built on them (blocks.c), the greedy
 # rounds' draft trees (waves.c), the prefill chunks' attention (chunks.c) and the
-# per-step allocation's argmax (best.c), one library
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.c", "blocks.c", "waves.c", "chunks.c", "best.c"))
+# per-step allocation's argmax (best.c) and the logits' argmax (vocab.c), one library
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.c", "blocks.c", "waves.c", "chunks.c", "best.c",
+                                                      "vocab.c"))
 HEADERS = (Path(__file__).with_name("vexp.h"),)   # what the sources include (in the build's key)
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "kernels"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -114,6 +116,12 @@ def pointer(a: torch.Tensor | np.ndarray | None) -> int | None:
     return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
 
 
+def as_long(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the contiguous int64 a native call reads: itself where it is (no operator
+    called), else a converted copy."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
 def operator(name: str):
     """A native call as an operator to the profiler, as torch's own are (host-share figures
     count operator time); no annotation's cost when no profiler runs."""
@@ -135,12 +143,13 @@ def load(path: Path) -> ctypes.CDLL:
         "ts_add_norm": [ptr, ptr, ptr, f32, ptr, ptr, n, n, i32],
         "ts_qk_rope": [ptr, ptr, f32, ptr, ptr] + [n] * 4 + [i32],
         "ts_silu_rows": [ptr, ptr, n, n, i32],
-        "ts_paged_attention": [ptr] * 4 + [n, n, ptr, f32, ptr, ptr] + [n] * 6 + [i32],
-        "ts_layers": [ptr, n, i32] + [ptr] * 8 + [n, n, ptr, f32] + [n] * 8 + [i32],
+        "ts_paged_attention": [ptr] * 4 + [n, n, ptr, n, f32, ptr, ptr] + [n] * 6 + [i32],
+        "ts_layers": [ptr, n, i32] + [ptr] * 8 + [n, n, ptr, n, f32] + [n] * 8 + [i32],
         "ts_chunk_attention": [ptr] * 4 + [n, n, ptr, n, f32, ptr] + [n] * 4 + [i32],
         "ts_chunk_lanes": [],
         "ts_greedy_forest": [ptr, n, n, ptr, n, ptr, ptr, n] + [ptr] * 7 + [n, f64, n] + [ptr] * 9 + [n, i32],
         "ts_best": [ptr, ptr, n, n, f64, ptr, ptr, f64, f64, ptr, ptr, ptr],
+        "ts_argmax_rows": [ptr, n, n, ptr, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespark.kernels import blocks, native
-from treespark.kernels.attention import ContextKV, PagedView, attention_bias, grouped_attention
+from treespark.kernels.attention import ContextKV, PagedView, grouped_attention
 from treespark.kernels.layer_ops import rope_sign
 from treespark.models.drafter_config import DSparkConfig
 
@@ -167,10 +167,9 @@ class NativeBlockPass:
             assert view is not None
             bs, table = view.block_size, view.table
             slots = table.gather(1, positions // bs) * bs + positions % bs                   # [B, blk]
-            keys = table.shape[1] * bs
-            seen = torch.arange(keys)[None] < (ctx_len + blk)[:, None]                       # [B, keys]
-            bias = attention_bias(seen[:, None, None].expand(b, 1, blk, keys), hq // hkv, torch.float32, keys)
-            x, mlp, _ = blocks.layers(stack, x, cos, ssin, slots, table, bs, bias, hd ** -0.5)
+            seen = torch.arange(table.shape[1] * bs)[None] < (ctx_len + blk)[:, None]       # [B, keys]
+            mask = seen[:, None, None].expand(b, 1, blk, -1)   # every block token sees the same keys
+            x, mlp, _ = blocks.layers(stack, x, cos, ssin, slots, table, bs, mask, hd ** -0.5)
             return (x + mlp).view(b, blk, h)
         mlp = bias = None
         for i, (w, half) in enumerate(self.fused_layers(layers)):
