@@ -8,6 +8,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from treespark.bench.common import markdown_table, served_allocator, served_budget, served_table
@@ -42,23 +43,28 @@ def _breakdown(r: RunResult) -> list[str]:
 
 
 def host_share(pair: ModelPair, prompt: list[int], budget: Budget, max_tokens: int,
-               temperature: float = 0.0, allocator: StepAllocator | None = None) -> float:
+               temperature: float = 0.0, allocator: StepAllocator | None = None, repeats: int = 3) -> float:
     """The share of one batch-1 request's wall time spent outside torch operators (the
     Python of scheduling, tree building, the walk and the commit), from the profiler's
-    operator self-times. On a CPU the operators are the compute; under CUDA they are
-    launches, so this reads as host work there too, without the device time."""
+    operator self-times: the median over ``repeats`` profiled requests (one reads
+    +-0.015 on a noisy host, the spread of this figure between runs minutes apart). On a
+    CPU the operators are the compute; under CUDA they are launches, so this reads as
+    host work there too, without the device time."""
     from torch.profiler import ProfilerActivity, profile
 
     run_engine(pair, [prompt], budget, max_tokens=min(max_tokens, 16), batch_size=1, temperature=temperature,
                allocator=allocator)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        run_engine(pair, [prompt], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature,
-                   allocator=allocator)
-        wall = time.perf_counter() - t0
-    op_s = sum(e.self_cpu_time_total for e in prof.key_averages()
-               if not e.key.startswith(("##", "ProfilerStep"))) / 1e6
-    return max(0.0, 1.0 - op_s / wall)
+    shares = []
+    for _ in range(repeats):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            run_engine(pair, [prompt], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature,
+                       allocator=allocator)
+            wall = time.perf_counter() - t0
+        op_s = sum(e.self_cpu_time_total for e in prof.key_averages()
+                   if not e.key.startswith(("##", "ProfilerStep"))) / 1e6
+        shares.append(max(0.0, 1.0 - op_s / wall))
+    return float(np.median(shares))
 
 
 def _one_at_a_time(pair: ModelPair, prompts, budget: Budget, max_tokens: int,
@@ -129,7 +135,7 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
     ``Budget.adaptive()``), the fastest of the chains ``chains`` (tuned here, by wall
     clock) and our plain decoding, beside HF ``generate()`` (greedy and prompt lookup
     at T = 0, sampling at T > 0) on the same prompts; with each decoder's host share
-    (``host_share``, one profiled request). ``profile_s``: also the served default, the
+    (``host_share``, the median of three profiled requests). ``profile_s``: also the served default, the
     per-step allocation (``treespark.engine.step_alloc``) on a step-cost table measured here in
     that many seconds (None: not run). ``gguf``: the target's GGUF, for llama.cpp's rows
     at T = 0 (``treespark.bench.llamacpp``; skipped with a note when None or when
@@ -160,8 +166,8 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
 
         def record(name: str, r: RunResult, b: Budget, make_allocator=lambda: None, temp: float = temp,
                    results=results, breakdown=breakdown) -> None:
-            """A decoder's row: its tokens/s, step breakdown and host share (one more
-            request, profiled, with a fresh allocator like the timed runs')."""
+            """A decoder's row: its tokens/s, step breakdown and host share (more
+            requests, profiled, with a fresh allocator like the timed runs')."""
             results[name] = r.tokens_per_s
             breakdown[name] = _row(pair, prompts[0], r, b, max_tokens, temp, make_allocator())
             log(f"T={temp:g} {name}: {r.tokens_per_s:.2f} tok/s")
@@ -218,8 +224,8 @@ def _batch1_table(pair: ModelPair, prompts, max_tokens: int, profile_s: float):
 
 def _row(pair: ModelPair, prompt, r: RunResult, b: Budget, max_tokens: int, temp: float,
          allocator: StepAllocator | None) -> list[str]:
-    """A decoder's breakdown columns: ``r``'s step figures and the host share of one more
-    request, profiled (with ``allocator``, fresh like the timed runs')."""
+    """A decoder's breakdown columns: ``r``'s step figures and the host share of more
+    requests, profiled (``host_share``; with ``allocator``, fresh like the timed runs')."""
     return [*_breakdown(r), f"{host_share(pair, prompt, b, max_tokens, temp, allocator):.2f}"]
 
 

@@ -13,6 +13,7 @@ output stays the target's whatever the draft.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 import torch
@@ -68,15 +69,27 @@ def greedy_forest(roots: list[int], budgets: list[Budget], depth_limits: list[in
 _OUTGROWN = -1   # ts_greedy_forest's code for a row that outgrew the forest's arrays
 
 
+@functools.lru_cache(maxsize=64)
+def _calibration_arrays(calibrations: tuple[Calibration, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows' maps as ``ts_greedy_forest`` reads them (read only): sibling offsets [R,
+    noff] (rank j takes column min(j, noff - 1)), a [R] and b [R]; made once for the
+    batch's maps (a step's rows bring the same ones, step after step)."""
+    noff = 1 + max((len(c.sibling_bias) for c in calibrations), default=0)
+    off = np.array([[c.offset(j) for j in range(noff)] for c in calibrations], dtype=np.float64)
+    made = (off.reshape(len(calibrations), noff), np.array([c.a for c in calibrations], dtype=np.float64),
+            np.array([c.b for c in calibrations], dtype=np.float64))
+    for x in made:
+        x.flags.writeable = False
+    return made
+
+
 def _grow(lib, forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2p: torch.Tensor,
           calibrations: list[Calibration], caps: np.ndarray) -> int:
     """One ``ts_greedy_forest`` call over ``forest``'s arrays (``caps`` [R] int64 the rows'
     branch caps): the waves run, or ``_OUTGROWN``."""
     r_rows = forest.rows
-    noff = 1 + max((len(c.sibling_bias) for c in calibrations), default=0)
-    off = np.array([[c.offset(j) for j in range(noff)] for c in calibrations], dtype=np.float64).reshape(r_rows, noff)
-    a = np.array([c.a for c in calibrations], dtype=np.float64)
-    b = np.array([c.b for c in calibrations], dtype=np.float64)
+    off, a, b = _calibration_arrays(tuple(calibrations))
+    noff = off.shape[1]
     limits = np.where(forest.speculates, forest.depth_limit, 0).astype(np.int64)
     opened = forest.opened.view(np.uint8)
     d2t64 = None if forest.d2t is None else np.ascontiguousarray(forest.d2t, dtype=np.int64)

@@ -39,11 +39,11 @@ class DraftTree:
                     survival: np.ndarray) -> DraftTree:
         """A tree from its flat arrays [N] (node 0 the root, parent -1; ``parents[i] < i``),
         children in node order, as ``add`` would build it node by node."""
-        idx = np.arange(1, len(parents))
-        assert parents[0] == -1 and np.all((parents[1:] >= 0) & (parents[1:] < idx)), "parents precede children"
         par = parents.tolist()
+        assert par[0] == -1, "node 0 is the root"
         children: list[list[int]] = [[] for _ in par]
         for i, p in enumerate(par[1:], 1):
+            assert 0 <= p < i, "parents precede children"
             children[p].append(i)
         return cls(tokens=tokens.tolist(), parents=par, depths=depths.tolist(), q=q.tolist(),
                    survival=survival.tolist(), children=children)
