@@ -305,3 +305,36 @@ def test_a_bfloat16_drafter_scores_its_waves_on_w2_panels():
     with torch.no_grad():
         w2.mul_(2)
     assert torch.equal(on_panels.waves.w2_panels(), to_panels(w2.detach()))
+
+
+def test_run_engine_runs_its_steps_and_only_them_inside_around(monkeypatch):
+    """``run_engine(around=...)``: the engine is built before the context is entered (a
+    profiler there sees the steps, not the construction), every step runs inside it."""
+    from contextlib import contextmanager
+
+    from treespark import random_pair
+    from treespark.engine.run import run_engine
+
+    pair = random_pair(512, 3)
+    inside, built_inside, stepped_outside = [False], [], []
+    real_init, real_step = Engine.__init__, Engine.step
+
+    def init(self, *a, **kw):
+        built_inside.append(inside[0])
+        real_init(self, *a, **kw)
+
+    def step(self):
+        if not inside[0]:
+            stepped_outside.append(1)
+        return real_step(self)
+
+    @contextmanager
+    def around():
+        inside[0] = True
+        yield
+        inside[0] = False
+
+    monkeypatch.setattr(Engine, "__init__", init)
+    monkeypatch.setattr(Engine, "step", step)
+    r = run_engine(pair, [[1, 2, 3]], Budget.chain(2), max_tokens=6, batch_size=1, around=around)
+    assert built_inside == [False] and not stepped_outside and r.steps > 0 and not inside[0]

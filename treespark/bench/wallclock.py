@@ -44,8 +44,9 @@ def _breakdown(r: RunResult) -> list[str]:
 
 def host_share(pair: ModelPair, prompt: list[int], budget: Budget, max_tokens: int,
                temperature: float = 0.0, allocator: StepAllocator | None = None, repeats: int = 3) -> float:
-    """The share of one batch-1 request's wall time spent outside torch operators (the
-    Python of scheduling, tree building, the walk and the commit), from the profiler's
+    """The share of one batch-1 request's wall time (its steps: not the engine's
+    construction, which a replica pays once) spent outside torch operators (the Python
+    of scheduling, tree building, the walk and the commit), from the profiler's
     operator self-times: the median over ``repeats`` profiled requests (one reads
     +-0.015 on a noisy host, the spread of this figure between runs minutes apart). On a
     CPU the operators are the compute; under CUDA they are launches, so this reads as
@@ -56,14 +57,12 @@ def host_share(pair: ModelPair, prompt: list[int], budget: Budget, max_tokens: i
                allocator=allocator)
     shares = []
     for _ in range(repeats):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            run_engine(pair, [prompt], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature,
-                       allocator=allocator)
-            wall = time.perf_counter() - t0
+        prof = profile(activities=[ProfilerActivity.CPU])
+        r = run_engine(pair, [prompt], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature,
+                       allocator=allocator, around=lambda prof=prof: prof)
         op_s = sum(e.self_cpu_time_total for e in prof.key_averages()
                    if not e.key.startswith(("##", "ProfilerStep"))) / 1e6
-        shares.append(max(0.0, 1.0 - op_s / wall))
+        shares.append(max(0.0, 1.0 - op_s / r.wall_s))
     return float(np.median(shares))
 
 

@@ -5,6 +5,8 @@ own answers."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -94,10 +96,13 @@ class RunResult:
 
 def run_engine(pair: ModelPair, prompts: list[list[int]], budget: Budget, *, max_tokens: int,
                batch_size: int, temperature: float = 0.0, seed: int = 0, reproducible: bool = False,
-               allocator: StepAllocator | None = None, progress: bool = False) -> RunResult:
+               allocator: StepAllocator | None = None, progress: bool = False,
+               around: Callable[[], AbstractContextManager] = nullcontext) -> RunResult:
     """Serve every prompt through one engine (batch_size rows) and time it; prompt ``i``
     samples with seed ``seed + i`` (``reproducible``: ``SamplingParams.reproducible``).
-    With ``allocator``, every step is priced by it (the served per-step policy)."""
+    With ``allocator``, every step is priced by it (the served per-step policy). The
+    steps, and only they (not the engine's construction), run inside ``around()`` (e.g.
+    a profiler) and are timed (``RunResult.wall_s``)."""
     longest = max(len(p) for p in prompts)
     engine = Engine(pair, EngineConfig(max_batch_size=batch_size, max_context=longest + max_tokens),
                     budget=budget)
@@ -111,17 +116,18 @@ def run_engine(pair: ModelPair, prompts: list[list[int]], budget: Budget, *, max
     answers: list[list[int]] = [[] for _ in prompts]
     rounds = accepted = drafted = steps = 0
     bar = tqdm(total=len(prompts), desc="engine", unit="prompt", disable=not progress)
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            answers[int(out.request_id)] += out.new_token_ids
-            if out.finished and out.stats is not None:
-                rounds += out.stats.rounds
-                accepted += out.stats.accepted_tokens
-                drafted += out.stats.drafted_tokens
-                bar.update(1)
-        steps += 1
-    wall = time.perf_counter() - t0
+    with around():
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            for out in engine.step():
+                answers[int(out.request_id)] += out.new_token_ids
+                if out.finished and out.stats is not None:
+                    rounds += out.stats.rounds
+                    accepted += out.stats.accepted_tokens
+                    drafted += out.stats.drafted_tokens
+                    bar.update(1)
+            steps += 1
+        wall = time.perf_counter() - t0
     bar.close()
     return RunResult(tuple(tuple(a) for a in answers), wall, steps, rounds, accepted, drafted, tuple(stats))
 
