@@ -35,6 +35,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from treespark.kernels.attention import block_slots
+
 
 @dataclass(frozen=True)
 class StoreShape:
@@ -197,8 +199,7 @@ class PagedRows:
     def slots_at(self, pos: torch.Tensor) -> torch.Tensor:
         """The slots of positions ``pos`` [B, S] (each within its row's blocks): ``slots``
         gathered at ``pos``, without making it."""
-        bs = self.block_size
-        return torch.gather(self.table, 1, pos // bs) * bs + pos % bs
+        return block_slots(self.table, pos, self.block_size)
 
 
 class PagedStore:

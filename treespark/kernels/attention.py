@@ -86,6 +86,13 @@ def grouped_attention(q: torch.Tensor,      # [B, H, K, hd]
     return out.view(b, h, n, hd)
 
 
+def block_slots(table: torch.Tensor,      # [B, nb] block ids
+                positions: torch.Tensor,  # [B, S] positions, each within its row's blocks
+                block_size: int) -> torch.Tensor:
+    """The store slot of each row's positions through its block table: [B, S]."""
+    return torch.gather(table, 1, positions // block_size) * block_size + positions % block_size
+
+
 def gather_blocks(cache: torch.Tensor,    # [slots, kvh, hd] one layer of a paged store
                   table: torch.Tensor,    # [B, nb] block ids
                   block_size: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespark.kernels import blocks, native
-from treespark.kernels.attention import ContextKV, PagedView, grouped_attention
+from treespark.kernels.attention import ContextKV, PagedView, block_slots, grouped_attention
 from treespark.kernels.layer_ops import rope_sign
 from treespark.models.drafter_config import DSparkConfig
 
@@ -166,7 +166,7 @@ class NativeBlockPass:
         if stack is not None:
             assert view is not None
             bs, table = view.block_size, view.table
-            slots = table.gather(1, positions // bs) * bs + positions % bs                   # [B, blk]
+            slots = block_slots(table, positions, bs)                                        # [B, blk]
             seen = torch.arange(table.shape[1] * bs)[None] < (ctx_len + blk)[:, None]       # [B, keys]
             mask = seen[:, None, None].expand(b, 1, blk, -1)   # every block token sees the same keys
             x, mlp, _ = blocks.layers(stack, x, cos, ssin, slots, table, bs, mask, hd ** -0.5)
