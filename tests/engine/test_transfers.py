@@ -119,13 +119,13 @@ def test_the_watch_sees_a_copy_made_elsewhere(monkeypatch):
     pair = random_pair(64, 0, block_size=3)
     engine = Engine(pair, EngineConfig(max_batch_size=2, max_context=48), budget=Budget(0.0, 4, 2))
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
-    real = engine._row_budget
+    real = engine.sched.reserve_trees
 
-    def stray(req):
+    def stray():
         torch.tensor([1, 2], device=engine.device)
-        return real(req)
+        return real()
 
-    monkeypatch.setattr(engine, "_row_budget", stray)
+    monkeypatch.setattr(engine.sched, "reserve_trees", stray)
     outside = []
     resident = [*pair.target.buffers(), *pair.drafter.buffers()]
     while engine.has_unfinished():

@@ -42,7 +42,7 @@ def profile_step(engine: Engine) -> dict[str, Any]:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             engine.step()
-            engine.sync()
+            engine.decode.sync()
     finally:
         for obj, method, _ in marked:
             delattr(obj, method)  # the class's method again

@@ -78,7 +78,7 @@ def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float
                     budget=budget, products=products_for(device))
     if allocator is not None:
         engine.set_allocator(allocator)
-    engine.measure_stages = True  # draft_s and verify_s below are device times
+    engine.decode.measure_stages = True  # draft_s and verify_s below are device times
     for i, p in enumerate(random_prompts(batch, plen, pair.vocab_size, cfg.seed)):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i))
     while engine.num_waiting:  # prefill: not timed (running rows decode meanwhile, untimed too)
@@ -95,7 +95,7 @@ def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(cfg.timed_steps):
-        engine.sync()
+        engine.decode.sync()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if device.type == "cuda":
@@ -104,7 +104,7 @@ def timed_decode(pair: ModelPair, budget: Budget, batch: int, temperature: float
             outs = engine.step()
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
-            engine.sync()
+            engine.decode.sync()
             wall = time.perf_counter() - t0
         syncs = sum("synchroniz" in str(w.message) for w in caught)
         spans = clock.take()

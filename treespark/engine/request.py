@@ -1,6 +1,7 @@
 """One request inside the engine: its record (``Request``: prompt, sampler, output, KV
-blocks, rounds), the checks that admit it (``check_request``, ``validate_prompt``) and the
-rule that finishes it (``clip_emitted``: ``max_tokens`` first, then stop tokens)."""
+blocks, rounds), the checks that admit it (``check_request``, ``validate_prompt``), the
+rule that finishes it (``clip_emitted``: ``max_tokens`` first, then stop tokens) and what
+a step hands back for it (``emit``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treespark.kernels.transfer import HostTransfers
 from treespark.spec.budget import Budget
-from treespark.spec.params import RequestStats, RoundStats, SamplingParams
+from treespark.spec.logprobs import TokenLogprob
+from treespark.spec.params import RequestOutput, RequestStats, RoundStats, SamplingParams
 from treespark.spec.sampling import TorchSampler
 
 
@@ -108,3 +111,22 @@ def clip_emitted(tokens: list[int], params: SamplingParams, generated: int) -> t
             tokens, reason = tokens[: j + 1], "stop"
             break
     return tokens, reason
+
+
+def emit(req: Request, tokens: list[int], transfers: HostTransfers, *, first: bool = False,
+         logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+    """Append a step's tokens to ``req``'s output, clipped by ``max_tokens`` and its stop
+    tokens, and say so: the output to hand back (``finished`` set when the request ends
+    here; its captured taps fetched then, one copy). ``first``: the request's first token,
+    from its prefill (it becomes the root of the first tree)."""
+    tokens, reason = clip_emitted(tokens, req.params, len(req.output))
+    req.output += tokens
+    if first and reason is None:
+        req.root = tokens[-1]
+    finished = reason is not None
+    lps = None if logprobs is None else tuple(logprobs[:len(tokens)])
+    taps = None
+    if finished and req.taps is not None:
+        positions = len(req.prompt) + len(req.output) - 1
+        taps = transfers.fetch(torch.cat(req.taps)[:positions].to(torch.float16))
+    return RequestOutput(req.id, tokens, finished, reason, req.stats() if finished else None, lps, taps)
