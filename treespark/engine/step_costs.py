@@ -105,7 +105,7 @@ def fingerprint(engine, grid: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
 
 # tokens per row the verify grid times: dense where steps are small, since on CPU the
 # time of a few-row forward jumps where the product kernel changes (3 -> 4 rows on one
-# machine: +38 %, docs/benchmarks.md), and interpolating over such a jump misprices
+# machine: +38 %, docs/benchmarks/forward.md), and interpolating over such a jump misprices
 # every step between two cells
 GRID_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 

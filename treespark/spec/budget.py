@@ -55,7 +55,7 @@ class Budget:
         """The default adaptive tree: best-first under calibrated survival, stopped by theta.
 
         The default price (0.08) is the fastest at batch 1 for the default pair on a
-        2-core CPU (chosen on the tuning prompts, docs/benchmarks.md); where a verify
+        2-core CPU (chosen on the tuning prompts, docs/benchmarks/engine.md); where a verify
         forward is cheaper (a GPU at light load) a lower theta buys more tokens per
         forward. The serving policy sets theta from a measured cost model instead."""
         return cls(theta=theta, node_cap=node_cap, branch_cap=branch_cap)
