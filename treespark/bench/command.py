@@ -39,8 +39,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--markov-rank", type=int, default=256, help="rounds: the drafter's Markov rank")
     b.add_argument("--family", default="qwen3", choices=["qwen3", "llama"], help="rounds: the target's architecture")
     b.add_argument("--host", action="store_true",
-                   help="rounds: whole decode steps at each of --batch-sizes with trees of 32 (CPU and wall ms, "
-                        "host syncs and uploads per step)")
+                   help="rounds: whole decode steps at each of --batch-sizes with trees of 32 (CPU, wall and host "
+                        "ms, operator calls, host syncs and uploads per step; with --base, before and after)")
     b.add_argument("--steps", type=int, default=3, help="rounds --host, walk: timed steps per cell")
     b.add_argument("--drafter", help="the default target with this drafter directory (its calibration.json)")
     b.add_argument("--reproducible", action="store_true",
@@ -48,7 +48,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "reproducible (position-keyed Gumbel) requests")
     b.add_argument("--goals", action="store_true",
                    help="acceptance: only the drafter's goal rows (first-token, tuned chain, adaptive at a low price)")
-    b.add_argument("--base", help="serving: also measure this checkout (the 'before' rows)")
+    b.add_argument("--base", help="serving, rounds --host: also measure this checkout (the 'before' rows)")
     b.add_argument("--burst-prompt", type=int, default=1500, help="serving: the burst's prompt length")
     b.add_argument("--goodput", action="store_true",
                    help="serving: only decode goodput at --batch-sizes, plain and adaptive, before (--base) and after")
@@ -63,13 +63,15 @@ def run_bench(args: argparse.Namespace) -> None:
     from treespark.models.pair import default_drafter_dir, pair_by_name
 
     if args.what == "rounds":  # builds its own random pair at the given vocabulary
-        from treespark.bench.rounds import host_benchmark, rounds_benchmark
+        from treespark.bench.rounds import rounds_benchmark
 
         if args.host:
+            from treespark.bench.host_steps import host_benchmark
+
             write_out(host_benchmark(vocab_size=args.vocab_size, draft_vocab=args.draft_vocab,
-                                  markov_rank=args.markov_rank, family=args.family,
-                                  batch_sizes=tuple(args.batch_sizes), temperatures=tuple(args.temperatures),
-                                  steps=args.steps), args.out)
+                                     markov_rank=args.markov_rank, family=args.family,
+                                     batch_sizes=tuple(args.batch_sizes), temperatures=tuple(args.temperatures),
+                                     steps=args.steps, base=Path(args.base) if args.base else None), args.out)
             return
         write_out(rounds_benchmark(vocab_size=args.vocab_size, draft_vocab=args.draft_vocab,
                                 markov_rank=args.markov_rank, family=args.family,

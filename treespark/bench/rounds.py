@@ -35,59 +35,6 @@ def _steps(pair, budget: Budget, temperature: float, new_tokens: int, seed: int)
     return stats
 
 
-HOST_BUDGET = Budget(0.0, 32, 4)  # trees of 32 nodes, 4 children a node
-
-
-def batch_steps(pair, batch: int, temperature: float, steps: int, *, budget: Budget = HOST_BUDGET,
-                engine=Engine, seed: int = 0, cpu_s: list[float] | None = None) -> list[StepStats]:
-    """``steps`` decode steps of ``batch`` requests drafting under ``budget``, after one
-    warm-up step. The batch is filled with plain decoding (each request's prefill, one
-    per step), so that only the steps reported draft trees. ``cpu_s``: gets each
-    reported step's CPU seconds (this process)."""
-    new = batch + 8 * (steps + 2)  # plain tokens while the batch fills, then <= 8 a round
-    eng = engine(pair, EngineConfig(max_batch_size=batch, max_context=8 + new), budget=Budget.off())
-    for i in range(batch):
-        eng.add_request(f"r{i}", [(7 * i + j) % pair.vocab_size for j in range(1, 9)],
-                        SamplingParams(temperature=temperature, max_tokens=new, seed=seed + i))
-    while eng.num_waiting:
-        eng.step()
-    eng.set_budget(budget)
-    stats: list[StepStats] = []
-    eng.on_step = stats.append
-    for i in range(steps + 1):
-        c0 = time.process_time()
-        eng.step()
-        if cpu_s is not None and i > 0:
-            cpu_s.append(time.process_time() - c0)
-    return stats[1:]
-
-
-def host_benchmark(*, vocab_size: int = 151_936, markov_rank: int = 256, block_size: int = 7,
-                   family: str = "qwen3", draft_vocab: int = 0, batch_sizes=(1, 32),
-                   temperatures=(0.0, 1.0), steps: int = 3, seed: int = 0, log=print) -> str:
-    """Whole decode steps of a batch drafting trees of 32 (``HOST_BUDGET``) on the random
-    pair at a GPU pair's vocabulary: CPU ms per step (the work, which the machine's load
-    hardly moves; on CPU every step's work is host work), wall ms, the stages, and the
-    step's copies: host syncs (device to host) and uploads (host to device)."""
-    pair = random_pair(vocab_size, seed, block_size, markov_rank=markov_rank, family=family,
-                       draft_vocab=draft_vocab)
-    rows = []
-    for b in batch_sizes:
-        for t in temperatures:
-            cpu: list[float] = []
-            cells = list(zip(batch_steps(pair, b, t, steps, cpu_s=cpu), cpu, strict=True))
-            med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
-            stats = [s for s, _ in cells]
-            rows.append([str(b), f"{t:g}", f"{med([c for _, c in cells]):.0f}", f"{med([s.step_s for s in stats]):.0f}",
-                         f"{med([s.draft_s for s in stats]):.0f}", f"{med([s.verify_s for s in stats]):.0f}",
-                         f"{statistics.mean(s.draft_waves for s in stats):.1f}",
-                         f"{statistics.mean(sum(s.tree_sizes) for s in stats):.0f}",
-                         f"{max(s.host_syncs for s in stats)}", f"{max(s.host_uploads for s in stats)}"])
-            log(" | ".join(rows[-1]))
-    return markdown_table(["batch", "T", "CPU ms per step (median)", "wall ms", "drafting ms", "verify ms", "waves",
-                           "nodes in the step", "host syncs (max)", "uploads (max)"], rows)
-
-
 def rounds_benchmark(*, vocab_size: int = 151_936, markov_rank: int = 256, block_size: int = 7,
                      family: str = "qwen3", draft_vocab: int = 0, new_tokens: int = 32,
                      temperatures=(0.0, 1.0), repeats: int = 3, seed: int = 0, log=print) -> str:

@@ -36,10 +36,7 @@ figures are the median of a few runs a side, the sides taking turns.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -291,12 +288,10 @@ def _measure_at(checkout: Path | None, pair: str, part: str, burst_prompt: int =
                 batch_sizes: tuple[int, ...] = (1, 4, 16)) -> dict:
     """``measure`` in a subprocess whose ``treespark`` is the one of ``checkout`` (None:
     this one); this file runs it, whichever checkout it is measuring."""
-    root = checkout or Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", pair, "--part", part,
-           "--burst-prompt", str(burst_prompt), "--batch-sizes", *map(str, batch_sizes)]
-    res = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True)
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    from treespark.bench.sides import run_at
+
+    return run_at(checkout, __file__, ["--measure", pair, "--part", part, "--burst-prompt", str(burst_prompt),
+                                       "--batch-sizes", *map(str, batch_sizes)])
 
 
 TIMED = ("ttft_p50", "ttft_p95", "itl_p95", "long_verify_ms", "long_step_ms", "long_peak_mib")
@@ -304,21 +299,11 @@ TIMED = ("ttft_p50", "ttft_p95", "itl_p95", "long_verify_ms", "long_step_ms", "l
 
 def _timings(base: Path | None, pair: str, burst_prompt: int, rounds: int) -> dict[str, dict]:
     """The timed figures of each side, the median over ``rounds`` runs taken in turn
-    (``_in_turn``)."""
-    runs = _in_turn(base, rounds, lambda checkout: _measure_at(checkout, pair, "timing", burst_prompt))
+    (``treespark.bench.sides.in_turn``)."""
+    from treespark.bench.sides import in_turn
+
+    runs = in_turn(base, rounds, lambda checkout: _measure_at(checkout, pair, "timing", burst_prompt))
     return {label: {k: statistics.median(m[k] for m in ms) for k in TIMED if k in ms[0]} for label, ms in runs.items()}
-
-
-def _in_turn(base: Path | None, rounds: int, measure: Callable[[Path | None], dict]) -> dict[str, list[dict]]:
-    """``measure`` of each side ("before": ``base``, if any; "after": this checkout)
-    ``rounds`` times, the sides in turn (before, after; then after, before; ...), so that
-    a machine's load drifting during the benchmark falls on both sides alike."""
-    sides = {"before": base, "after": None} if base is not None else {"after": None}
-    runs: dict[str, list[dict]] = {label: [] for label in sides}
-    for r in range(rounds):
-        for label in (list(sides) if r % 2 == 0 else list(reversed(sides))):
-            runs[label].append(measure(sides[label]))
-    return runs
 
 
 def goodput_benchmark(base: Path | None, batch_sizes: tuple[int, ...] = (1, 4, 16),
@@ -327,10 +312,11 @@ def goodput_benchmark(base: Path | None, batch_sizes: tuple[int, ...] = (1, 4, 1
     turn over ``rounds`` rounds (each side a fresh subprocess a round, 1 thread): the
     medians, and after / before."""
     from treespark.bench.common import markdown_table
+    from treespark.bench.sides import in_turn
 
     rows = []
     for pair in pairs:
-        runs = _in_turn(base, rounds, lambda checkout, pair=pair: _measure_at(checkout, pair, "goodput",
+        runs = in_turn(base, rounds, lambda checkout, pair=pair: _measure_at(checkout, pair, "goodput",
                                                                                batch_sizes=batch_sizes))
         med = {label: {k: statistics.median(m[k] for m in ms) for k in ms[0] if k != "pair"}
                for label, ms in runs.items()}

@@ -1,7 +1,7 @@
 """The T > 0 walk eager and compiled, side by side: milliseconds per decode step.
 
 The tiny random Qwen3 pair at the GPU pair's vocabulary (151,936; Markov rank 256,
-block 7) decodes a full batch at T = 1 with trees of 32 (``rounds.HOST_BUDGET``); every
+block 7) decodes a full batch at T = 1 with trees of 32 (``host_steps.host_budget``); every
 step's call of ``walk_sampled`` is recorded (its inputs), then replayed with each depth
 eager (``walk_level``) and compiled (``compiled(walk_level, backend)``, what
 ``EngineConfig.compile_backend`` runs): each call once untimed (compiling the graphs
@@ -17,7 +17,7 @@ import torch
 
 import treespark.engine.accept as accept_module
 from treespark.bench.common import markdown_table
-from treespark.bench.rounds import HOST_BUDGET
+from treespark.bench.host_steps import host_budget
 from treespark.engine.config import EngineConfig
 from treespark.engine.core import Engine
 from treespark.kernels.compile import compiled
@@ -34,7 +34,7 @@ def recorded_walks(pair, batch: int, steps: int) -> list[tuple]:
         calls.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
         return walk_sampled(*args)
 
-    engine = Engine(pair, EngineConfig(max_batch_size=batch, max_context=512, max_tree_nodes=32), budget=HOST_BUDGET)
+    engine = Engine(pair, EngineConfig(max_batch_size=batch, max_context=512, max_tree_nodes=32), budget=host_budget())
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         engine.add_request(f"r{i}", torch.randint(1, pair.vocab_size - 1, (8,), generator=g).tolist(),

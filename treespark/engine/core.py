@@ -85,6 +85,7 @@ from treespark.engine.scheduler import Scheduler
 from treespark.engine.step_alloc import StepAllocator
 from treespark.engine.target import TargetRunner
 from treespark.kernels.compile import compiled
+from treespark.kernels.host_memory import keep_freed_memory
 from treespark.kernels.linear import ProductPlan
 from treespark.kernels.transfer import HostTransfers
 from treespark.models.pair import ModelPair
@@ -119,6 +120,8 @@ class Engine:
         self.runner = TargetRunner(pair.target, dc.target_layer_ids, products, attention=cfg.attention,
                                    compile_backend=cfg.compile_backend, max_positions=cfg.max_context + room)
         self.device = self.runner.device
+        if self.device.type == "cpu":   # the steps' host temporaries reuse what the step before freed
+            keep_freed_memory()
         shapes = (self.runner.store_shape, StoreShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim))
         bs = cfg.block_size
         self.block_bytes = bs * bytes_per_token(*shapes, self.runner.dtype)
@@ -149,9 +152,9 @@ class Engine:
         self.budget = budget or Budget.adaptive()
         self.calibration = calibration or pair.calibration
         self.transfers = HostTransfers(self.device)
-        markov = self.drafter.markov_head
+        markov, d2t = self.drafter.markov_head, self.drafter.draft_to_target
         self.waves = WaveDrafter(markov.markov_w1.weight.detach(), markov.markov_w2.weight.detach(),
-                                 self.drafter.draft_to_target, self.transfers, markov.markov_w2.panels)
+                                 d2t, self.transfers, markov.markov_w2.panels)
         self.on_step: Callable[[StepStats], None] | None = None
         self.allocator: StepAllocator | None = None  # per-step allocation (``treespark.engine.step_alloc``)
         self.vocab_size = self.runner.vocab_size
@@ -166,7 +169,7 @@ class Engine:
         backend = cfg.compile_backend
         self.decode = DecodeStep(self.runner, self.drafter, self.kv, self.sched, self.prefill, self.waves,
                                  self.transfers, walk_level if backend is None else compiled(walk_level, backend),
-                                 self.graphs, self.draft_graphs)
+                                 d2t, self.graphs, self.draft_graphs)
         self._ids: set[str] = set()
         self._aborted: list[RequestOutput] = []
 

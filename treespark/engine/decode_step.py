@@ -85,6 +85,7 @@ class DecodeStep:
     waves: WaveDrafter
     transfers: HostTransfers
     walk_level: Callable          # a depth of the T > 0 walk (``treespark.spec.walk``), maybe compiled
+    draft_to_target: torch.Tensor | None   # the drafter's (made once: the property makes a vocabulary's arange)
     graphs: GraphedForward | None = None
     draft_graphs: GraphedDraft | None = None
     measure_stages: bool = False
@@ -131,7 +132,7 @@ class DecodeStep:
             policy_s = allocator.policy_s
         t_verify = time.perf_counter()
         logits, taps, ridden = self._verify_forward(drafted.trees, lengths, table_d, pre)
-        results = accept(batch, drafted, logits, self.transfers, self.drafter.draft_to_target, self.walk_level)
+        results = accept(batch, drafted, logits, self.transfers, self.draft_to_target, self.walk_level)
         asked = [Emitted(i, [0, *r.path], list(r.tokens), req.params.logprobs)
                  for i, (req, r) in enumerate(zip(batch, results, strict=True)) if req.params.logprobs is not None]
         lps = dict(zip((e.row for e in asked), step_logprobs(logits, asked, self.transfers), strict=True))

@@ -1,0 +1,37 @@
+"""Host memory for a CPU engine: what a step frees, the next step reuses.
+
+glibc's malloc serves a large block (over a threshold that moves up to 32 MB) with a
+mapping of its own and unmaps it on free. A step at a large vocabulary makes
+vocabulary-sized temporaries (at V = 151,936, a few dozen rows of float32 or float64 are
+tens of MB each: the wave's scores, the T > 0 walk's rows), so each was fresh pages,
+faulted in by the operator writing it and unmapped where Python dropped it: at batch 32
+with trees of 32 at T = 1 on the tiny Qwen3 pair, ~45 % of a step's wall time
+(``treespark bench rounds --host``; on a GPU the caching allocator keeps device memory
+the same way). ``keep_freed_memory`` serves every block from the heap and never trims it
+below 2 GB free at its top, so freed blocks are reused as they stand. The cost: the
+process keeps the memory of its largest step, as a serving process keeps its KV pool.
+glibc only (``mallopt``); elsewhere nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import platform
+
+M_TRIM_THRESHOLD = -1   # mallopt's parameters (malloc.h)
+M_MMAP_MAX = -4
+TRIM_BYTES = 2**31 - 1  # the largest value mallopt takes (a C int)
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Set this process's malloc to keep what it frees (the module docstring), once; True
+    where it did (glibc), False where nothing changed."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_BYTES) == 1
