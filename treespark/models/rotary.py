@@ -62,4 +62,9 @@ class Rotary:
             inv = self._inv_freq[positions.device] = self._inv_freq[torch.device("cpu")].to(positions.device)
         freqs = positions.to(torch.float32)[..., None] * inv
         emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:          # (a scale of 1 and a float32 dtype call no operator: the same values)
+            cos, sin = cos * self.scale, sin * self.scale
+        if dtype != torch.float32:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
