@@ -5,9 +5,9 @@ mapping of its own and unmaps it on free. A step at a large vocabulary makes
 vocabulary-sized temporaries (at V = 151,936, a few dozen rows of float32 or float64 are
 tens of MB each: the wave's scores, the T > 0 walk's rows), so each was fresh pages,
 faulted in by the operator writing it and unmapped where Python dropped it: at batch 32
-with trees of 32 at T = 1 on the tiny Qwen3 pair, ~45 % of a step's wall time
-(``treespark bench rounds --host``; on a GPU the caching allocator keeps device memory
-the same way). ``keep_freed_memory`` serves every block from the heap and never trims it
+with trees of 32 at T = 1 on the tiny Qwen3 pair, a step took 3.6 s with that and 2.3 s
+without (``treespark bench rounds --host``; on a GPU the caching allocator keeps device
+memory the same way). ``keep_freed_memory`` serves every block from the heap and never trims it
 below 2 GB free at its top, so freed blocks are reused as they stand. The cost: the
 process keeps the memory of its largest step, as a serving process keeps its KV pool.
 glibc only (``mallopt``); elsewhere nothing changes.
