@@ -29,11 +29,13 @@ def test_wallclock_table_has_every_decoder_and_the_round_breakdown_at_each_tempe
         plain = rows["our plain decoding"]
         assert plain[3] == "0.0" and plain[6] == "1.00"  # no tree: one token per round
         assert float(rows["adaptive tree"][5]) > 0
-        assert all(0.0 <= float(rows[k][7]) <= 1.0 for k in ("adaptive tree", "per-step (served default)",
-                                                             "our plain decoding"))
-        assert all(rows[k][3:] == ["-"] * 5 for k in hf)
+        for k in ("adaptive tree", "per-step (served default)", "our plain decoding"):
+            share, profiler = rows[k][8].split(" (<= ")
+            assert float(rows[k][7]) > 10 and 0.0 <= float(profiler.rstrip(")")) <= float(share) <= 1.0
+        assert all(rows[k][3:] == ["-"] * 6 for k in hf)
     notes = table.split("\n\n")[1:]
     assert notes[0] == "llama.cpp rows skipped: this pair has no GGUF."
+    assert notes[1].startswith("Host share: the profiler's own cost, measured in this run, is ")
     limit = notes[-1]
     assert limit.startswith("T = 0, fp32 bandwidth limit: ") and "our plain decoding" in limit
     plain = next(r[2] for r in _rows(table) if r[:2] == ["0", "our plain decoding"])

@@ -5,10 +5,10 @@ llama.cpp on the same weights; plain decoding against the fp32 bandwidth limit; 
 from __future__ import annotations
 
 import time
-from functools import partial
+from dataclasses import dataclass
+from functools import cache, partial
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from treespark.bench.common import markdown_table, served_allocator, served_budget, served_table
@@ -42,28 +42,65 @@ def _breakdown(r: RunResult) -> list[str]:
             f"{1e3 * sum(s.verify_s for s in steps) / n:.1f}", f"{r.tau:.2f}"]
 
 
+@dataclass(frozen=True)
+class HostShare:
+    """``host_share``'s figures for one decoder: ``share`` of the wall time outside
+    operators; ``events``, the operators called a step from Python (the profiler's
+    top-level events: a nested operator's bookkeeping falls inside its caller's time);
+    ``profiler``, the most of ``share`` that is the profiler's own cost (its cost an
+    event outside operators, ``profiler_event_cost``, times ``events``, over the step's
+    wall time)."""
+    share: float
+    events: float
+    profiler: float
+
+    def cell(self) -> str:
+        return f"{self.share:.2f} (<= {self.profiler:.2f})"
+
+
+@cache
+def profiler_event_cost(n: int = 20_000) -> float:
+    """Seconds a profiled operator event spends outside the operator (the profiler's
+    bookkeeping before and after it, and the caller's Python around the call): a loop
+    of one-element in-place adds under the profiler, its wall time less the operators'
+    self times, an add. The Python of the loop is in it too, so this is at most the
+    profiler's own cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.zeros(1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x.add_(1)
+        wall = time.perf_counter() - t0
+    return max(0.0, wall - sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6) / n
+
+
 def host_share(pair: ModelPair, prompt: list[int], budget: Budget, max_tokens: int,
-               temperature: float = 0.0, allocator: StepAllocator | None = None, repeats: int = 3) -> float:
+               temperature: float = 0.0, allocator: StepAllocator | None = None, repeats: int = 3) -> HostShare:
     """The share of one batch-1 request's wall time (its steps: not the engine's
     construction, which a replica pays once) spent outside torch operators (the Python
     of scheduling, tree building, the walk and the commit), from the profiler's
     operator self-times: the median over ``repeats`` profiled requests (one reads
-    +-0.015 on a noisy host, the spread of this figure between runs minutes apart). On a
-    CPU the operators are the compute; under CUDA they are launches, so this reads as
-    host work there too, without the device time."""
+    +-0.015 on a noisy host, the spread of this figure between runs minutes apart), with
+    that request's operator events a step and the most of its share that is the
+    profiler's own cost (``HostShare``). On a CPU the operators are the compute; under
+    CUDA they are launches, so this reads as host work there too, without the device time."""
     from torch.profiler import ProfilerActivity, profile
 
     run_engine(pair, [prompt], budget, max_tokens=min(max_tokens, 16), batch_size=1, temperature=temperature,
                allocator=allocator)
+    cost = profiler_event_cost()
     shares = []
     for _ in range(repeats):
         prof = profile(activities=[ProfilerActivity.CPU])
         r = run_engine(pair, [prompt], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature,
                        allocator=allocator, around=lambda prof=prof: prof)
-        op_s = sum(e.self_cpu_time_total for e in prof.key_averages()
-                   if not e.key.startswith(("##", "ProfilerStep"))) / 1e6
-        shares.append(max(0.0, 1.0 - op_s / r.wall_s))
-    return float(np.median(shares))
+        ops = [e for e in prof.events() if not e.name.startswith(("##", "ProfilerStep"))]
+        op_s = sum(e.self_cpu_time_total for e in ops) / 1e6
+        count = sum(e.cpu_parent is None for e in ops)   # called from Python (a nested one's cost is its caller's)
+        shares.append(HostShare(max(0.0, 1.0 - op_s / r.wall_s), count / max(r.steps, 1), count * cost / r.wall_s))
+    return sorted(shares, key=lambda h: h.share)[len(shares) // 2]
 
 
 def _one_at_a_time(pair: ModelPair, prompts, budget: Budget, max_tokens: int,
@@ -195,7 +232,7 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
         if temp == 0:
             results.update(_llamacpp_rows(pair, gguf, prompts, max_tokens, notes, log))
         by_temp[temp] = results
-        rows += [[f"{temp:g}", k, f"{v:.2f}", f"{ours.tokens_per_s / v:.2f}x", *breakdown.get(k, ["-"] * 5)]
+        rows += [[f"{temp:g}", k, f"{v:.2f}", f"{ours.tokens_per_s / v:.2f}x", *breakdown.get(k, ["-"] * 6)]
                  for k, v in results.items()]
     t0 = temperatures[0]
     summary = [f"T = {t0:g}, {line}" for line in goal_lines(by_temp[t0], weight_bytes, bytes_per_s)]
@@ -211,7 +248,11 @@ def wallclock_benchmark(pair: ModelPair, *, n_prompts: int = 8, max_tokens: int 
                        f"{plain / by_temp[t0]['our plain decoding']:.2f}x this pair's plain decoding; "
                        f"adaptive tree {theirs[0]['adaptive tree'] / adaptive:.2f}x this pair's.")
     table = markdown_table(["T", "decoder (batch 1)", "tokens/s", "adaptive speed-up", "mean tree",
-                            "draft ms / step", "verify ms / step", "tokens / round", "host share"], rows)
+                            "draft ms / step", "verify ms / step", "tokens / round", "operators called / step",
+                            "host share (of it the profiler's, at most)"], rows)
+    notes.append(f"Host share: the profiler's own cost, measured in this run, is {1e6 * profiler_event_cost():.2f} us "
+                 "an operator event outside the operators (one-element adds; the loop's Python is in it, so at most "
+                 "the profiler's); times the events a step, over the step's wall time, it is the figure in brackets.")
     return "\n\n".join([table, *notes, *summary])
 
 
@@ -225,7 +266,8 @@ def _row(pair: ModelPair, prompt, r: RunResult, b: Budget, max_tokens: int, temp
          allocator: StepAllocator | None) -> list[str]:
     """A decoder's breakdown columns: ``r``'s step figures and the host share of more
     requests, profiled (``host_share``; with ``allocator``, fresh like the timed runs')."""
-    return [*_breakdown(r), f"{host_share(pair, prompt, b, max_tokens, temp, allocator):.2f}"]
+    h = host_share(pair, prompt, b, max_tokens, temp, allocator)
+    return [*_breakdown(r), f"{h.events:.0f}", h.cell()]
 
 
 def _decoders(pair: ModelPair, prompts, max_tokens: int, temp: float, budget: Budget, profile_s: float | None,
