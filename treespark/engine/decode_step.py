@@ -91,7 +91,7 @@ class DecodeStep:
     measure_stages: bool = False
     # the verify step's logits, written into the same memory step after step (CPU; the
     # largest step's, [rows x nodes x V] float32, kept: 78 MB at 8 x 16 x 151,936)
-    _logits: torch.Tensor = field(default_factory=lambda: torch.empty(0), repr=False)
+    _logits: torch.Tensor = field(default_factory=lambda: torch.empty(0), init=False, repr=False)
 
     def sync(self) -> None:
         """Wait for the device (CUDA): stage times then measure device work, not the
