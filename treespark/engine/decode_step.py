@@ -112,8 +112,9 @@ class DecodeStep:
         theta = policy.budget.theta
         t_draft = time.perf_counter()
         budgets = [policy.row_budget(r) for r in batch]
-        if allocator is not None:
-            budgets = allocator.drafting([r.id for r in batch], budgets, [r.budget is None for r in batch], theta)
+        if allocator is not None:   # (rows with a budget of their own do not follow the allocation)
+            ids, follows = [r.id for r in batch], [r.budget is None for r in batch]
+            budgets = allocator.drafting(ids, budgets, follows, theta)
         # one upload: the batch's block tables (every block its tree may take is reserved
         # already), the anchors and the lengths; the drafter's context gather and the
         # target's forward both address the blocks through it
@@ -127,8 +128,7 @@ class DecodeStep:
             self.sync()
         policy_s = 0.0 if allocator is None else allocator.policy_s
         if allocator is not None and drafted.waves:
-            drafted = allocator.cut([r.id for r in batch], [r.params.temperature for r in batch],
-                                    [r.budget is None for r in batch], drafted, theta)
+            drafted = allocator.cut(ids, [r.params.temperature for r in batch], follows, drafted, theta)
             policy_s = allocator.policy_s
         t_verify = time.perf_counter()
         logits, taps, ridden = self._verify_forward(drafted.trees, lengths, table_d, pre)
