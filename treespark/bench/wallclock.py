@@ -13,6 +13,7 @@ import torch
 
 from treespark.bench.common import markdown_table, served_allocator, served_budget, served_table
 from treespark.bench.device_timing import read_bandwidth
+from treespark.bench.host_steps import outside_operators
 from treespark.bench.llamacpp import INSTALL_HINT, LlamaCppFailed, llama_cpp_version, time_llamacpp
 from treespark.engine.run import RunResult, run_engine
 from treespark.engine.step_alloc import StepAllocator
@@ -96,10 +97,8 @@ def host_share(pair: ModelPair, prompt: list[int], budget: Budget, max_tokens: i
         prof = profile(activities=[ProfilerActivity.CPU])
         r = run_engine(pair, [prompt], budget, max_tokens=max_tokens, batch_size=1, temperature=temperature,
                        allocator=allocator, around=lambda prof=prof: prof)
-        ops = [e for e in prof.events() if not e.name.startswith(("##", "ProfilerStep"))]
-        op_s = sum(e.self_cpu_time_total for e in ops) / 1e6
-        count = sum(e.cpu_parent is None for e in ops)   # called from Python (a nested one's cost is its caller's)
-        shares.append(HostShare(max(0.0, 1.0 - op_s / r.wall_s), count / max(r.steps, 1), count * cost / r.wall_s))
+        outside, count = outside_operators(prof, r.wall_s)
+        shares.append(HostShare(outside / r.wall_s, count / max(r.steps, 1), count * cost / r.wall_s))
     return sorted(shares, key=lambda h: h.share)[len(shares) // 2]
 
 
