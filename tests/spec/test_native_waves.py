@@ -44,9 +44,9 @@ def test_native_greedy_waves_grow_the_python_waves_trees(d2t, monkeypatch):
     codes, past_start = [], []
     grow = native_forest._grow
 
-    def grow_once(lib, forest, *rest):
-        codes.append(grow(lib, forest, *rest))
-        start = 1 + (int(forest.node_cap.max(initial=0)) + 1) * int(rest[-1].max(initial=1))
+    def grow_once(lib, forest, base, w1, w2p, calibrations, caps, *out):
+        codes.append(grow(lib, forest, base, w1, w2p, calibrations, caps, *out))
+        start = 1 + (int(forest.node_cap.max(initial=0)) + 1) * int(caps.max(initial=1))
         past_start.append(int(forest.size.max()) > start)
         return codes[-1]
 

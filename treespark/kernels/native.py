@@ -147,7 +147,7 @@ def load(path: Path) -> ctypes.CDLL:
         "ts_layers": [ptr, n, i32] + [ptr] * 8 + [n, n, ptr, n, f32] + [n] * 8 + [i32],
         "ts_chunk_attention": [ptr] * 4 + [n, n, ptr, n, f32, ptr] + [n] * 4 + [i32],
         "ts_chunk_lanes": [],
-        "ts_greedy_forest": [ptr, n, n, ptr, n, ptr, ptr, n] + [ptr] * 7 + [n, f64, n] + [ptr] * 9 + [n, i32],
+        "ts_greedy_forest": [ptr, n, n, ptr, n, ptr, ptr, n] + [ptr] * 7 + [n, f64, n] + [ptr] * 9 + [n] + [ptr] * 3 + [i32],
         "ts_best": [ptr, ptr, n, n, f64, ptr, ptr, f64, f64, ptr, ptr, ptr],
         "ts_argmax_rows": [ptr, n, n, ptr, i32],
     }

@@ -80,6 +80,43 @@ static long to_open(const forest *f, long b, double theta, long node_cap, long d
     return p;
 }
 
+static int by_index(const void *x, const void *y) {
+    const long i = *(const long *)x, j = *(const long *)y;
+    return (i > j) - (i < j);
+}
+
+/* Each row's tree as Forest.finish makes it: the root and the top node_cap candidates
+ * scoring >= theta (ranked as to_open ranks them), in creation order; -3 where a kept
+ * node's parent is not kept (the scores' running minimum rules it out). order and index
+ * are scratch of cap entries each. */
+static int finish(const forest *f, long R, const double *theta, const int64_t *node_cap, long *order, long *index,
+                  int64_t *kept, int64_t *keep, int64_t *tree_parent) {
+    for (long b = 0; b < R; ++b) {
+        const long c0 = b * f->cap, n = f->size[b];
+        const double *score = f->score + c0;
+        long m = 0;
+        for (long c = 1; c < n; ++c)
+            if (score[c] >= theta[b]) order[m++] = c;
+        rank_scores = score;
+        qsort(order, (size_t)m, sizeof(long), by_score);
+        const long top = m < node_cap[b] ? m : (node_cap[b] > 0 ? node_cap[b] : 0);
+        qsort(order, (size_t)top, sizeof(long), by_index);
+        for (long c = 0; c < n; ++c) index[c] = -1;
+        keep[c0] = 0;
+        tree_parent[c0] = -1;
+        index[0] = 0;
+        for (long j = 0; j < top; ++j) {
+            const long c = order[j], p = f->parent[c0 + c];
+            if (p < 0 || index[p] < 0) return -3;
+            keep[c0 + j + 1] = c;
+            tree_parent[c0 + j + 1] = index[p];
+            index[c] = j + 1;
+        }
+        kept[b] = top + 1;
+    }
+    return 0;
+}
+
 /* The logits of P parents over a span [v0, v1) of the draft vocabulary (v0 a multiple
  * of VW), l[p * SPAN + v - v0] = W2 x_p + u_p. W2 comes in panels [ceil(Vd / VW), r, VW]
  * (VW draft tokens' weights at each rank, contiguous; the last panel padded with zeros): a
@@ -178,13 +215,15 @@ static void merge_partials(const partial *parts, long spans, long stride, long k
  * base [R, D, Vd]; w1 [V, r]; w2p W2's panels (logits_span); d2t [Vd] (NULL: identity);
  * per row: theta, node_cap, branch_cap, depth_limit (0: no drafting), the calibration's a
  * and b and its sibling offsets [R, noff] (rank j takes off[min(j, noff - 1)]); a node
- * offers at most top_m slots (the host's TOP_M). */
+ * offers at most top_m slots (the host's TOP_M). Then each row's tree (``Forest.finish``'s
+ * rule): kept [R] its nodes, keep [R, cap] their candidates in creation order (the root and
+ * the top node_cap scoring >= theta) and tree_parent [R, cap] each one's parent node. */
 int ts_greedy_forest(const float *base, long D, long vd, const float *w1, long r, const float *w2p, const int64_t *d2t,
                      long R, const double *theta, const int64_t *node_cap, const int64_t *branch_cap,
                      const int64_t *depth_limit, const double *cal_a, const double *cal_b, const double *off,
                      long noff, double eps, long top_m, int64_t *parent, int64_t *draft_id, int64_t *token, double *q,
                      double *score, double *survival, int64_t *depth, uint8_t *opened, int64_t *size, long cap,
-                     int threads) {
+                     int64_t *kept, int64_t *keep, int64_t *tree_parent, int threads) {
     forest f = {parent, draft_id, token, depth, size, q, score, survival, opened, cap};
     const long kmax = top_m < MAX_K ? (top_m < vd ? top_m : vd) : MAX_K;
     const size_t most = (size_t)(R * cap + 1);
@@ -274,6 +313,7 @@ int ts_greedy_forest(const float *base, long D, long vd, const float *w1, long r
             size[b] += n;
         }
     }
+    if (!err) err = finish(&f, R, theta, node_cap, order, pair_row, kept, keep, tree_parent);
     free(order);
     free(pair_row);
     free(pair_node);

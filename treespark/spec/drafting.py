@@ -243,9 +243,9 @@ class WaveDrafter:
         start = ([r.root for r in rows], [r.budget for r in rows], [r.depth_limit for r in rows], self.d2t)
         out = RoundDraft(trees=[])
         if self._greedy_natively(base, rows):
-            forest, out.waves = native_forest.greedy_forest(*start, base, *self._native_w,
-                                                            [r.calibration for r in rows])
-            return _finished(out, forest, np.full(forest.parent.shape, -1, dtype=np.int64))
+            forest, out.waves, trees, keeps = native_forest.greedy_forest(*start, base, *self._native_w,
+                                                                          [r.calibration for r in rows])
+            return _finished(out, forest, trees, keeps, None)
         forest = Forest(*start)
         temp = np.array([r.temperature for r in rows], dtype=np.float64)         # [R]
         cap = np.array([r.budget.branch_cap for r in rows], dtype=np.int64)      # [R]
@@ -324,16 +324,16 @@ class WaveDrafter:
             n_rows += s
         if chunks:
             out.q_rows, out.q_totals = torch.cat(chunks), torch.cat(total_chunks)
-        return _finished(out, forest, q_row)
+        return _finished(out, forest, *forest.finish(), q_row)
 
 
-def _finished(out: RoundDraft, forest: Forest, q_row: np.ndarray) -> RoundDraft:
-    """``out`` with ``forest``'s trees, each node's q row (``q_row`` [R, C]: -1 for none),
-    draft index and score."""
-    trees, keeps = forest.finish()
+def _finished(out: RoundDraft, forest: Forest, trees: list[DraftTree], keeps: list[np.ndarray],
+              q_row: np.ndarray | None) -> RoundDraft:
+    """``out`` with ``forest``'s trees (``Forest.finish``'s), each node's q row (``q_row``
+    [R, C]: -1 for none; None: none at all), draft index and score."""
     for b, keep in enumerate(keeps):
         out.trees.append(trees[b])
-        out.q_row_of.append(q_row[b, keep].tolist())
+        out.q_row_of.append([-1] * len(keep) if q_row is None else q_row[b, keep].tolist())
         out.draft_ids.append(forest.draft_id[b, keep].tolist())
         out.scores.append(forest.score[b, keep[1:]].tolist())
     return out

@@ -36,7 +36,7 @@ class Forest:
     a row may hold; draft_to_target: draft index -> token id (None: identity); room: the
     candidates a row has room for at the start (None: a starting width the arrays grow
     past as waves need; a native grower writes in place, so it is given room for every
-    node a round can open, ``whole_round``, and ``trim`` after)."""
+    node a round can open, ``whole_round``)."""
 
     def __init__(self, roots: list[int], budgets: list[Budget], depth_limits: list[int],
                  draft_to_target: np.ndarray | None = None, room: int | None = None) -> None:
@@ -69,14 +69,6 @@ class Forest:
         depth = max(depth_limits, default=0)
         return 1 + depth * (max((b.node_cap for b in budgets), default=0) + 1) * \
             max((b.branch_cap for b in budgets), default=1)
-
-    def trim(self) -> None:
-        """The arrays cut to the widest row's candidates (after a native grower, so the
-        ranking and the finish sort what the round made, not the room it was given)."""
-        c = max(int(self.size.max(initial=1)), 1)
-        if c < self.parent.shape[1]:
-            for name in _ARRAYS:
-                setattr(self, name, np.ascontiguousarray(getattr(self, name)[:, :c]))
 
     def _grow(self, need: int) -> None:
         cap = self.parent.shape[1]
@@ -161,10 +153,12 @@ class Forest:
         index = np.cumsum(mask, 1) - 1                                   # candidate -> tree node
         parents = np.where(mask, np.take_along_axis(index, np.maximum(self.parent, 0), 1), -1)
         parents[:, 0] = -1
-        trees, keeps = [], []
-        for b in range(self.rows):
-            keep = np.flatnonzero(mask[b])
-            trees.append(DraftTree.from_arrays(self.token[b, keep], parents[b, keep], self.depth[b, keep],
-                                               self.q[b, keep], self.survival[b, keep]))
-            keeps.append(keep)
-        return trees, keeps
+        keeps = [np.flatnonzero(mask[b]) for b in range(self.rows)]
+        return self.trees(keeps, [parents[b, keep] for b, keep in enumerate(keeps)]), keeps
+
+    def trees(self, keeps: list[np.ndarray], parents: list[np.ndarray]) -> list[DraftTree]:
+        """Each row's tree of the candidates ``keeps[b]`` (creation order), node i's parent
+        the node ``parents[b][i]`` (-1 for the root): what ``finish`` chose, or a native
+        grower by the same rule."""
+        return [DraftTree.from_arrays(self.token[b, keep], parents[b], self.depth[b, keep], self.q[b, keep],
+                                      self.survival[b, keep]) for b, keep in enumerate(keeps)]

@@ -23,6 +23,7 @@ from treespark.spec.budget import Budget
 from treespark.spec.calibration import _EPS, Calibration
 from treespark.spec.forest import Forest
 from treespark.spec.select import TOP_M
+from treespark.spec.tree import DraftTree
 
 PROFILER_NAME = "treespark::greedy_forest"   # what torch.profiler calls the call (an operator, as native_linear is)
 
@@ -47,26 +48,31 @@ def panels(w2: torch.Tensor) -> torch.Tensor:
 
 def greedy_forest(roots: list[int], budgets: list[Budget], depth_limits: list[int], d2t: np.ndarray | None,
                   base: torch.Tensor, w1: torch.Tensor, w2p: torch.Tensor, calibrations: list[Calibration]
-                  ) -> tuple[Forest, int]:
+                  ) -> tuple[Forest, int, list[DraftTree], list[np.ndarray]]:
     """A round's ``Forest`` (as ``Forest(roots, budgets, depth_limits, d2t)`` would start it)
-    grown to the end at T = 0, and the waves run. base [R, D, Vd] the drafter's base
-    logits; w1 [V, r] float32 (rows by the parent's token id); w2p W2's ``panels``; one
-    calibration (the map at T = 0) a row. Grown in one call in room for every node a
-    round can open (``Forest.whole_round``), then trimmed to what it made."""
+    grown to the end at T = 0, the waves run, and its trees and their nodes' candidates
+    (as ``Forest.finish`` returns them, chosen in the same call). base [R, D, Vd] the
+    drafter's base logits; w1 [V, r] float32 (rows by the parent's token id); w2p W2's
+    ``panels``; one calibration (the map at T = 0) a row. Grown in one call in room for
+    every node a round can open (``Forest.whole_round``)."""
     lib = library()
     assert lib is not None
     base = base.float().contiguous()
     assert base.shape[0] == len(roots) and w1.dtype == torch.float32 and w1.is_contiguous()
     caps = np.array([b.branch_cap for b in budgets], dtype=np.int64)
     forest = Forest(roots, budgets, depth_limits, d2t, room=Forest.whole_round(budgets, depth_limits))
-    waves = _grow(lib, forest, base, w1, w2p, calibrations, caps)
+    kept = np.empty(forest.rows, dtype=np.int64)                    # each row's tree: its nodes,
+    chosen = np.empty((2, *forest.parent.shape), dtype=np.int64)   # their candidates and parents
+    waves = _grow(lib, forest, base, w1, w2p, calibrations, caps, kept, chosen)
     if waves < 0:
-        raise RuntimeError(f"ts_greedy_forest failed ({waves}: {'outgrew its room' if waves == _OUTGROWN else 'error'})")
-    forest.trim()
-    return forest, waves
+        raise RuntimeError(f"ts_greedy_forest failed ({waves}: {_FAILURES.get(waves, 'error')})")
+    keeps = [chosen[0, b, :n] for b, n in enumerate(kept.tolist())]
+    parents = [chosen[1, b, :len(keep)] for b, keep in enumerate(keeps)]
+    return forest, waves, forest.trees(keeps, parents), keeps
 
 
 _OUTGROWN = -1   # ts_greedy_forest's code for a row that outgrew the forest's arrays
+_FAILURES = {_OUTGROWN: "outgrew its room", -2: "out of memory", -3: "a kept node's parent was not kept"}
 
 
 @functools.lru_cache(maxsize=64)
@@ -84,9 +90,10 @@ def _calibration_arrays(calibrations: tuple[Calibration, ...]) -> tuple[np.ndarr
 
 
 def _grow(lib, forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2p: torch.Tensor,
-          calibrations: list[Calibration], caps: np.ndarray) -> int:
+          calibrations: list[Calibration], caps: np.ndarray, kept: np.ndarray, chosen: np.ndarray) -> int:
     """One ``ts_greedy_forest`` call over ``forest``'s arrays (``caps`` [R] int64 the rows'
-    branch caps): the waves run, or ``_OUTGROWN``."""
+    branch caps), writing each row's tree (int64: ``kept`` [R] its nodes, ``chosen`` [2, R,
+    C] their candidates and parents): the waves run, or a failure code."""
     r_rows = forest.rows
     off, a, b = _calibration_arrays(tuple(calibrations))
     noff = off.shape[1]
@@ -97,6 +104,7 @@ def _grow(lib, forest: Forest, base: torch.Tensor, w1: torch.Tensor, w2p: torch.
             pointer(forest.theta), pointer(forest.node_cap), pointer(caps), pointer(limits), pointer(a), pointer(b), pointer(off), noff,
             ctypes.c_double(_EPS), TOP_M, pointer(forest.parent), pointer(forest.draft_id), pointer(forest.token),
             pointer(forest.q), pointer(forest.score), pointer(forest.survival), pointer(forest.depth), pointer(opened),
-            pointer(forest.size), forest.parent.shape[1], torch.get_num_threads())
+            pointer(forest.size), forest.parent.shape[1], pointer(kept), pointer(chosen[0]), pointer(chosen[1]),
+            torch.get_num_threads())
     with operator(PROFILER_NAME):
         return lib.ts_greedy_forest(*args)
