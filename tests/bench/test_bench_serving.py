@@ -1,10 +1,13 @@
-"""``treespark bench serving``: the burst (the token budget a step paces the prefill) and
-the decode goodput a side measures."""
+"""``treespark bench serving``: the burst (the token budget a step paces the prefill), the
+decode goodput a side measures, and the default pair's burst table."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from treespark.bench import serving
 from treespark.bench.serving import burst, goodput
 
 
@@ -27,3 +30,23 @@ def test_goodput_times_every_decoder_at_every_batch_size(mimic16):
     rates = goodput(mimic16, (1, 2), max_tokens=4)
     assert sorted(rates) == ["1/adaptive", "1/plain", "2/adaptive", "2/plain"]
     assert all(r > 0 for r in rates.values())
+
+
+def test_the_default_pair_burst_sets_each_precision_against_the_float32_before(monkeypatch):
+    """The table's assembly alone (a side's run takes minutes): the before side measured
+    on the base checkout at float32, each after side at its precision, each after row's
+    ratios over the before row's figures."""
+    seen = []
+
+    def side(checkout, pair, part, burst_prompt=1500, batch_sizes=(1, 4, 16), precision="float32"):
+        seen.append((checkout, pair, part, precision))
+        scale = {None: 1.0, "float32": 1.0, "bfloat16": 0.5}[precision if checkout is None else None]
+        return {"ttft_p50": 20.0 * scale, "ttft_p95": 40.0 * scale, "itl_p95": 0.8 * (2 if checkout else scale)}
+
+    monkeypatch.setattr(serving, "_measure_at", side)
+    table = serving.default_burst_benchmark(Path("/base"))
+    assert seen == [(Path("/base"), "default", "timing", "float32"), (None, "default", "timing", "float32"),
+                    (None, "default", "timing", "bfloat16")]
+    rows = [r for r in table.splitlines() if r.startswith("| before") or r.startswith("| after")]
+    assert rows[0].endswith("| 20.0 / 40.0 | 1.60 |  |")
+    assert rows[1].endswith("| 1.00 / 1.00 / 0.50 |") and rows[2].endswith("| 0.50 / 0.50 / 0.25 |")

@@ -54,6 +54,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="serving: only decode goodput at --batch-sizes, plain and adaptive, before (--base) and after")
     b.add_argument("--burst-budgets", type=int, nargs="+",
                    help="serving: only the burst, at each of these token budgets a step (TTFT against ITL)")
+    b.add_argument("--burst-pair", choices=["default"],
+                   help="serving: only the burst on this pair, before (--base, float32) and after at float32 and "
+                        "bfloat16 (the served precision)")
     b.add_argument("--out", help="also write the markdown table here")
     b.set_defaults(func=run_bench)
 
@@ -83,8 +86,17 @@ def run_bench(args: argparse.Namespace) -> None:
         write_out(attention_benchmark(), args.out)
         return
     if args.what == "serving":  # random pairs, each measured in a subprocess (and the --base checkout's)
-        from treespark.bench.serving import burst_frontier, goodput_benchmark, serving_benchmark
+        from treespark.bench.serving import (
+            burst_frontier,
+            default_burst_benchmark,
+            goodput_benchmark,
+            serving_benchmark,
+        )
 
+        if args.burst_pair:
+            write_out(default_burst_benchmark(Path(args.base) if args.base else None, burst_prompt=args.burst_prompt),
+                      args.out)
+            return
         if args.goodput:
             write_out(goodput_benchmark(Path(args.base) if args.base else None, tuple(args.batch_sizes)), args.out)
             return

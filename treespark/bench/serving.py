@@ -23,6 +23,10 @@ Four measurements, each on a fresh engine:
   prefix-cache hit rate (tokens) and the prefill positions computed per prompt token
   received.
 
+``--burst-pair default`` instead: the burst alone on the default pair, whose prefill is
+compute-bound on a CPU, before (float32: the dense engine's only precision) and after at
+float32 and at the served precision (bfloat16).
+
 ``--goodput`` instead: decode goodput (tokens/s, plain decoding and the adaptive tree,
 T = 0) at a few batch sizes on the default pair and the qwen3 random pair, before and
 after: the KV memory and the scheduler must not slow the decoding they serve.
@@ -46,13 +50,14 @@ GOODPUT_PAIRS = ("default", "qwen3")
 GOODPUT_DECODERS = ("plain", "adaptive")
 
 
-def _pair(name: str):
+def _pair(name: str, precision: str = "float32"):
     from treespark import random_pair
 
     if name == "default":
         from treespark.models.pair import pair_by_name
 
-        return pair_by_name("default")
+        # (an older checkout's pair_by_name takes no precision: it is only passed where not float32)
+        return pair_by_name("default", **({} if precision == "float32" else {"precision": precision}))
     if name == "qwen3":
         return random_pair(151_936, 0, block_size=5, markov_rank=16, family="qwen3")
     return random_pair(512, 0)
@@ -154,10 +159,11 @@ def long_context(pair, tokens: Callable[[int], list[int]], *, batch: int = 8, co
             "long_peak_mib": peak / 2**20, "long_batch": batch, "long_context": context, "long_nodes": nodes}
 
 
-def measure(pair_name: str, part: str, burst_prompt: int = 1500, batch_sizes: tuple[int, ...] = (1, 4, 16)) -> dict:
+def measure(pair_name: str, part: str, burst_prompt: int = 1500, batch_sizes: tuple[int, ...] = (1, 4, 16),
+            precision: str = "float32") -> dict:
     """One side's figures: ``part`` "counts" (held at once, prefix cache: the same in
     every run), "timing" (the burst, and for qwen3 the long-context steps) or "goodput"
-    (decode tokens/s at ``batch_sizes``)."""
+    (decode tokens/s at ``batch_sizes``); ``precision``: the default pair's weights."""
     import torch
 
     from treespark import Budget
@@ -166,7 +172,7 @@ def measure(pair_name: str, part: str, burst_prompt: int = 1500, batch_sizes: tu
     from treespark.spec.params import SamplingParams
 
     torch.manual_seed(0)
-    pair = _pair(pair_name)
+    pair = _pair(pair_name, precision)
     vocab = pair.target.config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -285,13 +291,13 @@ def burst_frontier(budgets: tuple[int, ...], *, pair_name: str = "qwen3", prompt
 
 
 def _measure_at(checkout: Path | None, pair: str, part: str, burst_prompt: int = 1500,
-                batch_sizes: tuple[int, ...] = (1, 4, 16)) -> dict:
+                batch_sizes: tuple[int, ...] = (1, 4, 16), precision: str = "float32") -> dict:
     """``measure`` in a subprocess whose ``treespark`` is the one of ``checkout`` (None:
     this one); this file runs it, whichever checkout it is measuring."""
     from treespark.bench.sides import run_at
 
     return run_at(checkout, __file__, ["--measure", pair, "--part", part, "--burst-prompt", str(burst_prompt),
-                                       "--batch-sizes", *map(str, batch_sizes)])
+                                       "--batch-sizes", *map(str, batch_sizes), "--precision", precision])
 
 
 TIMED = ("ttft_p50", "ttft_p95", "itl_p95", "long_verify_ms", "long_step_ms", "long_peak_mib")
@@ -304,6 +310,29 @@ def _timings(base: Path | None, pair: str, burst_prompt: int, rounds: int) -> di
 
     runs = in_turn(base, rounds, lambda checkout: _measure_at(checkout, pair, "timing", burst_prompt))
     return {label: {k: statistics.median(m[k] for m in ms) for k in TIMED if k in ms[0]} for label, ms in runs.items()}
+
+
+def default_burst_benchmark(base: Path | None, *, precisions: tuple[str, ...] = ("float32", "bfloat16"),
+                            burst_prompt: int = 1500) -> str:
+    """The burst on the default pair, once a side (a side takes minutes): before (``base``,
+    float32) and after at each of ``precisions``, the sides in turn (before first), each a
+    fresh subprocess, 1 thread; after / before beside each after row."""
+    from treespark.bench.common import markdown_table
+
+    runs = [("before, float32", _measure_at(base, "default", "timing", burst_prompt))] if base is not None else []
+    runs += [(f"after, {p}", _measure_at(None, "default", "timing", burst_prompt, precision=p)) for p in precisions]
+    ref = runs[0][1] if base is not None else None
+    rows = []
+    for label, m in runs:
+        ratio = "" if ref is None or m is ref else (
+            f"{m['ttft_p50'] / ref['ttft_p50']:.2f} / {m['ttft_p95'] / ref['ttft_p95']:.2f} / "
+            f"{m['itl_p95'] / ref['itl_p95']:.2f}")
+        rows.append([label, f"{m['ttft_p50']:.1f} / {m['ttft_p95']:.1f}", f"{m['itl_p95']:.2f}", ratio])
+    return (markdown_table(["engine, weights", "TTFT p50 / p95 CPU s", "ITL p95 CPU s",
+                            "TTFT p50 / p95, ITL p95 vs before"], rows)
+            + f"\n\n16 x {burst_prompt}-token prompts arriving together, 8 tokens each, plain decoding, on the "
+              "default pair (SmolLM2-135M); the engine's default token budget a step; 1 thread, CPU seconds; "
+              "one run a side.\n")
 
 
 def goodput_benchmark(base: Path | None, batch_sizes: tuple[int, ...] = (1, 4, 16),
@@ -387,5 +416,6 @@ if __name__ == "__main__":
     ap.add_argument("--part", required=True, choices=["counts", "timing", "goodput"])
     ap.add_argument("--burst-prompt", type=int, default=1500)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--precision", default="float32")
     a = ap.parse_args()
-    print(json.dumps(measure(a.measure, a.part, a.burst_prompt, tuple(a.batch_sizes))))
+    print(json.dumps(measure(a.measure, a.part, a.burst_prompt, tuple(a.batch_sizes), a.precision)))
