@@ -8,7 +8,10 @@ faulted in by the operator writing it and unmapped where Python dropped it: at b
 with trees of 32 at T = 1 on the tiny Qwen3 pair, a step took 3.6 s with that and 2.3 s
 without (``treespark bench rounds --host``; on a GPU the caching allocator keeps device
 memory the same way). ``keep_freed_memory`` serves every block from the heap and never trims it
-below 2 GB free at its top, so freed blocks are reused as they stand. The cost: the
+below 2 GB free at its top, so freed blocks are reused: not always at once (an aligned
+request asks a little more than the block it freed, and a small block allocated after it
+can hold it apart from the heap's top; a loop of one 40 MB temporary faulted it in afresh
+for up to six rounds before settling), then without a page faulted. The cost: the
 process keeps the memory its largest steps took, as a serving process keeps its KV pool,
 and more where blocks of many sizes share the heap (a loop of 320 MB and 107 MB
 temporaries settled at 967 MB resident, where unmapping them kept it at 220 MB; it did
