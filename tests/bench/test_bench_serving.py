@@ -32,21 +32,28 @@ def test_goodput_times_every_decoder_at_every_batch_size(mimic16):
     assert all(r > 0 for r in rates.values())
 
 
-def test_the_default_pair_burst_sets_each_precision_against_the_float32_before(monkeypatch):
+def test_the_default_pair_burst_sets_each_precision_and_budget_against_the_float32_before(monkeypatch):
     """The table's assembly alone (a side's run takes minutes): the before side measured
-    on the base checkout at float32, each after side at its precision, each after row's
-    ratios over the before row's figures."""
+    on the base checkout at float32 with its own schedule, each after side at its
+    precision and token budget, each after row's ratios over the before row's figures."""
     seen = []
 
-    def side(checkout, pair, part, burst_prompt=1500, batch_sizes=(1, 4, 16), precision="float32"):
-        seen.append((checkout, pair, part, precision))
+    def side(checkout, pair, part, burst_prompt=1500, batch_sizes=(1, 4, 16), precision="float32", budget=None):
+        seen.append((checkout, pair, part, precision, budget))
         scale = {None: 1.0, "float32": 1.0, "bfloat16": 0.5}[precision if checkout is None else None]
-        return {"ttft_p50": 20.0 * scale, "ttft_p95": 40.0 * scale, "itl_p95": 0.8 * (2 if checkout else scale)}
+        itl = 2.0 if checkout else scale * (0.5 if budget == 256 else 1.0)
+        return {"ttft_p50": 20.0 * scale, "ttft_p95": 40.0 * scale, "itl_p95": 0.8 * itl}
 
     monkeypatch.setattr(serving, "_measure_at", side)
     table = serving.default_burst_benchmark(Path("/base"))
-    assert seen == [(Path("/base"), "default", "timing", "float32"), (None, "default", "timing", "float32"),
-                    (None, "default", "timing", "bfloat16")]
+    assert seen == [(Path("/base"), "default", "timing", "float32", None), (None, "default", "timing", "float32", None),
+                    (None, "default", "timing", "bfloat16", None)]
     rows = [r for r in table.splitlines() if r.startswith("| before") or r.startswith("| after")]
     assert rows[0].endswith("| 20.0 / 40.0 | 1.60 |  |")
     assert rows[1].endswith("| 1.00 / 1.00 / 0.50 |") and rows[2].endswith("| 0.50 / 0.50 / 0.25 |")
+    seen.clear()
+    table = serving.default_burst_benchmark(Path("/base"), precisions=("bfloat16",), budgets=(256, 512))
+    assert [s[3:] for s in seen] == [("float32", None), ("bfloat16", 256), ("bfloat16", 512)]
+    rows = [r for r in table.splitlines() if r.startswith("| after")]
+    assert rows[0].startswith("| after, bfloat16, 256 tokens a step |") and rows[0].endswith("| 0.50 / 0.50 / 0.12 |")
+    assert rows[1].startswith("| after, bfloat16, 512 tokens a step |") and rows[1].endswith("| 0.50 / 0.50 / 0.25 |")

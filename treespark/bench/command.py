@@ -56,7 +56,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="serving: only the burst, at each of these token budgets a step (TTFT against ITL)")
     b.add_argument("--burst-pair", choices=["default"],
                    help="serving: only the burst on this pair, before (--base, float32) and after at float32 and "
-                        "bfloat16 (the served precision)")
+                        "bfloat16 (the served precision), at each of --burst-budgets if given")
     b.add_argument("--out", help="also write the markdown table here")
     b.set_defaults(func=run_bench)
 
@@ -94,8 +94,9 @@ def run_bench(args: argparse.Namespace) -> None:
         )
 
         if args.burst_pair:
-            write_out(default_burst_benchmark(Path(args.base) if args.base else None, burst_prompt=args.burst_prompt),
-                      args.out)
+            write_out(default_burst_benchmark(Path(args.base) if args.base else None,
+                                              budgets=tuple(args.burst_budgets or [None]),
+                                              burst_prompt=args.burst_prompt), args.out)
             return
         if args.goodput:
             write_out(goodput_benchmark(Path(args.base) if args.base else None, tuple(args.batch_sizes)), args.out)

@@ -25,7 +25,8 @@ Four measurements, each on a fresh engine:
 
 ``--burst-pair default`` instead: the burst alone on the default pair, whose prefill is
 compute-bound on a CPU, before (float32: the dense engine's only precision) and after at
-float32 and at the served precision (bfloat16).
+float32 and at the served precision (bfloat16), with ``--burst-budgets`` at each of
+those token budgets a step.
 
 ``--goodput`` instead: decode goodput (tokens/s, plain decoding and the adaptive tree,
 T = 0) at a few batch sizes on the default pair and the qwen3 random pair, before and
@@ -160,10 +161,11 @@ def long_context(pair, tokens: Callable[[int], list[int]], *, batch: int = 8, co
 
 
 def measure(pair_name: str, part: str, burst_prompt: int = 1500, batch_sizes: tuple[int, ...] = (1, 4, 16),
-            precision: str = "float32") -> dict:
+            precision: str = "float32", budget: int | None = None) -> dict:
     """One side's figures: ``part`` "counts" (held at once, prefix cache: the same in
     every run), "timing" (the burst, and for qwen3 the long-context steps) or "goodput"
-    (decode tokens/s at ``batch_sizes``); ``precision``: the default pair's weights."""
+    (decode tokens/s at ``batch_sizes``); ``precision``: the default pair's weights;
+    ``budget``: the burst's tokens a step (``burst``'s)."""
     import torch
 
     from treespark import Budget
@@ -185,7 +187,7 @@ def measure(pair_name: str, part: str, burst_prompt: int = 1500, batch_sizes: tu
         return out
     if part == "timing":
         # TTFT of a burst of 16 long prompts, and the decoding requests' gaps meanwhile
-        b = burst(pair, tokens, prompt=burst_prompt)
+        b = burst(pair, tokens, budget=budget, prompt=burst_prompt)
         out.update(ttft_p50=b["ttft_p50"], ttft_p95=b["ttft_p95"], itl_p95=b["itl_p95"])
         if pair_name == "qwen3":
             out.update(long_context(pair, tokens))
@@ -291,13 +293,15 @@ def burst_frontier(budgets: tuple[int, ...], *, pair_name: str = "qwen3", prompt
 
 
 def _measure_at(checkout: Path | None, pair: str, part: str, burst_prompt: int = 1500,
-                batch_sizes: tuple[int, ...] = (1, 4, 16), precision: str = "float32") -> dict:
+                batch_sizes: tuple[int, ...] = (1, 4, 16), precision: str = "float32",
+                budget: int | None = None) -> dict:
     """``measure`` in a subprocess whose ``treespark`` is the one of ``checkout`` (None:
     this one); this file runs it, whichever checkout it is measuring."""
     from treespark.bench.sides import run_at
 
     return run_at(checkout, __file__, ["--measure", pair, "--part", part, "--burst-prompt", str(burst_prompt),
-                                       "--batch-sizes", *map(str, batch_sizes), "--precision", precision])
+                                       "--batch-sizes", *map(str, batch_sizes), "--precision", precision,
+                                       *(["--budget", str(budget)] if budget is not None else [])])
 
 
 TIMED = ("ttft_p50", "ttft_p95", "itl_p95", "long_verify_ms", "long_step_ms", "long_peak_mib")
@@ -313,14 +317,17 @@ def _timings(base: Path | None, pair: str, burst_prompt: int, rounds: int) -> di
 
 
 def default_burst_benchmark(base: Path | None, *, precisions: tuple[str, ...] = ("float32", "bfloat16"),
-                            burst_prompt: int = 1500) -> str:
+                            budgets: tuple[int | None, ...] = (None,), burst_prompt: int = 1500) -> str:
     """The burst on the default pair, once a side (a side takes minutes): before (``base``,
-    float32) and after at each of ``precisions``, the sides in turn (before first), each a
-    fresh subprocess, 1 thread; after / before beside each after row."""
+    float32, its engine's one prompt chunk a step) and after at each of ``precisions`` and
+    token ``budgets`` a step (None: the engine's default), the sides in turn (before
+    first), each a fresh subprocess, 1 thread; after / before beside each after row."""
     from treespark.bench.common import markdown_table
 
     runs = [("before, float32", _measure_at(base, "default", "timing", burst_prompt))] if base is not None else []
-    runs += [(f"after, {p}", _measure_at(None, "default", "timing", burst_prompt, precision=p)) for p in precisions]
+    runs += [(f"after, {p}" + ("" if b is None else f", {b} tokens a step"),
+              _measure_at(None, "default", "timing", burst_prompt, precision=p, budget=b))
+             for p in precisions for b in budgets]
     ref = runs[0][1] if base is not None else None
     rows = []
     for label, m in runs:
@@ -331,8 +338,8 @@ def default_burst_benchmark(base: Path | None, *, precisions: tuple[str, ...] = 
     return (markdown_table(["engine, weights", "TTFT p50 / p95 CPU s", "ITL p95 CPU s",
                             "TTFT p50 / p95, ITL p95 vs before"], rows)
             + f"\n\n16 x {burst_prompt}-token prompts arriving together, 8 tokens each, plain decoding, on the "
-              "default pair (SmolLM2-135M); the engine's default token budget a step; 1 thread, CPU seconds; "
-              "one run a side.\n")
+              "default pair (SmolLM2-135M); the engine's default token budget a step where a row names none; "
+              "1 thread, CPU seconds; one run a side.\n")
 
 
 def goodput_benchmark(base: Path | None, batch_sizes: tuple[int, ...] = (1, 4, 16),
@@ -417,5 +424,6 @@ if __name__ == "__main__":
     ap.add_argument("--burst-prompt", type=int, default=1500)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--precision", default="float32")
+    ap.add_argument("--budget", type=int)
     a = ap.parse_args()
-    print(json.dumps(measure(a.measure, a.part, a.burst_prompt, tuple(a.batch_sizes), a.precision)))
+    print(json.dumps(measure(a.measure, a.part, a.burst_prompt, tuple(a.batch_sizes), a.precision, a.budget)))
