@@ -57,17 +57,24 @@ static int by_score(const void *x, const void *y) {
     return (i > j) - (i < j);
 }
 
-/* row b's nodes to open this wave, in kept order, appended to out; returns how many */
-static long to_open(const forest *f, long b, double theta, long node_cap, long depth_limit, long *order,
-                    long *out) {
-    const long c0 = b * f->cap, n = f->size[b];
-    const double *score = f->score + c0, *surv = f->survival + c0;
+/* row b's candidates scoring >= theta into order, best first (score desc, index asc);
+ * returns how many of them a row of node_cap keeps (the first ones) */
+static long ranked(const forest *f, long b, double theta, long node_cap, long *order) {
+    const double *score = f->score + b * f->cap;
     long m = 0;
-    for (long c = 1; c < n; ++c)
+    for (long c = 1; c < f->size[b]; ++c)
         if (score[c] >= theta) order[m++] = c;
     rank_scores = score;
     qsort(order, (size_t)m, sizeof(long), by_score);
-    const long top = m < node_cap ? m : node_cap;
+    return m < node_cap ? m : (node_cap > 0 ? node_cap : 0);
+}
+
+/* row b's nodes to open this wave, in kept order, appended to out; returns how many */
+static long to_open(const forest *f, long b, double theta, long node_cap, long depth_limit, long *order,
+                    long *out) {
+    const long c0 = b * f->cap;
+    const double *score = f->score + c0, *surv = f->survival + c0;
+    const long top = ranked(f, b, theta, node_cap, order);
     const int full = top >= node_cap;
     const double floor = full && top > 0 ? score[order[top - 1]] : -INFINITY;
     long p = 0;
@@ -86,20 +93,14 @@ static int by_index(const void *x, const void *y) {
 }
 
 /* Each row's tree as Forest.finish makes it: the root and the top node_cap candidates
- * scoring >= theta (ranked as to_open ranks them), in creation order; -3 where a kept
+ * scoring >= theta (``ranked``, as to_open ranks them), in creation order; -3 where a kept
  * node's parent is not kept (the scores' running minimum rules it out). order and index
  * are scratch of cap entries each. */
 static int finish(const forest *f, long R, const double *theta, const int64_t *node_cap, long *order, long *index,
                   int64_t *kept, int64_t *keep, int64_t *tree_parent) {
     for (long b = 0; b < R; ++b) {
         const long c0 = b * f->cap, n = f->size[b];
-        const double *score = f->score + c0;
-        long m = 0;
-        for (long c = 1; c < n; ++c)
-            if (score[c] >= theta[b]) order[m++] = c;
-        rank_scores = score;
-        qsort(order, (size_t)m, sizeof(long), by_score);
-        const long top = m < node_cap[b] ? m : (node_cap[b] > 0 ? node_cap[b] : 0);
+        const long top = ranked(f, b, theta[b], node_cap[b], order);
         qsort(order, (size_t)top, sizeof(long), by_index);
         for (long c = 0; c < n; ++c) index[c] = -1;
         keep[c0] = 0;
