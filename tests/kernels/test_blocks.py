@@ -4,11 +4,13 @@ vocabulary; Qwen2 with q/k/v biases), on float32 weights and on bfloat16 copies;
 exactly where the plan puts the rows on gemv.c; the few-row attention over a paged store
 read in place gives the gathered SDPA's values; and the profiler sees them as operators."""
 
+import numpy as np
 import pytest
 import torch
 
 from tests.engine.test_fused_forward import _logits, _target
 from tests.kernels.test_native import targets
+from treespark.engine import target
 from treespark.engine.kv import PagedRows, PagedStore
 from treespark.engine.target import TargetRunner
 from treespark.kernels import blocks
@@ -236,7 +238,6 @@ def test_the_layer_stack_in_one_call_gives_the_per_layer_calls_floats(family, la
     plan = ProductPlan((MAX_ROWS, MAX_ROWS + 1), (layout, F_LINEAR))
     taps = (0, 1, model.config.num_hidden_layers - 1)
     one_call, per_layer = TargetRunner(model, taps, plan), TargetRunner(model, taps, plan)
-    monkeypatch.setattr(per_layer, "_stack", lambda attend, half: None)
     stacked = []
     real = blocks.layers
     monkeypatch.setattr(blocks, "layers", lambda *a, **kw: stacked.append(1) or real(*a, **kw))
@@ -245,7 +246,9 @@ def test_the_layer_stack_in_one_call_gives_the_per_layer_calls_floats(family, la
         before = len(stacked)
         got = _paged_forward(one_call, seq[:b], k)
         assert len(stacked) - before == 1, "the k-token forward in one call, the prefix not"
-        want = _paged_forward(per_layer, seq[:b], k)
+        with monkeypatch.context() as m:
+            m.setattr(target, "stacked", lambda attend: None)
+            want = _paged_forward(per_layer, seq[:b], k)
         assert len(stacked) - before == 1
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert torch.equal(got[2].k, want[2].k) and torch.equal(got[2].v, want[2].v)
@@ -301,3 +304,79 @@ def test_the_native_attention_reads_the_mask_and_never_makes_the_bias():
         want = grouped_attention(q, gather_blocks(store.k[0], table, bs), gather_blocks(store.v[0], table, bs),
                                  attention_bias(mask, heads // kv_heads, torch.float32, nb * bs), 0.25)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _prefill_step(runner: TargetRunner, trees: int, seed: int):
+    """A packed prefill of three chunks (one at its prompt's start, two past earlier
+    chunks of theirs, over shuffled blocks of random keys) over a fresh paged store; with
+    ``trees`` > 0, a decode step's batch of that many rows of 3 tree tokens in the same
+    forward first (``MixedAttention``), as a step whose chunks ride in its verify forward.
+    Returns the forward's logits and taps, and the store."""
+    from tests.engine.test_prefill import _request
+    from treespark.engine.attend import MixedAttention, chunk_attention, table_attention
+    from treespark.engine.kv import PagedKV
+    from treespark.engine.prefill import prefill_batch
+
+    g = torch.Generator().manual_seed(seed)
+    bs, v = 4, runner.vocab_size
+    kv = PagedKV(runner.store_shape, runner.store_shape, num_blocks=40, block_size=bs, device=torch.device("cpu"),
+                 dtype=torch.float32)
+    for t in (kv.target.k, kv.target.v):
+        t[:, bs:] = torch.randn(t[:, bs:].shape, generator=g)         # every context before the chunks
+    order = (torch.randperm(39, generator=g) + 1).tolist()
+    prompts = [torch.randint(0, v, (n,), generator=g).tolist() for n in (9, 14, 6)]
+    reqs = [_request(str(i), p, order[4 * i:4 * i + 4], c) for i, (p, c) in enumerate(zip(prompts, (0, 6, 2), strict=True))]
+    batch = prefill_batch(list(zip(reqs, (5, 4, 3), strict=True)), kv)
+    pos, slots = torch.as_tensor(batch.positions), torch.as_tensor(batch.slots)
+    attend = chunk_attention(runner.attention, kv, slots, pos, torch.as_tensor(batch.tables), list(batch.spans),
+                             torch.as_tensor(np.asarray(batch.spans, dtype=np.int64)), groups=runner.groups,
+                             dtype=runner.dtype, scale=runner.scaling)
+    assert attend.packed is not None
+    tokens, positions = torch.as_tensor(batch.tokens), pos
+    if trees:
+        k, ctx = 3, 7                                                   # each row's 7 keys, then its tree
+        table = torch.as_tensor(order[12:12 + 3 * trees]).view(trees, 3)
+        tree_pos = torch.full((trees, k), ctx) + torch.tensor([0, 1, 1])   # a root and its two children
+        mask = torch.zeros(trees, 1, k, ctx + k, dtype=torch.bool)
+        mask[..., :ctx] = True
+        mask[..., torch.arange(k), ctx + torch.arange(k)] = True
+        mask[..., 1:, ctx] = True
+        tree_slots = table.gather(1, (ctx + torch.arange(k))[None].expand(trees, -1) // bs) * bs + (ctx + torch.arange(k)) % bs
+        store_part = table_attention(kv.target, table, bs, mask, tree_slots, groups=runner.groups, dtype=runner.dtype,
+                                     scale=runner.scaling)
+        attend = MixedAttention(store_part, attend, trees, k)
+        tokens = torch.cat([torch.randint(0, v, (trees * k,), generator=g), tokens])
+        positions = torch.cat([tree_pos.flatten(), positions])
+    out = runner.run(tokens[None], positions[None], attend)
+    return out.logits, out.taps, kv
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("layout", [NATIVE, HALF])
+@pytest.mark.parametrize("trees", [0, 1])
+def test_the_layer_stack_in_one_call_takes_a_packed_prefill_and_a_mixed_step(family, layout, trees, monkeypatch):
+    """A packed prefill's chunks (``ChunkAttention`` with its native call), and a decode
+    step's trees with chunks riding in its forward (``MixedAttention``), run every layer
+    in one native call too: logits, taps and the keys and values written are the
+    per-layer calls' to the bit."""
+    from treespark.kernels.chunks import can_attend
+
+    if not can_attend(torch.float32, torch.zeros(1, 1, 16)):
+        pytest.skip("no native chunk attention here")
+    model = _target(family)
+    if layout == HALF:
+        round_to_bf16(model)
+    plan = ProductPlan((MAX_ROWS, MAX_ROWS + 1), (layout, F_LINEAR))
+    taps = (0, model.config.num_hidden_layers - 1)
+    stacked = []
+    real = blocks.layers
+    monkeypatch.setattr(blocks, "layers", lambda *a, **kw: stacked.append(a[1].shape[0]) or real(*a, **kw))
+    got = _prefill_step(TargetRunner(model, taps, plan), trees, seed=21)
+    assert stacked == [12 + 3 * trees], "the step's every layer in one call"
+    with monkeypatch.context() as m:
+        m.setattr(target, "stacked", lambda attend: None)
+        want = _prefill_step(TargetRunner(model, taps, plan), trees, seed=21)
+    assert len(stacked) == 1, "the per-layer calls"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2].target.k, want[2].target.k) and torch.equal(got[2].target.v, want[2].target.v)

@@ -234,6 +234,49 @@ class MixedAttention:
         return torch.cat([trees.transpose(0, 1).flatten(1, 2)[None], self.chunks(layer, qc)], dim=2)
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """A forward's attention as ``blocks.layers`` takes it, for the whole layer stack in
+    one native call: the float32 paged ``store`` on the CPU, the trees' ``slots`` [B, K],
+    ``table``, ``mask`` and ``scale`` (``slots`` None: no trees) and the packed chunks
+    (None: none)."""
+
+    store: PagedStore
+    slots: torch.Tensor | None
+    table: torch.Tensor | None
+    block_size: int
+    mask: torch.Tensor | None
+    scale: float
+    chunks: blocks.PackedRows | None
+
+
+def _native_store(store: KVStore | PagedStore) -> bool:
+    return isinstance(store, PagedStore) and store.k.dtype == torch.float32 and store.k.device.type == "cpu"
+
+
+def stacked(attend: LayerAttention) -> Stacked | None:
+    """``attend`` as one native call over the layer stack takes it (``Stacked``): a padded
+    batch's grouped attention over a block table (a decoding step's trees), a packed
+    prefill attended natively (``ChunkAttention.packed``), or both in one forward; None
+    for any other (the per-layer path runs it)."""
+    if isinstance(attend, MixedAttention):
+        trees, chunks = stacked(attend.trees), stacked(attend.chunks)
+        if trees is None or chunks is None or trees.store is not chunks.store:
+            return None
+        return Stacked(trees.store, trees.slots, trees.table, trees.block_size, trees.mask, trees.scale, chunks.chunks)
+    if isinstance(attend, ChunkAttention):
+        if attend.packed is None or not _native_store(attend.store):
+            return None
+        return Stacked(attend.store, None, None, attend.packed.block_size, None, attend.scale,
+                       blocks.PackedRows(attend.slots, attend.packed, attend.scale))
+    if not (isinstance(attend, StoreAttention) and attend.table is not None and attend.slots is not None
+            and attend.path is AttentionPath.GROUPED and attend.dtype == torch.float32
+            and _native_store(attend.store)):
+        return None
+    assert isinstance(attend.store, PagedStore)
+    return Stacked(attend.store, attend.slots, attend.table, attend.block_size, attend.mask, attend.scale, None)
+
+
 def chunk_attention(path: AttentionPath, kv: PagedKV, slots: torch.Tensor, positions: torch.Tensor,
                     tables: torch.Tensor, spans: list[tuple[int, int, int]], span_table: torch.Tensor, *,
                     groups: int, dtype: torch.dtype, scale: float, native: bool = True) -> ChunkAttention:

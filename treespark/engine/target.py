@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from treespark.engine.attend import LayerAttention, StoreAttention, store_attention
+from treespark.engine.attend import LayerAttention, stacked, store_attention
 from treespark.engine.kv import KVStore, PagedRows, PagedStore, StoreShape
 from treespark.engine.products import (
     LayerProducts,
@@ -278,12 +278,11 @@ class TargetRunner:
         half = self._on_blocks(b * k)
         if half is None:
             x, mlp_out, taps = self._torch_layers(x, cos, sin, attend, b, k)
-        elif (stack := self._stack(attend, half)) is not None:
-            assert isinstance(attend, StoreAttention) and attend.slots is not None and attend.table is not None
+        elif (one := stacked(attend)) is not None:
             hd = self.head_dim
-            x, mlp_out, taps = blocks.layers(stack, x, cos.reshape(b * k, hd).contiguous(),
-                                             sin.reshape(b * k, hd).contiguous(), attend.slots, attend.table,
-                                             attend.block_size, attend.mask, attend.scale)
+            x, mlp_out, taps = blocks.layers(self._stack(one.store, half), x, cos.reshape(b * k, hd).contiguous(),
+                                             sin.reshape(b * k, hd).contiguous(), one.slots, one.table,
+                                             one.block_size, one.mask, one.scale, one.chunks)
         else:
             x, mlp_out, taps = self._block_layers(x, cos, sin, attend, b, k, half)
         x = x + mlp_out
@@ -329,17 +328,11 @@ class TargetRunner:
             self._tiles = blocks.all_tiles(self._block_weights(True))
         return self._tiles
 
-    def _stack(self, attend: LayerAttention, half: bool) -> blocks.LayerStack | None:
-        """The layers and the store as one native call takes them (``blocks.layers``), where
-        ``attend`` is a padded batch's grouped attention over a float32 paged store on the
-        CPU (a decoding step's); None elsewhere (the per-layer blocks run it). Made once per
-        store and weight copy; only the last store's are kept."""
-        if not (isinstance(attend, StoreAttention) and attend.table is not None and attend.slots is not None
-                and attend.path is AttentionPath.GROUPED and attend.dtype == torch.float32
-                and isinstance(attend.store, PagedStore) and attend.store.k.dtype == torch.float32
-                and attend.store.k.device.type == "cpu"):
-            return None
-        store = attend.store
+    def _stack(self, store: PagedStore, half: bool) -> blocks.LayerStack:
+        """The layers and ``store`` as one native call takes them (``blocks.layers``), for a
+        forward whose attention it takes (``treespark.engine.attend.stacked``: a decoding
+        step's trees, a packed prefill's chunks, or both). Made once per store and weight
+        copy; only the last store's are kept."""
         if self._stacks[0] is not store:
             self._stacks = (store, {})
         made = self._stacks[1]

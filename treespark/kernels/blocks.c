@@ -452,27 +452,36 @@ typedef struct {
     float in_eps, qk_eps, post_eps;
 } ts_layer;
 
+int ts_chunk_attention(const float *q, const float *kc, const float *vc, const int64_t *tables, long nb, long bs,
+                       const int64_t *spans, long C, float scale, float *out, long H, long kvh, long N, long hd,
+                       int threads);
+
 /* A few-row forward's whole layer stack in one call: per layer ts_attn_in, the new keys and
- * values written at their slots, ts_paged_attention over the block table, ts_attn_out_mlp;
- * what the per-layer calls do, in their order, on the same functions: the same floats.
- * x: [M, D] (M = B K tokens, row b's K tokens together) the embeddings in, the residual
- * stream after the last layer's attention out; mlp: [M, D] out, the last layer's MLP output
- * (not yet added); taps: [n, M, D], where tap_at[i] >= 0 takes the residual stream entering
- * layer i + 1 (the output of layer i) into taps[tap_at[i]] (i < L - 1); cos, ssin: [M, hd];
- * slots: [M] each token's slot; table [B, nb], mask [B, K, mT]: ts_paged_attention's.
- * Returns 0, -1 for shapes it does not take, -2 when out of memory. */
+ * values written at their slots, the attention, ts_attn_out_mlp; what the per-layer calls
+ * do, in their order, on the same functions: the same floats. Its M = B K + N tokens are
+ * B rows of K tree tokens (row b's K together; B may be 0), attended by ts_paged_attention
+ * over the block table [B, nb] under the mask [B, K, mT], then N packed prefill tokens (N
+ * may be 0), attended by ts_chunk_attention over their chunks' tables [C, cnb] and spans
+ * [C, 3] (chunks.c). x: [M, D] the embeddings in, the residual stream after the last
+ * layer's attention out; mlp: [M, D] out, the last layer's MLP output (not yet added);
+ * taps: [n, M, D], where tap_at[i] >= 0 takes the residual stream entering layer i + 1
+ * (the output of layer i) into taps[tap_at[i]] (i < L - 1); cos, ssin: [M, hd]; slots: [M]
+ * each token's slot. Returns 0, -1 for shapes it does not take, -2 when out of memory. */
 int ts_layers(const ts_layer *layers, long L, int half, float *x, float *mlp, float *taps, const long *tap_at,
               const float *cos, const float *ssin, const int64_t *slots, const int64_t *table, long nb, long bs,
-              const uint8_t *mask, long mT, float scale, long B, long K, long D, long Hq, long Hkv, long hd, long I, long span,
+              const uint8_t *mask, long mT, float scale, long B, long K, long N, const int64_t *ctables, long cnb,
+              const int64_t *spans, long C, float cscale, long D, long Hq, long Hkv, long hd, long I, long span,
               int threads) {
-    if (L < 1 || B < 1 || K < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || nb < 1 || bs < 1 || span < 1) return -1;
-    const long M = B * K, N = (Hq + 2 * Hkv) * hd, A = Hq * hd;
-    const long splits = (nb + span - 1) / span, R = (Hq / Hkv) * K;
+    if (L < 1 || B < 0 || K < 0 || N < 0 || B * K + N < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || bs < 1 || span < 1)
+        return -1;
+    if ((B * K > 0 && nb < 1) || (N > 0 && (C < 1 || cnb < 1))) return -1;
+    const long T = B * K, M = T + N, NQ = (Hq + 2 * Hkv) * hd, A = Hq * hd;
+    const long splits = T ? (nb + span - 1) / span : 0, R = (Hq / Hkv) * K;
     const long att_scratch = B * Hkv * splits * R * (span * bs + hd + 2);
-    const long total = M * D * 2 + M * N + M * A * 3 + M * 3 * I + att_scratch;
+    const long total = M * D * 2 + M * NQ + M * A * 3 + M * 3 * I + att_scratch;
     float *buf = (float *)malloc((size_t)total * sizeof(float));
     if (!buf) return -2;
-    float *other = buf, *normed = other + M * D, *qkv = normed + M * D, *q = qkv + M * N, *att = q + M * A;
+    float *other = buf, *normed = other + M * D, *qkv = normed + M * D, *q = qkv + M * NQ, *att = q + M * A;
     float *a = att + M * A, *gu = a + M * A, *act = gu + M * 2 * I, *ascratch = act + M * I;
     float *xa = x, *xb = other;
     int rc = 0;
@@ -484,18 +493,24 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, float *mlp, fl
         if (rc) break;
         if (i && tap_at[i - 1] >= 0) memcpy(taps + tap_at[i - 1] * M * D, xa, (size_t)(M * D) * sizeof(float));
         for (long m = 0; m < M; ++m) {
-            const float *row = qkv + m * N;
+            const float *row = qkv + m * NQ;
             memcpy(ly->kc + slots[m] * Hkv * hd, row + Hq * hd, (size_t)(Hkv * hd) * sizeof(float));
             memcpy(ly->vc + slots[m] * Hkv * hd, row + (Hq + Hkv) * hd, (size_t)(Hkv * hd) * sizeof(float));
-            const long b = m / K, t = m % K;
-            for (long h = 0; h < Hq; ++h) memcpy(q + ((b * Hq + h) * K + t) * hd, row + h * hd, (size_t)hd * sizeof(float));
+            /* the queries [B, Hq, K, hd] of the trees, then [Hq, N, hd] of the chunks */
+            const long b = m < T ? m / K : 0, t = m < T ? m % K : m - T, w = m < T ? K : N;
+            float *qs = m < T ? q : q + T * A;
+            for (long h = 0; h < Hq; ++h) memcpy(qs + ((b * Hq + h) * w + t) * hd, row + h * hd, (size_t)hd * sizeof(float));
         }
-        rc = ts_paged_attention(q, ly->kc, ly->vc, table, nb, bs, mask, mT, scale, ascratch, att, B, Hq, Hkv, K, hd, span,
-                                threads);
+        if (T) rc = ts_paged_attention(q, ly->kc, ly->vc, table, nb, bs, mask, mT, scale, ascratch, att, B, Hq, Hkv, K,
+                                       hd, span, threads);
+        if (rc == 0 && N)
+            rc = ts_chunk_attention(q + T * A, ly->kc, ly->vc, ctables, cnb, bs, spans, C, cscale, att + T * A, Hq, Hkv,
+                                    N, hd, threads);
         if (rc) break;
         for (long m = 0; m < M; ++m) {
-            const long b = m / K, t = m % K;
-            for (long h = 0; h < Hq; ++h) memcpy(a + m * A + h * hd, att + ((b * Hq + h) * K + t) * hd, (size_t)hd * sizeof(float));
+            const long b = m < T ? m / K : 0, t = m < T ? m % K : m - T, w = m < T ? K : N;
+            const float *as = m < T ? att : att + T * A;
+            for (long h = 0; h < Hq; ++h) memcpy(a + m * A + h * hd, as + ((b * Hq + h) * w + t) * hd, (size_t)hd * sizeof(float));
         }
         rc = ts_attn_out_mlp(a, ly->wo, ly->bo, xa, ly->post_norm, ly->post_eps, ly->wgu, ly->bgu, ly->wdown,
                              ly->bdown, half, xb, normed, gu, act, mlp, M, D, A, I, threads);

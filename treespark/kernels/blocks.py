@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treespark.kernels.chunks import PackedChunks
 from treespark.kernels.native import MAX_ROWS, as_long, library, most_rows, operator, pointer
 
 # what torch.profiler calls them
@@ -204,6 +205,17 @@ def paged_attention(q: torch.Tensor,       # [B, H, K, hd]
     return out
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """A prefill's packed chunk tokens as ``layers`` attends them: ``slots`` [N] where each
+    token's keys and values go, ``packed`` its chunks (``chunk_attention``'s) and their
+    attention's ``scale``."""
+
+    slots: torch.Tensor
+    packed: PackedChunks
+    scale: float
+
+
 class _Layer(ctypes.Structure):
     """``blocks.c``'s ``ts_layer``: one layer's weights and KV store, as pointers."""
 
@@ -260,37 +272,55 @@ class LayerStack:
 
 
 def layers(stack: LayerStack,
-           x: torch.Tensor,          # [B K, D] the embeddings (each row's K tokens together),
-                                     # contiguous float32: overwritten (the caller's to give up)
-           cos: torch.Tensor, ssin: torch.Tensor,   # [B K, hd] (ssin: rope_sign applied)
-           slots: torch.Tensor,      # [B, K] each token's slot in the paged store
-           table: torch.Tensor,      # [B, nb] the blocks each row reads
+           x: torch.Tensor,          # [M, D] the embeddings (the trees' B K tokens, each row's K
+                                     # together, then the chunks' N), contiguous float32:
+                                     # overwritten (the caller's to give up)
+           cos: torch.Tensor, ssin: torch.Tensor,   # [M, hd] (ssin: rope_sign applied)
+           slots: torch.Tensor | None,   # [B, K] each tree token's slot in the paged store (None: no trees)
+           table: torch.Tensor | None,   # [B, nb] the blocks each row reads
            block_size: int,
-           mask: torch.Tensor,       # [B, 1, K, T] bool, True = may attend (``paged_attention``'s)
+           mask: torch.Tensor | None,    # [B, 1, K, T] bool, True = may attend (``paged_attention``'s)
            scale: float,
+           chunks: PackedRows | None = None,   # the N packed prefill tokens after the trees'
            ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """A few-row forward's every layer in one call (``ts_layers``): per layer ``attn_in``,
-    the new keys and values written at ``slots``, ``paged_attention`` and ``attn_out_mlp``,
-    on the same functions in the same order, so the same floats as those calls made one by
-    one. Returns the residual stream after the last layer's attention [B K, D] (``x``
-    itself, written in place), that layer's MLP output [B K, D] (not yet added) and each
-    of ``stack.taps``' outputs."""
-    b, k = slots.shape
+    the new keys and values written at their slots, the attention (``paged_attention`` of
+    the trees, ``chunk_attention`` of the chunks) and ``attn_out_mlp``, on the same
+    functions in the same order, so the same floats as those calls made one by one.
+    Returns the residual stream after the last layer's attention [M, D] (``x`` itself,
+    written in place), that layer's MLP output [M, D] (not yet added) and each of
+    ``stack.taps``' outputs."""
+    b, k = (0, 0) if slots is None else slots.shape
+    n = 0 if chunks is None else chunks.slots.shape[0]
     m, dim = x.shape
     count = len(stack.weights)
-    assert m == b * k and dim == stack.hidden and 1 <= m <= max_rows(stack.tiles), (tuple(x.shape), b, k)
+    assert m == b * k + n and dim == stack.hidden and 1 <= m <= max_rows(stack.tiles), (tuple(x.shape), b, k, n)
     hq, hkv, hd = stack.heads, stack.kv_heads, stack.head_dim
-    assert mask.shape[-1] <= table.shape[1] * block_size, (tuple(mask.shape), tuple(table.shape), block_size)
-    mb = mask_bytes(mask, b, k)
     assert x.dtype == torch.float32 and x.is_contiguous()
+    if b * k:
+        assert table is not None and mask is not None
+        assert mask.shape[-1] <= table.shape[1] * block_size, (tuple(mask.shape), tuple(table.shape), block_size)
+        mb, mt = mask_bytes(mask, b, k), mask.shape[-1]
+        slots, table = as_long(slots), as_long(table)
+        if chunks is not None:
+            slots = torch.cat([slots.flatten(), as_long(chunks.slots)])
+    else:
+        mb, mt, table = None, 0, None
+        slots = None if chunks is None else as_long(chunks.slots)
+    c_tables = c_spans = None
+    if chunks is not None:
+        assert chunks.packed.block_size == block_size, (chunks.packed.block_size, block_size)
+        c_tables, c_spans = chunks.packed.tables, chunks.packed.spans
     mlp = torch.empty_like(x)
     out = torch.empty(len(stack.taps), m, dim, dtype=torch.float32)
-    slots, table = as_long(slots), as_long(table)
     with operator(PROFILER_NAMES[3]):
         rc = library().ts_layers(ctypes.cast(stack.array, ctypes.c_void_p), count, int(stack.half), x.data_ptr(),
                                  mlp.data_ptr(), out.data_ptr(), stack.tap_at.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
-                                 slots.data_ptr(), table.data_ptr(), table.shape[1], block_size, mb.data_ptr(),
-                                 mask.shape[-1], scale, b, k, dim, hq, hkv, hd, stack.inter, SPAN_BLOCKS, torch.get_num_threads())
+                                 slots.data_ptr(), pointer(table), 0 if table is None else table.shape[1], block_size,
+                                 pointer(mb), mt, scale, b, k, n, pointer(c_tables),
+                                 0 if c_tables is None else c_tables.shape[1], pointer(c_spans),
+                                 0 if c_spans is None else c_spans.shape[0], 0.0 if chunks is None else chunks.scale,
+                                 dim, hq, hkv, hd, stack.inter, SPAN_BLOCKS, torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"ts_layers refused {b} rows of {k} tokens over {table.shape[1]} blocks (rc {rc})")
+        raise ValueError(f"ts_layers refused {b} rows of {k} tokens and {n} chunk tokens (rc {rc})")
     return x, mlp, {i: out[j] for j, i in enumerate(stack.taps)}
