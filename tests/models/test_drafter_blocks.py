@@ -99,6 +99,47 @@ def test_the_native_context_is_the_torch_layers_keys_and_values(stored, monkeypa
     torch.testing.assert_close(v, ref_v, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_a_commits_context_is_written_in_one_call_as_the_torch_layers_make_it(stored, monkeypatch):
+    """``write_context`` at a commit's few rows: one native call (``blocks.context_write``)
+    writes every layer's keys and values at the rows' slots, the torch layers' to float
+    rounding, and nothing else; a position past the rotary tables grows them (the write
+    is the same); at rows no one call takes, the reference path writes them."""
+    d = _drafter(layers=3)
+    if stored == "bfloat16":
+        with torch.no_grad():
+            for p in d.parameters():
+                p.copy_(p.bfloat16().float())
+    c = d.config
+    gen = torch.Generator().manual_seed(6)
+    store_k = torch.randn(3, 64, c.num_key_value_heads, c.head_dim, generator=gen)
+    store_v = torch.randn(store_k.shape, generator=gen)
+    for n, first in ((3, 40), (5, 3000)):            # 3000: past the first tables (1,024 positions)
+        taps = torch.randn(n, c.context_size, generator=gen)
+        positions = torch.arange(n) * 2 + first
+        slots = torch.randperm(64, generator=gen)[:n]
+        k0, v0 = store_k.clone(), store_v.clone()
+        writes, torch_path = _counting(monkeypatch, "context_write"), _counting(monkeypatch, "attn_in")
+        d.write_context(taps, positions, store_k, store_v, slots)
+        assert writes[0] == (1 if first < 1024 else 2) and torch_path[0] == 0   # (past the tables: again, grown)
+        ref_k, ref_v = d.context_kv_train(taps[None], positions[None])       # [L, 1, kvh, n, hd]
+        torch.testing.assert_close(store_k[:, slots], ref_k[:, 0].transpose(1, 2), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(store_v[:, slots], ref_v[:, 0].transpose(1, 2), rtol=1e-4, atol=1e-4)
+        others = torch.ones(64, dtype=torch.bool)
+        others[slots] = False
+        assert torch.equal(store_k[:, others], k0[:, others]) and torch.equal(store_v[:, others], v0[:, others])
+    assert d.native.rope_tables(d.rotary, 0)[0].shape[0] >= 3009
+    many = 3 * blocks.TILE_ROWS
+    taps = torch.randn(many, c.context_size, generator=gen)
+    store_k = torch.zeros(3, many, c.num_key_value_heads, c.head_dim)
+    store_v = torch.zeros_like(store_k)
+    calls = _counting(monkeypatch, "context_write")
+    d.write_context(taps, torch.arange(many), store_k, store_v, torch.arange(many))
+    assert calls[0] == 0
+    ref_k, _ = d.context_kv_train(taps[None], torch.arange(many)[None])
+    torch.testing.assert_close(store_k, ref_k[:, 0].transpose(1, 2), rtol=1e-4, atol=1e-4)
+
+
 def test_rows_past_the_kernels_and_training_run_the_torch_layers(monkeypatch):
     d = _drafter()
     b = MAX_ROWS // d.config.block_size + 1

@@ -221,11 +221,6 @@ class PagedStore:
         self.k[layer, slots] = k.transpose(1, 2).flatten(0, 1).to(self.k.dtype)
         self.v[layer, slots] = v.transpose(1, 2).flatten(0, 1).to(self.v.dtype)
 
-    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Every layer at once: slots [N]; k, v: [L, N, kvh, hd]."""
-        self.k[:, slots] = k.to(self.k.dtype)
-        self.v[:, slots] = v.to(self.v.dtype)
-
     def read(self, layer: int, rows: PagedRows, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0..t-1 gathered slot by slot into [B, kvh, t, hd]
         (a copy): the reference attention path's read (``treespark.engine.attend``)."""

@@ -92,8 +92,7 @@ def write_context(drafter: DSparkDrafter, store: PagedStore, pos: torch.Tensor, 
     """Feed committed positions' tapped hidden states (taps: [N, ...]) to the drafter's
     context cache, in one drafter call and one write: ``pos`` and ``slots`` [N] (on the
     device, uploaded with the step's other inputs) are their positions and slots."""
-    k, v = drafter.context_kv(taps[None], pos[None])  # [L, 1, kvh, N, hd] (it takes taps in any dtype)
-    store.write_slots(slots, k[:, 0].transpose(1, 2), v[:, 0].transpose(1, 2))
+    drafter.write_context(taps, pos, store.k, store.v, slots)   # (it takes taps in any dtype)
 
 
 # emit(request, first token, its logprobs) -> the request finished

@@ -522,3 +522,37 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, float *mlp, fl
     free(buf);
     return rc;
 }
+
+/* The drafter's context for M committed positions, written into its paged store in one call:
+ * x [M, D] the rows (before the hidden norm), norm_w its weight; w: every layer's k products
+ * then every layer's v products [2 L Hkv hd, D] (or their bfloat16 panels, `half`); k_norm
+ * [L Hkv, hd] per-head k norm weights or NULL; cos_tab, ssin_tab: [P, hd] the rotary tables
+ * (ssin: rope_sign applied), read at pos [M]; the keys and values go to slots [M] of kc, vc
+ * [L, S, Hkv, hd]. What ts_attn_in with no query heads gives, then the writes. Returns 0, -1
+ * for shapes it does not take, -2 when out of memory, -3 for a position past the tables. */
+int ts_context_write(const float *x, const float *norm_w, float eps, const void *w, int half, const float *k_norm,
+                     float k_eps, const float *cos_tab, const float *ssin_tab, long P, const int64_t *pos,
+                     const int64_t *slots, float *kc, float *vc, long S, long M, long D, long L, long Hkv, long hd,
+                     int threads) {
+    if (M < 1 || L < 1 || Hkv < 1 || hd < 2 || S < 1) return -1;
+    for (long m = 0; m < M; ++m)
+        if (pos[m] < 0 || pos[m] >= P) return -3;
+    const long HK = L * Hkv, N = 2 * HK * hd;
+    float *buf = (float *)malloc((size_t)(2 * M * hd + M * D + M * N) * sizeof(float));
+    if (!buf) return -2;
+    float *cos = buf, *ssin = cos + M * hd, *normed = ssin + M * hd, *y = normed + M * D;
+    for (long m = 0; m < M; ++m) {
+        memcpy(cos + m * hd, cos_tab + pos[m] * hd, (size_t)hd * sizeof(float));
+        memcpy(ssin + m * hd, ssin_tab + pos[m] * hd, (size_t)hd * sizeof(float));
+    }
+    int rc = ts_attn_in(x, NULL, norm_w, eps, w, NULL, half, k_norm, k_eps, cos, ssin, (float *)x, normed, y, M, D, 0,
+                        HK, hd, threads);
+    for (long m = 0; m < M && rc == 0; ++m)
+        for (long l = 0; l < L; ++l) {
+            const size_t at = (size_t)((l * S + slots[m]) * Hkv * hd), n = (size_t)(Hkv * hd);
+            memcpy(kc + at, y + m * N + l * Hkv * hd, n * sizeof(float));
+            memcpy(vc + at, y + m * N + (HK + l * Hkv) * hd, n * sizeof(float));
+        }
+    free(buf);
+    return rc;
+}

@@ -36,7 +36,8 @@ from treespark.kernels.native import MAX_ROWS, as_long, library, most_rows, oper
 
 # what torch.profiler calls them
 PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp", "treespark::paged_attention",
-                  "treespark::layers", "treespark::add_norm", "treespark::qk_rope", "treespark::silu_rows")
+                  "treespark::layers", "treespark::add_norm", "treespark::qk_rope", "treespark::silu_rows",
+                  "treespark::context_write")
 ACTIVATIONS = ("silu", "swish")  # the hidden_act names blocks.c computes
 # paged_attention cuts each row's keys into spans of this many blocks, from the first (work
 # for every thread; the same spans whatever the batch, so a row's values do not depend on it)
@@ -155,6 +156,32 @@ def attn_out_mlp(a: torch.Tensor,                      # [M, A] the attention's 
     if rc != 0:
         raise ValueError(f"ts_attn_out_mlp refused rows {m}, hidden {dim}, attention {a.shape[1]}, mlp {inter}")
     return x_out, mlp
+
+
+def context_write(x: torch.Tensor,             # [M, D] the rows, before their norm
+                  norm_w: torch.Tensor, eps: float,   # the norm's [D]
+                  w: torch.Tensor, half: bool,      # every layer's k, then every layer's v [2 L Hkv hd, D]
+                  k_norm: torch.Tensor | None, k_eps: float,   # [L Hkv, hd] per-head weight, or None
+                  cos_tab: torch.Tensor, ssin_tab: torch.Tensor,   # [P, hd] (ssin_tab: rope_sign applied)
+                  positions: torch.Tensor,          # [M] int64, each row's position (< P)
+                  slots: torch.Tensor,              # [M] int64, where its keys and values go
+                  keys: torch.Tensor, values: torch.Tensor,   # the paged store's [L, S, Hkv, hd]
+                  ) -> bool:
+    """A drafter's context rows written into its paged store in one call
+    (``ts_context_write``): ``attn_in`` with no query heads over the stacked k and v
+    products, the rotation read from the tables at ``positions``, then each layer's keys
+    and values at ``slots``. False (nothing written) where a position is past the tables."""
+    m, dim = x.shape
+    n_layers, s, hkv, hd = keys.shape
+    assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == values.dtype == torch.float32
+    with operator(PROFILER_NAMES[7]):
+        rc = library().ts_context_write(x.data_ptr(), norm_w.data_ptr(), eps, w.data_ptr(), int(half), pointer(k_norm),
+                                        k_eps, cos_tab.data_ptr(), ssin_tab.data_ptr(), cos_tab.shape[0],
+                                        positions.data_ptr(), slots.data_ptr(), keys.data_ptr(), values.data_ptr(), s,
+                                        m, dim, n_layers, hkv, hd, torch.get_num_threads())
+    if rc not in (0, -3):
+        raise ValueError(f"ts_context_write refused rows {m}, hidden {dim}, {n_layers} layers of {hkv} x {hd} (rc {rc})")
+    return rc == 0
 
 
 def can_attend(q: torch.Tensor, cache: torch.Tensor) -> bool:

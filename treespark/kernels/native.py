@@ -141,6 +141,7 @@ def load(path: Path) -> ctypes.CDLL:
         "ts_attn_in": [ptr, ptr, ptr, f32, ptr, ptr, i32, ptr, f32] + [ptr] * 5 + [n] * 5 + [i32],
         "ts_attn_out_mlp": [ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i32] + [ptr] * 5 + [n] * 4 + [i32],
         "ts_add_norm": [ptr, ptr, ptr, f32, ptr, ptr, n, n, i32],
+        "ts_context_write": [ptr, ptr, f32, ptr, i32, ptr, f32, ptr, ptr, n, ptr, ptr, ptr, ptr] + [n] * 6 + [i32],
         "ts_qk_rope": [ptr, ptr, f32, ptr, ptr] + [n] * 4 + [i32],
         "ts_silu_rows": [ptr, ptr, n, n, i32],
         "ts_paged_attention": [ptr] * 4 + [n, n, ptr, n, f32, ptr, ptr] + [n] * 6 + [i32],

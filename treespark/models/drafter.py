@@ -258,11 +258,29 @@ class DSparkDrafter(nn.Module):
         return torch.stack(ks), torch.stack(vs)
 
     @torch.no_grad()
+    def write_context(self, taps: torch.Tensor, positions: torch.Tensor, store_k: torch.Tensor,
+                      store_v: torch.Tensor, slots: torch.Tensor) -> None:
+        """``context_kv`` of ``taps`` [N, n_taps * target_hidden] at ``positions`` [N]
+        written at ``slots`` [N] of a paged store's keys and values [L, S, kvh, hd]: at a
+        decoding step's few rows on the CPU one native call after ``fc``
+        (``NativeBlockPass.write_context``), else ``context_kv`` and one write a store."""
+        x = self.fc(taps.to(self.fc.weight.dtype))
+        if self.native.write_context(self.layers, x, self.hidden_norm.weight, self.hidden_norm.eps, self.rotary,
+                                     positions, store_k, store_v, slots):
+            return
+        k, v = self._kv_of(x[None], positions[None])                        # [L, 1, kvh, N, hd]
+        store_k[:, slots] = k[:, 0].transpose(1, 2).to(store_k.dtype)
+        store_v[:, slots] = v[:, 0].transpose(1, 2).to(store_v.dtype)
+
+    @torch.no_grad()
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``context_kv_train`` without gradients: what serving writes to the KV cache (at
         a decoding step's few rows on the CPU, one native call after ``fc``:
         ``NativeBlockPass.context_kv``)."""
-        x = self.fc(taps.to(self.fc.weight.dtype))
+        return self._kv_of(self.fc(taps.to(self.fc.weight.dtype)), positions)
+
+    def _kv_of(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``context_kv`` from the rows after ``fc``, x [B, S, h]."""
         if not self.native.runs_context(self.layers, x):
             return self._layers_kv(self.hidden_norm(x), positions)
         cos, sin = self.rotary(positions, x.dtype)
@@ -304,9 +322,9 @@ class DSparkDrafter(nn.Module):
         no shape depends on the values: what ``treespark.engine.draft_graphs`` captures."""
         positions = ctx_len[:, None] + torch.arange(self.config.block_size, device=anchors.device)   # [B, blk]
         x = self.embed(self._block_ids(anchors)).to(self.fc.weight.dtype)
-        cos, sin = self.rotary(positions, x.dtype)
         if self.native.runs(x):
-            return self.native(self.layers, x, cos, sin, context, ctx_len, positions, self._context_layer)
+            return self.native(self.layers, x, self.rotary, context, ctx_len, positions, self._context_layer)
+        cos, sin = self.rotary(positions, x.dtype)
         bias = None
         for i, layer in enumerate(self.layers):
             k, v, bias = self._context_layer(context, i, ctx_len, bias, x.dtype)

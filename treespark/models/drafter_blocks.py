@@ -27,7 +27,9 @@ from torch import nn
 from treespark.kernels import blocks, native
 from treespark.kernels.attention import ContextKV, PagedView, block_slots, grouped_attention
 from treespark.kernels.layer_ops import rope_sign
+from treespark.kernels.native import as_long
 from treespark.models.drafter_config import DSparkConfig
+from treespark.models.rotary import Rotary
 
 # (context, layer, ctx_len, bias or None, dtype) -> the layer's context keys and values, a
 # copy with room for the block, and the block's bias (``DSparkDrafter._context_layer``)
@@ -84,11 +86,24 @@ class NativeBlockPass:
         with torch.device("cpu"):   # CPU float32 only: made once, not per pass
             self._rope_sign = rope_sign(config.head_dim, torch.device("cpu"), torch.float32)
         self._stack: tuple[tuple, blocks.LayerStack] | None = None   # (what it was made for, ``_paged_stack``)
+        self._rope: tuple[Rotary, torch.Tensor, torch.Tensor] | None = None   # ``rope_tables``
 
     def __getstate__(self) -> dict:
-        """A copy (``copy.deepcopy`` of a drafter, pickling) starts without the made weights
-        and the store's pointers (ctypes arrays pickle as nothing): it makes its own."""
-        return {**self.__dict__, "_fused": None, "_stack": None}
+        """A copy (``copy.deepcopy`` of a drafter, pickling) starts without the made weights,
+        tables and the store's pointers (ctypes arrays pickle as nothing): it makes its own."""
+        return {**self.__dict__, "_fused": None, "_stack": None, "_rope": None}
+
+    def rope_tables(self, rotary: Rotary, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos and sin (``rope_sign`` applied) [P, hd] of positions 0 .. P - 1, P
+        >= ``n``, float32 on the CPU, each position's as ``rotary`` computes it: made once,
+        grown (at least doubling) when a pass reaches past them, so a step looks its
+        positions up where it computed them (~8 operators)."""
+        t = self._rope
+        if t is None or t[0] is not rotary or t[1].shape[0] < n:
+            p = max(n, 1024 if t is None or t[0] is not rotary else 2 * t[1].shape[0])
+            cos, sin = rotary(torch.arange(p)[None], torch.float32)
+            t = self._rope = (rotary, cos[0].contiguous(), (sin[0] * self._rope_sign).contiguous())
+        return t[1], t[2]
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether the block pass of ``x`` [B, blk, h] runs here: float32 on the CPU, at
@@ -126,6 +141,28 @@ class NativeBlockPass:
         """Whether ``rows`` context rows take one ``attn_in`` call (the blocks' rows; any on AMX tiles)."""
         return blocks.can_run(rows, self.config.hidden_act, cw.half and native.most_rows(cw.w) is None)
 
+    def write_context(self, layers: nn.ModuleList, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                      rotary: Rotary, positions: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
+                      slots: torch.Tensor) -> bool:
+        """``context_kv`` of the rows ``x`` [N, h] (``positions`` [N]) written at ``slots``
+        [N] of a paged store's keys and values [L, S, kvh, hd], in one native call
+        (``blocks.context_write``), where the rows take one call (a commit's few) and the
+        store is float32 on the CPU; False where not (nothing written: the caller's to)."""
+        c = self.config
+        if not self.runs_context(layers, x):
+            return False
+        cw = self._made(layers)[4]
+        if not (self._in_one_call(cw, x.shape[0]) and store_k.dtype == torch.float32 and store_k.device.type == "cpu"
+                and store_k.is_contiguous() and store_v.is_contiguous() and store_k.shape[0] == len(layers)):
+            return False
+        x, positions, slots = x.contiguous(), as_long(positions), as_long(slots)
+        cos, ssin = self.rope_tables(rotary, 0)
+        args = (x, norm_w, eps, cw.w, cw.half, cw.k_norm, c.rms_norm_eps)
+        if not blocks.context_write(*args, cos, ssin, positions, slots, store_k, store_v):   # a position past the tables
+            cos, ssin = self.rope_tables(rotary, int(positions.max()) + 1)
+            assert blocks.context_write(*args, cos, ssin, positions, slots, store_k, store_v)
+        return True
+
     def context_kv(self, layers: nn.ModuleList, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
                    cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's keys and values [L, B, kvh, S, hd] of the context rows ``x`` [B, S,
@@ -148,29 +185,33 @@ class NativeBlockPass:
         kv = y.view(b, s, 2, n_layers, hkv, hd).permute(2, 3, 0, 4, 1, 5)          # [2, L, B, kvh, S, hd]
         return kv[0], kv[1]
 
-    def __call__(self, layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 context: ContextKV, ctx_len: torch.Tensor, positions: torch.Tensor,
-                 context_layer: ContextLayer) -> torch.Tensor:
-        """The block's last hidden states [B, blk, h] from its embeddings ``x`` [B, blk, h]:
-        one ``blocks.layers`` call where the context is a paged store it takes, else per
-        layer two native calls around its attention over ``context_layer``'s keys and
-        values, the block's own written at ``positions`` [B, blk]."""
+    def __call__(self, layers: nn.ModuleList, x: torch.Tensor, rotary: Rotary, context: ContextKV,
+                 ctx_len: torch.Tensor, positions: torch.Tensor, context_layer: ContextLayer) -> torch.Tensor:
+        """The block's last hidden states [B, blk, h] from its embeddings ``x`` [B, blk, h]
+        at ``positions`` [B, blk]: one ``blocks.layers`` call where the context is a paged
+        store it takes (the rotation looked up in ``rope_tables``), else per layer two
+        native calls around its attention over ``context_layer``'s keys and values, the
+        block's own written at ``positions``."""
         c = self.config
         b, blk, h = x.shape
         hq, hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        cos = cos.reshape(b * blk, hd).contiguous()
-        ssin = (sin * self._rope_sign).reshape(b * blk, hd).contiguous()
         x = x.reshape(b * blk, h).contiguous()
         view = context.paged(blk)
         stack = None if view is None else self._paged_stack(layers, view)
         if stack is not None:
             assert view is not None
             bs, table = view.block_size, view.table
+            keys = table.shape[1] * bs                      # past every position of the block
+            cos_t, ssin_t = self.rope_tables(rotary, keys)
+            at = positions.flatten()
             slots = block_slots(table, positions, bs)                                        # [B, blk]
-            seen = torch.arange(table.shape[1] * bs)[None] < (ctx_len + blk)[:, None]       # [B, keys]
+            seen = torch.arange(keys) < (ctx_len + blk)[:, None]                             # [B, keys]
             mask = seen[:, None, None].expand(b, 1, blk, -1)   # every block token sees the same keys
-            x, mlp, _ = blocks.layers(stack, x, cos, ssin, slots, table, bs, mask, hd ** -0.5)
+            x, mlp, _ = blocks.layers(stack, x, cos_t[at], ssin_t[at], slots, table, bs, mask, hd ** -0.5)
             return (x + mlp).view(b, blk, h)
+        cos, sin = rotary(positions, x.dtype)
+        cos = cos.reshape(b * blk, hd).contiguous()
+        ssin = (sin * self._rope_sign).reshape(b * blk, hd).contiguous()
         mlp = bias = None
         for i, (w, half) in enumerate(self.fused_layers(layers)):
             x, y = blocks.attn_in(x, mlp, w.in_norm, w.in_eps, w.wqkv, w.bqkv, half, w.qk_norm, w.qk_eps, cos, ssin,
