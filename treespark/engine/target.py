@@ -276,13 +276,14 @@ class TargetRunner:
         cos, sin = self._rotary(h, positions)                                # [B, 1, K, D]
         x = h.reshape(b * k, -1)
         half = self._on_blocks(b * k)
+        if half is not None and (one := stacked(attend)) is not None:
+            hd = self.head_dim
+            x, tapped = blocks.layers(self._stack(one.store, half), x, cos.reshape(b * k, hd).contiguous(),
+                                      sin.reshape(b * k, hd).contiguous(), one.slots, one.table, one.block_size,
+                                      one.mask, one.scale, one.chunks)
+            return x.view(b, k, -1), tapped.view(b, k, -1)
         if half is None:
             x, mlp_out, taps = self._torch_layers(x, cos, sin, attend, b, k)
-        elif (one := stacked(attend)) is not None:
-            hd = self.head_dim
-            x, mlp_out, taps = blocks.layers(self._stack(one.store, half), x, cos.reshape(b * k, hd).contiguous(),
-                                             sin.reshape(b * k, hd).contiguous(), one.slots, one.table,
-                                             one.block_size, one.mask, one.scale, one.chunks)
         else:
             x, mlp_out, taps = self._block_layers(x, cos, sin, attend, b, k, half)
         x = x + mlp_out
@@ -338,8 +339,7 @@ class TargetRunner:
         made = self._stacks[1]
         if half not in made:
             made[half] = blocks.LayerStack(self._block_weights(half), store.k, store.v, half, self.num_heads,
-                                           self.num_kv_heads, self.head_dim,
-                                           tuple(i for i in self.tap_layers if i < self.num_layers - 1))
+                                           self.num_kv_heads, self.head_dim, self.tap_layers)
         return made[half]
 
     def _block_weights(self, half: bool) -> list[blocks.LayerWeights]:

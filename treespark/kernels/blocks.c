@@ -462,12 +462,12 @@ int ts_chunk_attention(const float *q, const float *kc, const float *vc, const i
  * B rows of K tree tokens (row b's K together; B may be 0), attended by ts_paged_attention
  * over the block table [B, nb] under the mask [B, K, mT], then N packed prefill tokens (N
  * may be 0), attended by ts_chunk_attention over their chunks' tables [C, cnb] and spans
- * [C, 3] (chunks.c). x: [M, D] the embeddings in, the residual stream after the last
- * layer's attention out; mlp: [M, D] out, the last layer's MLP output (not yet added);
- * taps: [n, M, D], where tap_at[i] >= 0 takes the residual stream entering layer i + 1
- * (the output of layer i) into taps[tap_at[i]] (i < L - 1); cos, ssin: [M, hd]; slots: [M]
- * each token's slot. Returns 0, -1 for shapes it does not take, -2 when out of memory. */
-int ts_layers(const ts_layer *layers, long L, int half, float *x, float *mlp, float *taps, const long *tap_at,
+ * [C, 3] (chunks.c). x: [M, D] the embeddings in, the last layer's output out (its residual
+ * stream plus its MLP's output, one float add, as torch's); taps: [M, n D], the output of
+ * layer tapped[j] in columns j D .. (j < n) of each row (a row's taps side by side, in the
+ * order the caller concatenates them; a layer may come twice); cos, ssin: [M, hd]; slots:
+ * [M] each token's slot. Returns 0, -1 for shapes it does not take, -2 when out of memory. */
+int ts_layers(const ts_layer *layers, long L, int half, float *x, float *taps, long n_taps, const long *tapped,
               const float *cos, const float *ssin, const int64_t *slots, const int64_t *table, long nb, long bs,
               const uint8_t *mask, long mT, float scale, long B, long K, long N, const int64_t *ctables, long cnb,
               const int64_t *spans, long C, float cscale, long D, long Hq, long Hkv, long hd, long I, long span,
@@ -478,10 +478,11 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, float *mlp, fl
     const long T = B * K, M = T + N, NQ = (Hq + 2 * Hkv) * hd, A = Hq * hd;
     const long splits = T ? (nb + span - 1) / span : 0, R = (Hq / Hkv) * K;
     const long att_scratch = B * Hkv * splits * R * (span * bs + hd + 2);
-    const long total = M * D * 2 + M * NQ + M * A * 3 + M * 3 * I + att_scratch;
+    const long total = M * D * 3 + M * NQ + M * A * 3 + M * 3 * I + att_scratch;
     float *buf = (float *)malloc((size_t)total * sizeof(float));
     if (!buf) return -2;
-    float *other = buf, *normed = other + M * D, *qkv = normed + M * D, *q = qkv + M * NQ, *att = q + M * A;
+    float *mlp = buf, *other = mlp + M * D, *normed = other + M * D, *qkv = normed + M * D, *q = qkv + M * NQ;
+    float *att = q + M * A;
     float *a = att + M * A, *gu = a + M * A, *act = gu + M * 2 * I, *ascratch = act + M * I;
     float *xa = x, *xb = other;
     int rc = 0;
@@ -491,7 +492,9 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, float *mlp, fl
         rc = ts_attn_in(xa, i ? mlp : NULL, ly->in_norm, ly->in_eps, ly->wqkv, ly->bqkv, half, ly->qk_norm,
                         ly->qk_eps, cos, ssin, xa, normed, qkv, M, D, Hq, Hkv, hd, threads);
         if (rc) break;
-        if (i && tap_at[i - 1] >= 0) memcpy(taps + tap_at[i - 1] * M * D, xa, (size_t)(M * D) * sizeof(float));
+        for (long j = 0; j < n_taps && i; ++j)   /* the residual stream entering layer i: layer i - 1's output */
+            if (tapped[j] == i - 1)
+                for (long m = 0; m < M; ++m) memcpy(taps + (m * n_taps + j) * D, xa + m * D, (size_t)D * sizeof(float));
         for (long m = 0; m < M; ++m) {
             const float *row = qkv + m * NQ;
             memcpy(ly->kc + slots[m] * Hkv * hd, row + Hq * hd, (size_t)(Hkv * hd) * sizeof(float));
@@ -518,7 +521,12 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, float *mlp, fl
         xa = xb;
         xb = t;
     }
-    if (rc == 0 && xa != x) memcpy(x, xa, (size_t)(M * D) * sizeof(float));
+    if (rc == 0) {
+        for (long j = 0; j < M * D; ++j) x[j] = xa[j] + mlp[j];
+        for (long j = 0; j < n_taps; ++j)
+            if (tapped[j] == L - 1)
+                for (long m = 0; m < M; ++m) memcpy(taps + (m * n_taps + j) * D, x + m * D, (size_t)D * sizeof(float));
+    }
     free(buf);
     return rc;
 }

@@ -274,9 +274,9 @@ class LayerWeights:
 
 class LayerStack:
     """A model's layers and its paged store as the one array of pointers ``layers`` hands
-    to ``ts_layers``, and the layers whose outputs come back (``taps``, each below the
-    last): made once (per store and weight copy) and kept, with the tensors it points into
-    (so none is freed under it)."""
+    to ``ts_layers``, and the layers whose outputs come back (``taps``, side by side in
+    this order): made once (per store and weight copy) and kept, with the tensors it
+    points into (so none is freed under it)."""
 
     def __init__(self, weights: list[LayerWeights], keys: torch.Tensor, values: torch.Tensor, half: bool,
                  heads: int, kv_heads: int, head_dim: int, taps: tuple[int, ...]) -> None:
@@ -287,11 +287,10 @@ class LayerStack:
         self.hidden, self.inter = first.in_norm.numel(), first.wdown.shape[1]
         assert keys.dtype == values.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()
         assert keys.shape[0] == len(weights) and keys.shape[2:] == (kv_heads, head_dim), (tuple(keys.shape), kv_heads)
-        assert all(0 <= i < len(weights) - 1 for i in taps), taps
+        assert all(0 <= i < len(weights) for i in taps), taps
         self.taps = taps
         self.tiles = half and all_tiles(list(weights))   # the rows it takes: ``can_run``
-        self.tap_at = torch.full((len(weights),), -1, dtype=torch.int64)   # each layer's row of the taps out, or -1
-        self.tap_at[list(taps)] = torch.arange(len(taps))
+        self.tapped = torch.tensor(taps, dtype=torch.int64)
         self.array = (_Layer * len(weights))(*(_Layer(
             *(pointer(getattr(w, f)) for f in ("in_norm", "wqkv", "bqkv", "qk_norm", "wo", "bo", "post_norm", "wgu",
                                             "bgu", "wdown", "bdown")), pointer(keys[i]), pointer(values[i]),
@@ -309,14 +308,13 @@ def layers(stack: LayerStack,
            mask: torch.Tensor | None,    # [B, 1, K, T] bool, True = may attend (``paged_attention``'s)
            scale: float,
            chunks: PackedRows | None = None,   # the N packed prefill tokens after the trees'
-           ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """A few-row forward's every layer in one call (``ts_layers``): per layer ``attn_in``,
     the new keys and values written at their slots, the attention (``paged_attention`` of
     the trees, ``chunk_attention`` of the chunks) and ``attn_out_mlp``, on the same
     functions in the same order, so the same floats as those calls made one by one.
-    Returns the residual stream after the last layer's attention [M, D] (``x`` itself,
-    written in place), that layer's MLP output [M, D] (not yet added) and each of
-    ``stack.taps``' outputs."""
+    Returns the last layer's output [M, D] (``x`` itself, written in place: its residual
+    stream plus its MLP's output) and ``stack.taps``' outputs side by side [M, n D]."""
     b, k = (0, 0) if slots is None else slots.shape
     n = 0 if chunks is None else chunks.slots.shape[0]
     m, dim = x.shape
@@ -338,11 +336,10 @@ def layers(stack: LayerStack,
     if chunks is not None:
         assert chunks.packed.block_size == block_size, (chunks.packed.block_size, block_size)
         c_tables, c_spans = chunks.packed.tables, chunks.packed.spans
-    mlp = torch.empty_like(x)
-    out = torch.empty(len(stack.taps), m, dim, dtype=torch.float32)
+    taps = torch.empty(m, len(stack.taps) * dim, dtype=torch.float32)
     with operator(PROFILER_NAMES[3]):
         rc = library().ts_layers(ctypes.cast(stack.array, ctypes.c_void_p), count, int(stack.half), x.data_ptr(),
-                                 mlp.data_ptr(), out.data_ptr(), stack.tap_at.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
+                                 taps.data_ptr(), len(stack.taps), stack.tapped.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
                                  slots.data_ptr(), pointer(table), 0 if table is None else table.shape[1], block_size,
                                  pointer(mb), mt, scale, b, k, n, pointer(c_tables),
                                  0 if c_tables is None else c_tables.shape[1], pointer(c_spans),
@@ -350,4 +347,4 @@ def layers(stack: LayerStack,
                                  dim, hq, hkv, hd, stack.inter, SPAN_BLOCKS, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"ts_layers refused {b} rows of {k} tokens and {n} chunk tokens (rc {rc})")
-    return x, mlp, {i: out[j] for j, i in enumerate(stack.taps)}
+    return x, taps

@@ -207,8 +207,8 @@ class NativeBlockPass:
             slots = block_slots(table, positions, bs)                                        # [B, blk]
             seen = torch.arange(keys) < (ctx_len + blk)[:, None]                             # [B, keys]
             mask = seen[:, None, None].expand(b, 1, blk, -1)   # every block token sees the same keys
-            x, mlp, _ = blocks.layers(stack, x, cos_t[at], ssin_t[at], slots, table, bs, mask, hd ** -0.5)
-            return (x + mlp).view(b, blk, h)
+            x, _ = blocks.layers(stack, x, cos_t[at], ssin_t[at], slots, table, bs, mask, hd ** -0.5)
+            return x.view(b, blk, h)
         cos, sin = rotary(positions, x.dtype)
         cos = cos.reshape(b * blk, hd).contiguous()
         ssin = (sin * self._rope_sign).reshape(b * blk, hd).contiguous()
