@@ -80,7 +80,7 @@ def test_drafter_block_over_the_paged_context_is_the_dense_one(pairs, family, mo
     before = scene.kv.drafter.k.clone()
     calls = []
     native_pass = blocks.layers
-    monkeypatch.setattr(blocks, "layers", lambda *a: calls.append(1) or native_pass(*a))
+    monkeypatch.setattr(blocks, "layers", lambda *a, **kw: calls.append(1) or native_pass(*a, **kw))
     new = draft(pair, scene, reference=False)
     ref = draft(pair, scene, reference=True)
     assert new.shape == (4, blk, pair.drafter.config.draft_vocab)
@@ -93,7 +93,7 @@ def test_drafter_block_over_the_paged_context_is_the_dense_one(pairs, family, mo
         assert torch.equal(k[:, ctx], before[:, ctx])
         assert torch.equal(k[:, ahead], before[:, ahead]) != bool(calls)
     copied = copy.deepcopy(pair.drafter)                 # the store's pointers stay behind
-    assert copied.native._stack is None and copied.native._fused is None
+    assert copied.native._stack is None and copied.native._fused is None and copied.native._rope is None
 
 
 def _greedy(pair, path, prompts):

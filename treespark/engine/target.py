@@ -272,16 +272,17 @@ class TargetRunner:
         n_taps * h]. Shapes come from the inputs only, and nothing here waits for the
         device: the part ``treespark.engine.graphs`` captures."""
         b, k = tokens.shape
+        half = self._on_blocks(b * k)
+        embed = self.base.embed_tokens.weight
+        if (half is not None and self._rope is not None and embed.dtype == torch.float32 and embed.is_contiguous()
+                and (one := stacked(attend)) is not None):   # the whole stack in one call, lookups included
+            x, tapped = blocks.layers(self._stack(one.store, half), None, *self._rope, one.slots, one.table,
+                                      one.block_size, one.mask, one.scale, one.chunks, tokens=tokens.flatten(),
+                                      embed=embed, positions=positions.flatten())
+            return x.view(b, k, -1), tapped.view(b, k, -1)
         h = self.base.embed_tokens(tokens).to(self.dtype)                  # [B, K, h]
         cos, sin = self._rotary(h, positions)                                # [B, 1, K, D]
         x = h.reshape(b * k, -1)
-        half = self._on_blocks(b * k)
-        if half is not None and (one := stacked(attend)) is not None:
-            hd = self.head_dim
-            x, tapped = blocks.layers(self._stack(one.store, half), x, cos.reshape(b * k, hd).contiguous(),
-                                      sin.reshape(b * k, hd).contiguous(), one.slots, one.table, one.block_size,
-                                      one.mask, one.scale, one.chunks)
-            return x.view(b, k, -1), tapped.view(b, k, -1)
         if half is None:
             x, mlp_out, taps = self._torch_layers(x, cos, sin, attend, b, k)
         else:

@@ -462,13 +462,17 @@ int ts_chunk_attention(const float *q, const float *kc, const float *vc, const i
  * B rows of K tree tokens (row b's K together; B may be 0), attended by ts_paged_attention
  * over the block table [B, nb] under the mask [B, K, mT], then N packed prefill tokens (N
  * may be 0), attended by ts_chunk_attention over their chunks' tables [C, cnb] and spans
- * [C, 3] (chunks.c). x: [M, D] the embeddings in, the last layer's output out (its residual
+ * [C, 3] (chunks.c). ids: [M] the tokens, whose rows of the embedding table embed [V, D] x
+ * starts from (NULL: x holds the embeddings); x: [M, D] the last layer's output out (its residual
  * stream plus its MLP's output, one float add, as torch's); taps: [M, n D], the output of
  * layer tapped[j] in columns j D .. (j < n) of each row (a row's taps side by side, in the
- * order the caller concatenates them; a layer may come twice); cos, ssin: [M, hd]; slots:
- * [M] each token's slot. Returns 0, -1 for shapes it does not take, -2 when out of memory. */
-int ts_layers(const ts_layer *layers, long L, int half, float *x, float *taps, long n_taps, const long *tapped,
-              const float *cos, const float *ssin, const int64_t *slots, const int64_t *table, long nb, long bs,
+ * order the caller concatenates them; a layer may come twice); cos, ssin: the rotary tables
+ * [P, hd] (ssin: rope_sign applied) read at pos [M], each token's position (pos NULL: the
+ * rows' own [M, hd]); slots: [M] each token's slot. Returns 0, -1 for shapes it does not
+ * take, -2 when out of memory, -3 for a position past the tables. */
+int ts_layers(const ts_layer *layers, long L, int half, float *x, const int64_t *ids, const float *embed, long V,
+              float *taps, long n_taps, const long *tapped, const float *cos, const float *ssin, const int64_t *pos,
+              long P, const int64_t *slots, const int64_t *table, long nb, long bs,
               const uint8_t *mask, long mT, float scale, long B, long K, long N, const int64_t *ctables, long cnb,
               const int64_t *spans, long C, float cscale, long D, long Hq, long Hkv, long hd, long I, long span,
               int threads) {
@@ -478,12 +482,25 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, float *taps, l
     const long T = B * K, M = T + N, NQ = (Hq + 2 * Hkv) * hd, A = Hq * hd;
     const long splits = T ? (nb + span - 1) / span : 0, R = (Hq / Hkv) * K;
     const long att_scratch = B * Hkv * splits * R * (span * bs + hd + 2);
-    const long total = M * D * 3 + M * NQ + M * A * 3 + M * 3 * I + att_scratch;
+    for (long m = 0; m < M; ++m)
+        if ((pos && (pos[m] < 0 || pos[m] >= P)) || (ids && (ids[m] < 0 || ids[m] >= V))) return pos && pos[m] >= P ? -3 : -1;
+    const long total = M * D * 3 + M * NQ + M * A * 3 + M * 3 * I + att_scratch + (pos ? 2 * M * hd : 0);
     float *buf = (float *)malloc((size_t)total * sizeof(float));
     if (!buf) return -2;
     float *mlp = buf, *other = mlp + M * D, *normed = other + M * D, *qkv = normed + M * D, *q = qkv + M * NQ;
     float *att = q + M * A;
     float *a = att + M * A, *gu = a + M * A, *act = gu + M * 2 * I, *ascratch = act + M * I;
+    if (pos) {   /* each token's rotation, from the tables */
+        float *rc_ = ascratch + att_scratch, *rs_ = rc_ + M * hd;
+        for (long m = 0; m < M; ++m) {
+            memcpy(rc_ + m * hd, cos + pos[m] * hd, (size_t)hd * sizeof(float));
+            memcpy(rs_ + m * hd, ssin + pos[m] * hd, (size_t)hd * sizeof(float));
+        }
+        cos = rc_;
+        ssin = rs_;
+    }
+    if (ids)
+        for (long m = 0; m < M; ++m) memcpy(x + m * D, embed + ids[m] * D, (size_t)D * sizeof(float));
     float *xa = x, *xb = other;
     int rc = 0;
     for (long i = 0; i < L && rc == 0; ++i) {

@@ -290,7 +290,7 @@ class LayerStack:
         assert all(0 <= i < len(weights) for i in taps), taps
         self.taps = taps
         self.tiles = half and all_tiles(list(weights))   # the rows it takes: ``can_run``
-        self.tapped = torch.tensor(taps, dtype=torch.int64)
+        self.tapped = torch.arange(len(weights))[list(taps)]   # (int64)
         self.array = (_Layer * len(weights))(*(_Layer(
             *(pointer(getattr(w, f)) for f in ("in_norm", "wqkv", "bqkv", "qk_norm", "wo", "bo", "post_norm", "wgu",
                                             "bgu", "wdown", "bdown")), pointer(keys[i]), pointer(values[i]),
@@ -298,23 +298,36 @@ class LayerStack:
 
 
 def layers(stack: LayerStack,
-           x: torch.Tensor,          # [M, D] the embeddings (the trees' B K tokens, each row's K
+           x: torch.Tensor | None,   # [M, D] the embeddings (the trees' B K tokens, each row's K
                                      # together, then the chunks' N), contiguous float32:
-                                     # overwritten (the caller's to give up)
-           cos: torch.Tensor, ssin: torch.Tensor,   # [M, hd] (ssin: rope_sign applied)
+                                     # overwritten (the caller's to give up); None: ``tokens``'
+           cos: torch.Tensor, ssin: torch.Tensor,   # [M, hd] (ssin: rope_sign applied), or with
+                                                    # ``positions`` the tables [P, hd] read there
            slots: torch.Tensor | None,   # [B, K] each tree token's slot in the paged store (None: no trees)
            table: torch.Tensor | None,   # [B, nb] the blocks each row reads
            block_size: int,
            mask: torch.Tensor | None,    # [B, 1, K, T] bool, True = may attend (``paged_attention``'s)
            scale: float,
            chunks: PackedRows | None = None,   # the N packed prefill tokens after the trees'
+           *,
+           tokens: torch.Tensor | None = None,      # [M] the tokens, with ``embed`` [V, D] float32 their rows
+           embed: torch.Tensor | None = None,
+           positions: torch.Tensor | None = None,   # [M] each token's position in the tables
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """A few-row forward's every layer in one call (``ts_layers``): per layer ``attn_in``,
     the new keys and values written at their slots, the attention (``paged_attention`` of
     the trees, ``chunk_attention`` of the chunks) and ``attn_out_mlp``, on the same
-    functions in the same order, so the same floats as those calls made one by one.
-    Returns the last layer's output [M, D] (``x`` itself, written in place: its residual
-    stream plus its MLP's output) and ``stack.taps``' outputs side by side [M, n D]."""
+    functions in the same order, so the same floats as those calls made one by one; the
+    embeddings (``tokens``' rows) and each token's rotation (``positions``' rows of the
+    tables) looked up there too. Returns the last layer's output [M, D] (``x`` itself,
+    written in place: its residual stream plus its MLP's output) and ``stack.taps``'
+    outputs side by side [M, n D]. ValueError for a position past the tables."""
+    if x is None:
+        assert tokens is not None and embed is not None and embed.dtype == torch.float32 and embed.is_contiguous()
+        tokens = as_long(tokens)
+        x = torch.empty(tokens.shape[0], stack.hidden, dtype=torch.float32)
+    if positions is not None:
+        positions = as_long(positions)
     b, k = (0, 0) if slots is None else slots.shape
     n = 0 if chunks is None else chunks.slots.shape[0]
     m, dim = x.shape
@@ -339,12 +352,15 @@ def layers(stack: LayerStack,
     taps = torch.empty(m, len(stack.taps) * dim, dtype=torch.float32)
     with operator(PROFILER_NAMES[3]):
         rc = library().ts_layers(ctypes.cast(stack.array, ctypes.c_void_p), count, int(stack.half), x.data_ptr(),
+                                 pointer(tokens), pointer(embed), 0 if embed is None else embed.shape[0],
                                  taps.data_ptr(), len(stack.taps), stack.tapped.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
-                                 slots.data_ptr(), pointer(table), 0 if table is None else table.shape[1], block_size,
+                                 pointer(positions), cos.shape[0], slots.data_ptr(), pointer(table), 0 if table is None else table.shape[1], block_size,
                                  pointer(mb), mt, scale, b, k, n, pointer(c_tables),
                                  0 if c_tables is None else c_tables.shape[1], pointer(c_spans),
                                  0 if c_spans is None else c_spans.shape[0], 0.0 if chunks is None else chunks.scale,
                                  dim, hq, hkv, hd, stack.inter, SPAN_BLOCKS, torch.get_num_threads())
+    if rc == -3:
+        raise ValueError(f"ts_layers: a position past the rotary tables' {cos.shape[0]}")
     if rc != 0:
         raise ValueError(f"ts_layers refused {b} rows of {k} tokens and {n} chunk tokens (rc {rc})")
     return x, taps

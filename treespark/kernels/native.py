@@ -145,8 +145,8 @@ def load(path: Path) -> ctypes.CDLL:
         "ts_qk_rope": [ptr, ptr, f32, ptr, ptr] + [n] * 4 + [i32],
         "ts_silu_rows": [ptr, ptr, n, n, i32],
         "ts_paged_attention": [ptr] * 4 + [n, n, ptr, n, f32, ptr, ptr] + [n] * 6 + [i32],
-        "ts_layers": [ptr, n, i32, ptr, ptr, n] + [ptr] * 5 + [n, n, ptr, n, f32, n, n, n, ptr, n, ptr, n, f32] + [n] * 6
-                     + [i32],
+        "ts_layers": [ptr, n, i32, ptr, ptr, ptr, n, ptr, n, ptr, ptr, ptr, ptr, n, ptr, ptr]
+                     + [n, n, ptr, n, f32, n, n, n, ptr, n, ptr, n, f32] + [n] * 6 + [i32],
         "ts_chunk_attention": [ptr] * 4 + [n, n, ptr, n, f32, ptr] + [n] * 4 + [i32],
         "ts_chunk_lanes": [],
         "ts_greedy_forest": [ptr, n, n, ptr, n, ptr, ptr, n] + [ptr] * 7 + [n, f64, n] + [ptr] * 9 + [n] + [ptr] * 3 + [i32],

@@ -214,11 +214,16 @@ class DSparkDrafter(nn.Module):
             self._shared_head_half = native.exact_panels(self._shared_head)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_weight)
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """The token embedding table [V, h]: the target's where shared, else its own."""
         if self.config.shared_embeddings:
             if self._shared_embed is None:
                 raise RuntimeError("shared-embedding drafter used before attach_target_embeddings()")
-            return F.embedding(ids, self._shared_embed)
-        return self.embed_tokens(ids)
+            return self._shared_embed
+        return self.embed_tokens.weight
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         if self.config.head_shared:
@@ -321,9 +326,11 @@ class DSparkDrafter(nn.Module):
         concatenation, and no copy of every layer at once. Nothing is read to the host and
         no shape depends on the values: what ``treespark.engine.draft_graphs`` captures."""
         positions = ctx_len[:, None] + torch.arange(self.config.block_size, device=anchors.device)   # [B, blk]
-        x = self.embed(self._block_ids(anchors)).to(self.fc.weight.dtype)
-        if self.native.runs(x):
-            return self.native(self.layers, x, self.rotary, context, ctx_len, positions, self._context_layer)
+        ids = self._block_ids(anchors)
+        if self.fc.weight.dtype == torch.float32 and self.native.runs(ids):
+            return self.native(self.layers, ids, self.embed_weight, self.rotary, context, ctx_len, positions,
+                               self._context_layer)
+        x = self.embed(ids).to(self.fc.weight.dtype)
         cos, sin = self.rotary(positions, x.dtype)
         bias = None
         for i, layer in enumerate(self.layers):

@@ -105,11 +105,12 @@ class NativeBlockPass:
             t = self._rope = (rotary, cos[0].contiguous(), (sin[0] * self._rope_sign).contiguous())
         return t[1], t[2]
 
-    def runs(self, x: torch.Tensor) -> bool:
-        """Whether the block pass of ``x`` [B, blk, h] runs here: float32 on the CPU, at
-        most ``MAX_ROWS`` rows, no gradients, the library built."""
-        return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-                and blocks.can_run(x.shape[0] * x.shape[1], self.config.hidden_act))
+    def runs(self, block: torch.Tensor) -> bool:
+        """Whether the block pass of a block [B, blk] (its tokens, or [B, blk, h] its
+        embeddings) of a float32 drafter (the caller's to say) runs here: on the CPU, at most
+        ``MAX_ROWS`` rows, no gradients, the library built."""
+        return (block.device.type == "cpu" and not torch.is_grad_enabled()
+                and blocks.can_run(block.shape[0] * block.shape[1], self.config.hidden_act))
 
     def fused_layers(self, layers: nn.ModuleList) -> list[tuple[blocks.LayerWeights, bool]]:
         """Each layer's weights as ``blocks`` takes them (q|k|v and gate|up stacked, the q/k
@@ -185,30 +186,34 @@ class NativeBlockPass:
         kv = y.view(b, s, 2, n_layers, hkv, hd).permute(2, 3, 0, 4, 1, 5)          # [2, L, B, kvh, S, hd]
         return kv[0], kv[1]
 
-    def __call__(self, layers: nn.ModuleList, x: torch.Tensor, rotary: Rotary, context: ContextKV,
-                 ctx_len: torch.Tensor, positions: torch.Tensor, context_layer: ContextLayer) -> torch.Tensor:
-        """The block's last hidden states [B, blk, h] from its embeddings ``x`` [B, blk, h]
-        at ``positions`` [B, blk]: one ``blocks.layers`` call where the context is a paged
-        store it takes (the rotation looked up in ``rope_tables``), else per layer two
-        native calls around its attention over ``context_layer``'s keys and values, the
-        block's own written at ``positions``."""
+    def __call__(self, layers: nn.ModuleList, ids: torch.Tensor, embed: torch.Tensor, rotary: Rotary,
+                 context: ContextKV, ctx_len: torch.Tensor, positions: torch.Tensor,
+                 context_layer: ContextLayer) -> torch.Tensor:
+        """The block's last hidden states [B, blk, h] from its tokens ``ids`` [B, blk] (rows
+        of ``embed`` [V, h]) at ``positions`` [B, blk]: one ``blocks.layers`` call where the
+        context is a paged store it takes (the embeddings and the rotation looked up there,
+        from ``rope_tables``), else per layer two native calls around its attention over
+        ``context_layer``'s keys and values, the block's own written at ``positions``."""
         c = self.config
-        b, blk, h = x.shape
+        b, blk = ids.shape
+        h = embed.shape[1]
         hq, hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = x.reshape(b * blk, h).contiguous()
         view = context.paged(blk)
         stack = None if view is None else self._paged_stack(layers, view)
         if stack is not None:
             assert view is not None
             bs, table = view.block_size, view.table
             keys = table.shape[1] * bs                      # past every position of the block
-            cos_t, ssin_t = self.rope_tables(rotary, keys)
-            at = positions.flatten()
             slots = block_slots(table, positions, bs)                                        # [B, blk]
             seen = torch.arange(keys) < (ctx_len + blk)[:, None]                             # [B, keys]
             mask = seen[:, None, None].expand(b, 1, blk, -1)   # every block token sees the same keys
-            x, _ = blocks.layers(stack, x, cos_t[at], ssin_t[at], slots, table, bs, mask, hd ** -0.5)
+            lookup = embed.dtype == torch.float32 and embed.is_contiguous()
+            x, _ = blocks.layers(stack, None if lookup else F.embedding(ids, embed).float().view(b * blk, h),
+                                 *self.rope_tables(rotary, keys), slots, table, bs, mask, hd ** -0.5,
+                                 tokens=ids.flatten() if lookup else None, embed=embed if lookup else None,
+                                 positions=positions.flatten())
             return x.view(b, blk, h)
+        x = F.embedding(ids, embed).float().view(b * blk, h)
         cos, sin = rotary(positions, x.dtype)
         cos = cos.reshape(b * blk, hd).contiguous()
         ssin = (sin * self._rope_sign).reshape(b * blk, hd).contiguous()
