@@ -385,3 +385,23 @@ def test_the_layer_stack_in_one_call_takes_a_packed_prefill_and_a_mixed_step(fam
     assert len(stacked) == 1, "the per-layer calls"
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got[2].target.k, want[2].target.k) and torch.equal(got[2].target.v, want[2].target.v)
+
+
+@needs_native
+@pytest.mark.parametrize("half", [False, True])
+def test_norm_linear_is_the_norm_then_the_product(half):
+    """A forward's final norm and LM head in one call (``blocks.norm_linear``) give
+    ``add_norm``'s norm times ``native_linear``'s product to the bit, on float32 weights
+    and on their bfloat16 panels, into the room given."""
+    from treespark.kernels.native import exact_panels, native_linear
+
+    g = torch.Generator().manual_seed(12)
+    x, norm_w = torch.randn(5, 64, generator=g), torch.rand(64, generator=g) + 0.5
+    w = torch.randn(96, 64, generator=g)
+    if half:
+        w = exact_panels(w.bfloat16().float())
+        assert w is not None
+    room = torch.full((5 * 96 + 7,), float("nan"))
+    got = blocks.norm_linear(x, norm_w, 1e-6, w, None, room)
+    want = native_linear(blocks.add_norm(x, None, norm_w, 1e-6)[1], w)
+    assert torch.equal(got, want) and got.data_ptr() == room.data_ptr()

@@ -46,6 +46,8 @@ from treespark.kernels.layer_ops import (
     rope_sign,
 )
 from treespark.kernels.linear import F_LINEAR, HALF, NATIVE, PACKED, ProductPlan, planned_linear
+from treespark.kernels.native import can_run as native_can_run
+from treespark.kernels.native import most_rows
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -398,8 +400,25 @@ class TargetRunner:
         else:
             assert logits_for == "all", f"logits_for must be all, last or none, not {logits_for!r}"
             x = x.reshape(b * k, -1)
+        if (w := self._native_head(x)) is not None:   # the norm and the head in one call
+            norm = self.base.norm
+            return blocks.norm_linear(x.contiguous(), norm.weight, norm.variance_epsilon, w, self.weights.head.bias,
+                                      logits_into).view(b, k, -1)
         x = self._norm(self.base.norm, x)
         return self._head(x, logits_into).view(b, k, -1)
+
+    def _native_head(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The LM head's weight as ``blocks.norm_linear`` takes it for the rows x [N, h],
+        where the final norm is the native one and the plan runs N rows natively: the
+        float32 weight (``NATIVE``) or its bfloat16 copy (``HALF``); None elsewhere."""
+        n = x.shape[0]
+        if self.ops is not NATIVE_OPS or self.products is None or x.dtype != torch.float32 or torch.is_grad_enabled():
+            return None
+        head, layout = self.weights.head, self.products.layout(n)
+        w = head.weight if layout == NATIVE else head.half if layout == HALF else None
+        if w is None or not native_can_run(w) or n > (most_rows(w) or n):
+            return None
+        return w
 
     def _head(self, x: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
         """The LM head over x [N, h] -> [N, V] float32; into ``into`` (flat, float32, at

@@ -468,12 +468,14 @@ int ts_chunk_attention(const float *q, const float *kc, const float *vc, const i
  * layer tapped[j] in columns j D .. (j < n) of each row (a row's taps side by side, in the
  * order the caller concatenates them; a layer may come twice); cos, ssin: the rotary tables
  * [P, hd] (ssin: rope_sign applied) read at pos [M], each token's position (pos NULL: the
- * rows' own [M, hd]); slots: [M] each token's slot. Returns 0, -1 for shapes it does not
- * take, -2 when out of memory, -3 for a position past the tables. */
+ * rows' own [M, hd]); slots: [M] each token's slot. A block of the drafter's (no chunks):
+ * slots NULL, each token written at its position pos[m] of its row's table, and mask NULL
+ * with lens [B]: every token of row b sees the keys below lens[b] (mT = nb bs). Returns 0,
+ * -1 for shapes it does not take, -2 when out of memory, -3 for a position past the tables. */
 int ts_layers(const ts_layer *layers, long L, int half, float *x, const int64_t *ids, const float *embed, long V,
               float *taps, long n_taps, const long *tapped, const float *cos, const float *ssin, const int64_t *pos,
               long P, const int64_t *slots, const int64_t *table, long nb, long bs,
-              const uint8_t *mask, long mT, float scale, long B, long K, long N, const int64_t *ctables, long cnb,
+              const uint8_t *mask, const int64_t *lens, long mT, float scale, long B, long K, long N, const int64_t *ctables, long cnb,
               const int64_t *spans, long C, float cscale, long D, long Hq, long Hkv, long hd, long I, long span,
               int threads) {
     if (L < 1 || B < 0 || K < 0 || N < 0 || B * K + N < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv || bs < 1 || span < 1)
@@ -484,7 +486,10 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, const int64_t 
     const long att_scratch = B * Hkv * splits * R * (span * bs + hd + 2);
     for (long m = 0; m < M; ++m)
         if ((pos && (pos[m] < 0 || pos[m] >= P)) || (ids && (ids[m] < 0 || ids[m] >= V))) return pos && pos[m] >= P ? -3 : -1;
-    const long total = M * D * 3 + M * NQ + M * A * 3 + M * 3 * I + att_scratch + (pos ? 2 * M * hd : 0);
+    if ((!slots && (N || !pos)) || (T && !mask && !lens)) return -1;
+    if (!mask && T) mT = nb * bs;
+    const long made = (pos ? 2 * M * hd : 0) + (slots ? 0 : 2 * M) + (mask || !T ? 0 : (T * mT + 3) / 4);
+    const long total = M * D * 3 + M * NQ + M * A * 3 + M * 3 * I + att_scratch + made;
     float *buf = (float *)malloc((size_t)total * sizeof(float));
     if (!buf) return -2;
     float *mlp = buf, *other = mlp + M * D, *normed = other + M * D, *qkv = normed + M * D, *q = qkv + M * NQ;
@@ -498,6 +503,23 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, const int64_t 
         }
         cos = rc_;
         ssin = rs_;
+    }
+    float *rest = ascratch + att_scratch + (pos ? 2 * M * hd : 0);
+    if (!slots) {   /* each token at its position in its row's blocks */
+        int64_t *at = (int64_t *)rest;
+        for (long m = 0; m < M; ++m) {
+            const long p = pos[m];
+            if (p / bs >= nb) { free(buf); return -1; }
+            at[m] = table[(m / K) * nb + p / bs] * bs + p % bs;
+        }
+        slots = at;
+        rest += M * 2;   /* (an int64 takes two floats' room) */
+    }
+    if (T && !mask) {   /* every token of row b sees the keys below lens[b] */
+        uint8_t *made_mask = (uint8_t *)rest;
+        for (long m = 0; m < T; ++m)
+            for (long j = 0; j < mT; ++j) made_mask[m * mT + j] = j < lens[m / K];
+        mask = made_mask;
     }
     if (ids)
         for (long m = 0; m < M; ++m) memcpy(x + m * D, embed + ids[m] * D, (size_t)D * sizeof(float));
@@ -579,5 +601,19 @@ int ts_context_write(const float *x, const float *norm_w, float eps, const void 
             memcpy(vc + at, y + m * N + (HK + l * Hkv) * hd, n * sizeof(float));
         }
     free(buf);
+    return rc;
+}
+
+/* y = (rms_norm(x) norm_w) W^T (+ b) over M rows x [M, D], W [N, D] (or its bfloat16 panels,
+ * `half`): ts_add_norm, then the product, in one call (a forward's final norm and LM head).
+ * y: [M, N]. Returns 0, -1 for shapes it does not take, -2 when out of memory. */
+int ts_norm_linear(const float *x, const float *norm_w, float eps, const void *w, const float *b, int half, float *y,
+                   long M, long D, long N, int threads) {
+    if (M < 1 || D < 1 || N < 1) return -1;
+    float *normed = (float *)malloc((size_t)(M * D) * sizeof(float));
+    if (!normed) return -2;
+    int rc = ts_add_norm(x, NULL, norm_w, eps, NULL, normed, M, D, threads);
+    if (rc == 0) rc = product(normed, w, b, half, y, M, N, D, threads);
+    free(normed);
     return rc;
 }

@@ -37,7 +37,7 @@ from treespark.kernels.native import MAX_ROWS, as_long, library, most_rows, oper
 # what torch.profiler calls them
 PROFILER_NAMES = ("treespark::attn_in", "treespark::attn_out_mlp", "treespark::paged_attention",
                   "treespark::layers", "treespark::add_norm", "treespark::qk_rope", "treespark::silu_rows",
-                  "treespark::context_write")
+                  "treespark::context_write", "treespark::norm_linear")
 ACTIVATIONS = ("silu", "swish")  # the hidden_act names blocks.c computes
 # paged_attention cuts each row's keys into spans of this many blocks, from the first (work
 # for every thread; the same spans whatever the batch, so a row's values do not depend on it)
@@ -156,6 +156,27 @@ def attn_out_mlp(a: torch.Tensor,                      # [M, A] the attention's 
     if rc != 0:
         raise ValueError(f"ts_attn_out_mlp refused rows {m}, hidden {dim}, attention {a.shape[1]}, mlp {inter}")
     return x_out, mlp
+
+
+def norm_linear(x: torch.Tensor,                       # [M, D] float32, contiguous
+                norm_w: torch.Tensor, eps: float,      # the norm's [D]
+                w: torch.Tensor, b: torch.Tensor | None,   # [N, D] float32, or its bfloat16 panels
+                out: torch.Tensor | None = None,       # flat float32 room for [M, N], or None
+                ) -> torch.Tensor:
+    """(x's RMSNorm times ``norm_w``) W^T (+ b) [M, N] in one call (``ts_norm_linear``: a
+    forward's final norm and LM head): ``add_norm``'s norm, then ``native_linear``'s
+    product, the same floats; into ``out`` where given. For the rows ``native_linear``
+    takes of ``w`` (``most_rows``)."""
+    m, dim = x.shape
+    n = w.shape[0]
+    assert x.dtype == torch.float32 and x.is_contiguous() and 1 <= m <= (most_rows(w) or m), (tuple(x.shape), m)
+    y = torch.empty(m, n, dtype=torch.float32) if out is None else out[:m * n].view(m, n)
+    with operator(PROFILER_NAMES[8]):
+        rc = library().ts_norm_linear(x.data_ptr(), norm_w.data_ptr(), eps, w.data_ptr(), pointer(b),
+                                      int(w.dtype == torch.bfloat16), y.data_ptr(), m, dim, n, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"ts_norm_linear refused rows {m}, hidden {dim}, out {n} (rc {rc})")
+    return y
 
 
 def context_write(x: torch.Tensor,             # [M, D] the rows, before their norm
@@ -303,7 +324,8 @@ def layers(stack: LayerStack,
                                      # overwritten (the caller's to give up); None: ``tokens``'
            cos: torch.Tensor, ssin: torch.Tensor,   # [M, hd] (ssin: rope_sign applied), or with
                                                     # ``positions`` the tables [P, hd] read there
-           slots: torch.Tensor | None,   # [B, K] each tree token's slot in the paged store (None: no trees)
+           slots: torch.Tensor | None,   # [B, K] each tree token's slot in the paged store (None: no
+                                         # trees, or with ``lens`` each at its position)
            table: torch.Tensor | None,   # [B, nb] the blocks each row reads
            block_size: int,
            mask: torch.Tensor | None,    # [B, 1, K, T] bool, True = may attend (``paged_attention``'s)
@@ -313,6 +335,9 @@ def layers(stack: LayerStack,
            tokens: torch.Tensor | None = None,      # [M] the tokens, with ``embed`` [V, D] float32 their rows
            embed: torch.Tensor | None = None,
            positions: torch.Tensor | None = None,   # [M] each token's position in the tables
+           lens: torch.Tensor | None = None,        # [B] a drafter block's rows (no ``slots``, ``mask``
+                                                    # or chunks): every token of row b written at its
+                                                    # position, seeing the keys below lens[b]
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """A few-row forward's every layer in one call (``ts_layers``): per layer ``attn_in``,
     the new keys and values written at their slots, the attention (``paged_attention`` of
@@ -328,14 +353,21 @@ def layers(stack: LayerStack,
         x = torch.empty(tokens.shape[0], stack.hidden, dtype=torch.float32)
     if positions is not None:
         positions = as_long(positions)
-    b, k = (0, 0) if slots is None else slots.shape
-    n = 0 if chunks is None else chunks.slots.shape[0]
     m, dim = x.shape
+    if lens is not None:
+        assert slots is None and mask is None and chunks is None and positions is not None and table is not None
+        b, k = lens.shape[0], m // lens.shape[0]
+        lens = as_long(lens)
+    else:
+        b, k = (0, 0) if slots is None else slots.shape
+    n = 0 if chunks is None else chunks.slots.shape[0]
     count = len(stack.weights)
     assert m == b * k + n and dim == stack.hidden and 1 <= m <= max_rows(stack.tiles), (tuple(x.shape), b, k, n)
     hq, hkv, hd = stack.heads, stack.kv_heads, stack.head_dim
     assert x.dtype == torch.float32 and x.is_contiguous()
-    if b * k:
+    if lens is not None:
+        mb, mt, table = None, 0, as_long(table)
+    elif b * k:
         assert table is not None and mask is not None
         assert mask.shape[-1] <= table.shape[1] * block_size, (tuple(mask.shape), tuple(table.shape), block_size)
         mb, mt = mask_bytes(mask, b, k), mask.shape[-1]
@@ -354,8 +386,9 @@ def layers(stack: LayerStack,
         rc = library().ts_layers(ctypes.cast(stack.array, ctypes.c_void_p), count, int(stack.half), x.data_ptr(),
                                  pointer(tokens), pointer(embed), 0 if embed is None else embed.shape[0],
                                  taps.data_ptr(), len(stack.taps), stack.tapped.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
-                                 pointer(positions), cos.shape[0], slots.data_ptr(), pointer(table), 0 if table is None else table.shape[1], block_size,
-                                 pointer(mb), mt, scale, b, k, n, pointer(c_tables),
+                                 pointer(positions), cos.shape[0], pointer(slots), pointer(table),
+                                 0 if table is None else table.shape[1], block_size, pointer(mb), pointer(lens), mt,
+                                 scale, b, k, n, pointer(c_tables),
                                  0 if c_tables is None else c_tables.shape[1], pointer(c_spans),
                                  0 if c_spans is None else c_spans.shape[0], 0.0 if chunks is None else chunks.scale,
                                  dim, hq, hkv, hd, stack.inter, SPAN_BLOCKS, torch.get_num_threads())

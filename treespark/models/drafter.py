@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treespark.kernels import native
+from treespark.kernels import blocks, native
 from treespark.kernels.attention import ContextKV, attention_bias, grouped_attention
 from treespark.kernels.layer_ops import native_rms_norm
-from treespark.kernels.linear import Linear, unplanned_linear
+from treespark.kernels.linear import Linear, on_native, unplanned_linear
 from treespark.models.drafter_blocks import NativeBlockPass
 from treespark.models.drafter_config import DSparkConfig
 from treespark.models.rotary import Rotary, apply_rope
@@ -354,7 +354,13 @@ class DSparkDrafter(nn.Module):
     @torch.no_grad()
     def block_head(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states [..., h] -> base logits [..., Vd] in float32 (the final norm and
-        the LM head)."""
+        the LM head: one native call where ``head`` would run natively, ``blocks.norm_linear``)."""
+        rows = x.reshape(-1, x.shape[-1])
+        if (self.config.head_shared and self._shared_head is not None and on_native(rows, self._shared_head)
+                and self.norm.weight.dtype == torch.float32):
+            w = self._shared_head if self._shared_head_half is None else self._shared_head_half
+            out = blocks.norm_linear(rows.contiguous(), self.norm.weight, self.norm.eps, w, None)
+            return out.view(*x.shape[:-1], -1)
         return self.head(self.norm(x)).float()
 
     @torch.no_grad()

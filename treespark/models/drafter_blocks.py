@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespark.kernels import blocks, native
-from treespark.kernels.attention import ContextKV, PagedView, block_slots, grouped_attention
+from treespark.kernels.attention import ContextKV, PagedView, grouped_attention
 from treespark.kernels.layer_ops import rope_sign
 from treespark.kernels.native import as_long
 from treespark.models.drafter_config import DSparkConfig
@@ -203,15 +203,12 @@ class NativeBlockPass:
         if stack is not None:
             assert view is not None
             bs, table = view.block_size, view.table
-            keys = table.shape[1] * bs                      # past every position of the block
-            slots = block_slots(table, positions, bs)                                        # [B, blk]
-            seen = torch.arange(keys) < (ctx_len + blk)[:, None]                             # [B, keys]
-            mask = seen[:, None, None].expand(b, 1, blk, -1)   # every block token sees the same keys
             lookup = embed.dtype == torch.float32 and embed.is_contiguous()
+            # each block token written at its position, seeing its row's context and the block
             x, _ = blocks.layers(stack, None if lookup else F.embedding(ids, embed).float().view(b * blk, h),
-                                 *self.rope_tables(rotary, keys), slots, table, bs, mask, hd ** -0.5,
+                                 *self.rope_tables(rotary, table.shape[1] * bs), None, table, bs, None, hd ** -0.5,
                                  tokens=ids.flatten() if lookup else None, embed=embed if lookup else None,
-                                 positions=positions.flatten())
+                                 positions=positions.flatten(), lens=ctx_len + blk)
             return x.view(b, blk, h)
         x = F.embedding(ids, embed).float().view(b * blk, h)
         cos, sin = rotary(positions, x.dtype)

@@ -159,14 +159,27 @@ def ancestor_masks(parents: np.ndarray, depth: int) -> np.ndarray:
     return mask
 
 
+def context_and_tree_mask(tree_mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[B, K, max(lengths) + K] bool on the host: each node's row sees its row's committed
+    context (columns below its length) and, over the K tree columns after it, its
+    ancestors and itself (``tree_mask`` [B, K, K])."""
+    n, k, _ = tree_mask.shape
+    total = int(lengths.max()) + k
+    mask = np.broadcast_to(np.arange(total)[None, None, :] < lengths[:, None, None], (n, k, total)).copy()
+    cols = lengths[:, None] + np.arange(k)[None]                                          # [B, K]
+    mask[np.arange(n)[:, None, None], np.arange(k)[None, :, None], cols[:, None, :]] = tree_mask
+    return mask
+
+
 def tree_batch(trees: list[DraftTree], lengths: list[int], device: torch.device,
                upload: Callable[[object, torch.dtype], torch.Tensor] | None = None) -> TreeBatch:
     """The batch of ``trees`` after committed contexts of ``lengths`` tokens: built on the
     host as arrays in the trees' size, moved in two uploads (``upload``: host array ->
     device tensor; default: ``torch.as_tensor`` then ``.to(device)``), widened to the
-    context on the device."""
+    context on the device; on a CPU, where an upload is no copy, the whole mask is made
+    on the host (``context_and_tree_mask``: a few numpy calls where the device takes ~10
+    operators)."""
     upload = upload or (lambda x, dtype: torch.as_tensor(x, dtype=dtype).to(device))
-    n = len(trees)
     kmax = max(t.num_nodes for t in trees)
     if kmax == 1:  # every row verifies its root alone (plain decoding): one upload, no tree mask
         ints = upload(np.asarray([[t.tokens[0] for t in trees], lengths], dtype=np.int64).T, torch.long)  # [B, 2]
@@ -179,12 +192,23 @@ def tree_batch(trees: list[DraftTree], lengths: list[int], device: torch.device,
     tree_mask[pad] = False
     tree_mask[pad, 0] = True  # padding rows see the root only (no all-masked rows)
     lens = np.asarray(lengths, dtype=np.int64)[:, None]
+    if device.type == "cpu":
+        ints = upload(np.concatenate([tokens, lens + depths, lens + np.arange(kmax)[None]], 1), torch.long)  # [B, 3K]
+        mask = upload(context_and_tree_mask(tree_mask, lens[:, 0]), torch.bool)
+        return TreeBatch(ints[:, :kmax], ints[:, kmax:2 * kmax], ints[:, 2 * kmax:], mask[:, None])
     ints = upload(np.concatenate([tokens, lens + depths, lens], 1), torch.long)   # [B, 2K + 1]
     tokens_d, positions, lens_d = ints[:, :kmax], ints[:, kmax:2 * kmax], ints[:, 2 * kmax:]
-    tree_mask_d = upload(tree_mask, torch.bool)
-    total = max(lengths) + kmax
-    write_pos = lens_d + torch.arange(kmax, device=device)[None]           # [B, K] each node's column
-    # the context's columns, then each node's tree row written over the row's K tree columns
-    mask = torch.arange(total, device=device).expand(n, kmax, total) < lens_d[:, :, None]   # [B, K, T]
-    mask.scatter_(2, write_pos[:, None, :].expand(n, kmax, kmax), tree_mask_d)
+    write_pos, mask = widened_on_device(upload(tree_mask, torch.bool), lens_d, max(lengths) + kmax)
     return TreeBatch(tokens_d, positions, write_pos, mask[:, None])
+
+
+def widened_on_device(tree_mask: torch.Tensor, lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``context_and_tree_mask`` made where ``tree_mask`` [B, K, K] and ``lens`` [B, 1]
+    are (an accelerator's: the upload stays the trees' size): each node's column [B, K]
+    and the mask [B, K, total]."""
+    n, k, _ = tree_mask.shape
+    write_pos = lens + torch.arange(k, device=lens.device)[None]           # [B, K] each node's column
+    # the context's columns, then each node's tree row written over the row's K tree columns
+    mask = torch.arange(total, device=lens.device).expand(n, k, total) < lens[:, :, None]   # [B, K, T]
+    mask.scatter_(2, write_pos[:, None, :].expand(n, k, k), tree_mask)
+    return write_pos, mask
