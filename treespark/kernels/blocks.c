@@ -488,7 +488,7 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, const int64_t 
         if ((pos && (pos[m] < 0 || pos[m] >= P)) || (ids && (ids[m] < 0 || ids[m] >= V))) return pos && pos[m] >= P ? -3 : -1;
     if ((!slots && (N || !pos)) || (T && !mask && !lens)) return -1;
     if (!mask && T) mT = nb * bs;
-    const long made = (pos ? 2 * M * hd : 0) + (slots ? 0 : 2 * M) + (mask || !T ? 0 : (T * mT + 3) / 4);
+    const long made = (pos ? 2 * M * hd : 0) + (slots ? 0 : 2 * M + 1) + (mask || !T ? 0 : (T * mT + 3) / 4);
     const long total = M * D * 3 + M * NQ + M * A * 3 + M * 3 * I + att_scratch + made;
     float *buf = (float *)malloc((size_t)total * sizeof(float));
     if (!buf) return -2;
@@ -506,6 +506,7 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, const int64_t 
     }
     float *rest = ascratch + att_scratch + (pos ? 2 * M * hd : 0);
     if (!slots) {   /* each token at its position in its row's blocks */
+        rest += (rest - buf) % 2;   /* (8-byte aligned) */
         int64_t *at = (int64_t *)rest;
         for (long m = 0; m < M; ++m) {
             const long p = pos[m];
