@@ -14,10 +14,14 @@ the float32 weights or their bfloat16 copies (``half``): for a plan that runs th
 ``NATIVE`` or ``HALF`` the values are the torch forward's to float rounding
 (``tests/kernels/test_blocks.py``).
 
-``layers`` runs a decoding step's whole layer stack over a paged store in one call
+``layers`` runs a few-row forward's whole layer stack over a paged store in one call
 (``ts_layers``: the same three functions per layer, and the keys' and values' writes at
-their slots): what's left of a step's Python per layer, ~0.1 ms (the views, the writes'
-indexing, the calls' arguments), is paid once a forward.
+their slots; a decoding step's trees, a prefill's packed chunks through ``chunks.c``'s
+attention, or both; the embeddings and the rotation looked up in it, the last layer's
+residual add and the taps written by it): what's left of a step's Python per layer,
+~0.1 ms (the views, the writes' indexing, the calls' arguments), is paid once a forward.
+``norm_linear`` is a forward's final norm and LM head in one call, ``context_write`` the
+drafter's context keys and values of a commit's rows made and written in one.
 
 ``add_norm``, ``qk_rope`` and ``silu_rows`` are ``attn_in``'s and ``attn_out_mlp``'s
 non-product parts alone, over any rows: a prefill's hundreds of rows, whose products
