@@ -199,11 +199,6 @@ def test_the_avx2_build_attends_as_the_gathered_sdpa_does(tmp_path):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
-def _rows(args: tuple, kwargs: dict) -> int:
-    """The rows of a ``blocks.layers`` call: its embeddings', or its tokens' where it looks them up."""
-    return (kwargs["tokens"] if args[1] is None else args[1]).shape[0]
-
-
 def _paged_forward(runner: TargetRunner, seq: torch.Tensor, k: int, bs: int = 4):
     """Rows ``seq`` [B, n] over their own shuffled blocks of one paged store: the prefix
     in one forward (torch's operators: more than MAX_ROWS tokens), then the last ``k``
@@ -274,7 +269,7 @@ def test_on_amx_tiles_the_layer_stack_takes_a_batch_of_trees(family, monkeypatch
     torch_runner._blocks = False
     stacked = []
     real = blocks.layers
-    monkeypatch.setattr(blocks, "layers", lambda *a, **kw: stacked.append(_rows(a, kw)) or real(*a, **kw))
+    monkeypatch.setattr(blocks, "layers", lambda *a, **kw: stacked.append(a[1].shape[0]) or real(*a, **kw))
     seq = torch.randint(0, model.config.vocab_size, (2, 60), generator=torch.Generator().manual_seed(11))
     got = _paged_forward(stacked_runner, seq, 20)
     assert stacked == [40], "the 2 x 20-token step in one call, the prefix not"
@@ -376,7 +371,7 @@ def test_the_layer_stack_in_one_call_takes_a_packed_prefill_and_a_mixed_step(fam
     taps = (0, model.config.num_hidden_layers - 1)
     stacked = []
     real = blocks.layers
-    monkeypatch.setattr(blocks, "layers", lambda *a, **kw: stacked.append(_rows(a, kw)) or real(*a, **kw))
+    monkeypatch.setattr(blocks, "layers", lambda *a, **kw: stacked.append(a[1].shape[0]) or real(*a, **kw))
     got = _prefill_step(TargetRunner(model, taps, plan), trees, seed=21)
     assert stacked == [12 + 3 * trees], "the step's every layer in one call"
     with monkeypatch.context() as m:

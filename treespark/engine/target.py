@@ -278,9 +278,9 @@ class TargetRunner:
         embed = self.base.embed_tokens.weight
         if (half is not None and self._rope is not None and embed.dtype == torch.float32 and embed.is_contiguous()
                 and (one := stacked(attend)) is not None):   # the whole stack in one call, lookups included
-            x, tapped = blocks.layers(self._stack(one.store, half), None, *self._rope, one.slots, one.table,
-                                      one.block_size, one.mask, one.scale, one.chunks, tokens=tokens.flatten(),
-                                      embed=embed, positions=positions.flatten())
+            x, tapped = blocks.layers(self._stack(one.store, half), tokens.flatten(), embed, *self._rope,
+                                      positions.flatten(), one.slots, one.table, one.block_size, one.mask, one.scale,
+                                      one.chunks)
             return x.view(b, k, -1), tapped.view(b, k, -1)
         h = self.base.embed_tokens(tokens).to(self.dtype)                  # [B, K, h]
         cos, sin = self._rotary(h, positions)                                # [B, 1, K, D]

@@ -463,17 +463,22 @@ int ts_chunk_attention(const float *q, const float *kc, const float *vc, const i
  * over the block table [B, nb] under the mask [B, K, mT], then N packed prefill tokens (N
  * may be 0), attended by ts_chunk_attention over their chunks' tables [C, cnb] and spans
  * [C, 3] (chunks.c). ids: [M] the tokens, whose rows of the embedding table embed [V, D] x
- * starts from (NULL: x holds the embeddings); x: [M, D] the last layer's output out (its residual
+ * starts from; x: [M, D] the last layer's output out (its residual
  * stream plus its MLP's output, one float add, as torch's); taps: [M, n D], the output of
  * layer tapped[j] in columns j D .. (j < n) of each row (a row's taps side by side, in the
  * order the caller concatenates them; a layer may come twice); cos, ssin: the rotary tables
- * [P, hd] (ssin: rope_sign applied) read at pos [M], each token's position (pos NULL: the
- * rows' own [M, hd]); slots: [M] each token's slot. A block of the drafter's (no chunks):
+ * [P, hd] (ssin: rope_sign applied) read at pos [M], each token's position; slots: [M]
+ * each token's slot. A block of the drafter's (no chunks):
  * slots NULL, each token written at its position pos[m] of its row's table, and mask NULL
  * with lens [B]: every token of row b sees the keys below lens[b] (mT = nb bs). Returns 0,
  * -1 for shapes it does not take, -2 when out of memory, -3 for a position past the tables. */
+/* out[m] = the row idx[m] of tab (rows of `width` floats), m < M */
+static void rows_at(const float *tab, const int64_t *idx, long M, long width, float *out) {
+    for (long m = 0; m < M; ++m) memcpy(out + m * width, tab + idx[m] * width, (size_t)width * sizeof(float));
+}
+
 int ts_layers(const ts_layer *layers, long L, int half, float *x, const int64_t *ids, const float *embed, long V,
-              float *taps, long n_taps, const long *tapped, const float *cos, const float *ssin, const int64_t *pos,
+              float *taps, long n_taps, const long *tapped, const float *cos_tab, const float *ssin_tab, const int64_t *pos,
               long P, const int64_t *slots, const int64_t *table, long nb, long bs,
               const uint8_t *mask, const int64_t *lens, long mT, float scale, long B, long K, long N, const int64_t *ctables, long cnb,
               const int64_t *spans, long C, float cscale, long D, long Hq, long Hkv, long hd, long I, long span,
@@ -485,26 +490,19 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, const int64_t 
     const long splits = T ? (nb + span - 1) / span : 0, R = (Hq / Hkv) * K;
     const long att_scratch = B * Hkv * splits * R * (span * bs + hd + 2);
     for (long m = 0; m < M; ++m)
-        if ((pos && (pos[m] < 0 || pos[m] >= P)) || (ids && (ids[m] < 0 || ids[m] >= V))) return pos && pos[m] >= P ? -3 : -1;
-    if ((!slots && (N || !pos)) || (T && !mask && !lens)) return -1;
+        if (pos[m] < 0 || pos[m] >= P || ids[m] < 0 || ids[m] >= V) return pos[m] >= P ? -3 : -1;
+    if ((!slots && N) || (T && !mask && !lens)) return -1;
     if (!mask && T) mT = nb * bs;
-    const long made = (pos ? 2 * M * hd : 0) + (slots ? 0 : 2 * M + 1) + (mask || !T ? 0 : (T * mT + 3) / 4);
+    const long made = 2 * M * hd + (slots ? 0 : 2 * M + 1) + (mask || !T ? 0 : (T * mT + 3) / 4);
     const long total = M * D * 3 + M * NQ + M * A * 3 + M * 3 * I + att_scratch + made;
     float *buf = (float *)malloc((size_t)total * sizeof(float));
     if (!buf) return -2;
     float *mlp = buf, *other = mlp + M * D, *normed = other + M * D, *qkv = normed + M * D, *q = qkv + M * NQ;
     float *att = q + M * A;
     float *a = att + M * A, *gu = a + M * A, *act = gu + M * 2 * I, *ascratch = act + M * I;
-    if (pos) {   /* each token's rotation, from the tables */
-        float *rc_ = ascratch + att_scratch, *rs_ = rc_ + M * hd;
-        for (long m = 0; m < M; ++m) {
-            memcpy(rc_ + m * hd, cos + pos[m] * hd, (size_t)hd * sizeof(float));
-            memcpy(rs_ + m * hd, ssin + pos[m] * hd, (size_t)hd * sizeof(float));
-        }
-        cos = rc_;
-        ssin = rs_;
-    }
-    float *rest = ascratch + att_scratch + (pos ? 2 * M * hd : 0);
+    float *cos = ascratch + att_scratch, *ssin = cos + M * hd, *rest = ssin + M * hd;
+    rows_at(cos_tab, pos, M, hd, cos);   /* each token's rotation, from the tables */
+    rows_at(ssin_tab, pos, M, hd, ssin);
     if (!slots) {   /* each token at its position in its row's blocks */
         rest += (rest - buf) % 2;   /* (8-byte aligned) */
         int64_t *at = (int64_t *)rest;
@@ -522,8 +520,7 @@ int ts_layers(const ts_layer *layers, long L, int half, float *x, const int64_t 
             for (long j = 0; j < mT; ++j) made_mask[m * mT + j] = j < lens[m / K];
         mask = made_mask;
     }
-    if (ids)
-        for (long m = 0; m < M; ++m) memcpy(x + m * D, embed + ids[m] * D, (size_t)D * sizeof(float));
+    rows_at(embed, ids, M, D, x);
     float *xa = x, *xb = other;
     int rc = 0;
     for (long i = 0; i < L && rc == 0; ++i) {
@@ -589,10 +586,8 @@ int ts_context_write(const float *x, const float *norm_w, float eps, const void 
     float *buf = (float *)malloc((size_t)(2 * M * hd + M * D + M * N) * sizeof(float));
     if (!buf) return -2;
     float *cos = buf, *ssin = cos + M * hd, *normed = ssin + M * hd, *y = normed + M * D;
-    for (long m = 0; m < M; ++m) {
-        memcpy(cos + m * hd, cos_tab + pos[m] * hd, (size_t)hd * sizeof(float));
-        memcpy(ssin + m * hd, ssin_tab + pos[m] * hd, (size_t)hd * sizeof(float));
-    }
+    rows_at(cos_tab, pos, M, hd, cos);
+    rows_at(ssin_tab, pos, M, hd, ssin);
     int rc = ts_attn_in(x, NULL, norm_w, eps, w, NULL, half, k_norm, k_eps, cos, ssin, (float *)x, normed, y, M, D, 0,
                         HK, hd, threads);
     for (long m = 0; m < M && rc == 0; ++m)

@@ -323,11 +323,10 @@ class LayerStack:
 
 
 def layers(stack: LayerStack,
-           x: torch.Tensor | None,   # [M, D] the embeddings (the trees' B K tokens, each row's K
-                                     # together, then the chunks' N), contiguous float32:
-                                     # overwritten (the caller's to give up); None: ``tokens``'
-           cos: torch.Tensor, ssin: torch.Tensor,   # [M, hd] (ssin: rope_sign applied), or with
-                                                    # ``positions`` the tables [P, hd] read there
+           tokens: torch.Tensor,         # [M] the trees' B K tokens (each row's K together), then the chunks' N
+           embed: torch.Tensor,          # [V, D] float32, contiguous: the embedding table tokens index
+           cos: torch.Tensor, ssin: torch.Tensor,   # the rotary tables [P, hd] (ssin: rope_sign applied)
+           positions: torch.Tensor,      # [M] each token's position in the tables
            slots: torch.Tensor | None,   # [B, K] each tree token's slot in the paged store (None: no
                                          # trees, or with ``lens`` each at its position)
            table: torch.Tensor | None,   # [B, nb] the blocks each row reads
@@ -336,39 +335,32 @@ def layers(stack: LayerStack,
            scale: float,
            chunks: PackedRows | None = None,   # the N packed prefill tokens after the trees'
            *,
-           tokens: torch.Tensor | None = None,      # [M] the tokens, with ``embed`` [V, D] float32 their rows
-           embed: torch.Tensor | None = None,
-           positions: torch.Tensor | None = None,   # [M] each token's position in the tables
-           lens: torch.Tensor | None = None,        # [B] a drafter block's rows (no ``slots``, ``mask``
-                                                    # or chunks): every token of row b written at its
-                                                    # position, seeing the keys below lens[b]
+           lens: torch.Tensor | None = None,   # [B] a drafter block's rows (no ``slots``, ``mask`` or
+                                               # chunks): every token of row b written at its
+                                               # position, seeing the keys below lens[b]
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A few-row forward's every layer in one call (``ts_layers``): per layer ``attn_in``,
-    the new keys and values written at their slots, the attention (``paged_attention`` of
-    the trees, ``chunk_attention`` of the chunks) and ``attn_out_mlp``, on the same
-    functions in the same order, so the same floats as those calls made one by one; the
-    embeddings (``tokens``' rows) and each token's rotation (``positions``' rows of the
-    tables) looked up there too. Returns the last layer's output [M, D] (``x`` itself,
-    written in place: its residual stream plus its MLP's output) and ``stack.taps``'
-    outputs side by side [M, n D]. ValueError for a position past the tables."""
-    if x is None:
-        assert tokens is not None and embed is not None and embed.dtype == torch.float32 and embed.is_contiguous()
-        tokens = as_long(tokens)
-        x = torch.empty(tokens.shape[0], stack.hidden, dtype=torch.float32)
-    if positions is not None:
-        positions = as_long(positions)
+    """A few-row forward's every layer in one call (``ts_layers``): the embeddings
+    (``tokens``' rows) and each token's rotation (``positions``' rows of the tables) looked
+    up, then per layer ``attn_in``, the new keys and values written at their slots, the
+    attention (``paged_attention`` of the trees, ``chunk_attention`` of the chunks) and
+    ``attn_out_mlp``, on the same functions in the same order, so the same floats as those
+    calls made one by one. Returns the last layer's output [M, D] (its residual stream plus
+    its MLP's output) and ``stack.taps``' outputs side by side [M, n D]. ValueError for a
+    position past the tables."""
+    assert embed.dtype == torch.float32 and embed.is_contiguous() and embed.shape[1] == stack.hidden
+    tokens, positions = as_long(tokens), as_long(positions)
+    x = torch.empty(tokens.shape[0], stack.hidden, dtype=torch.float32)
     m, dim = x.shape
     if lens is not None:
-        assert slots is None and mask is None and chunks is None and positions is not None and table is not None
+        assert slots is None and mask is None and chunks is None and table is not None
         b, k = lens.shape[0], m // lens.shape[0]
         lens = as_long(lens)
     else:
         b, k = (0, 0) if slots is None else slots.shape
     n = 0 if chunks is None else chunks.slots.shape[0]
     count = len(stack.weights)
-    assert m == b * k + n and dim == stack.hidden and 1 <= m <= max_rows(stack.tiles), (tuple(x.shape), b, k, n)
+    assert m == b * k + n and 1 <= m <= max_rows(stack.tiles), (m, b, k, n)
     hq, hkv, hd = stack.heads, stack.kv_heads, stack.head_dim
-    assert x.dtype == torch.float32 and x.is_contiguous()
     if lens is not None:
         mb, mt, table = None, 0, as_long(table)
     elif b * k:
@@ -388,9 +380,9 @@ def layers(stack: LayerStack,
     taps = torch.empty(m, len(stack.taps) * dim, dtype=torch.float32)
     with operator(PROFILER_NAMES[3]):
         rc = library().ts_layers(ctypes.cast(stack.array, ctypes.c_void_p), count, int(stack.half), x.data_ptr(),
-                                 pointer(tokens), pointer(embed), 0 if embed is None else embed.shape[0],
-                                 taps.data_ptr(), len(stack.taps), stack.tapped.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
-                                 pointer(positions), cos.shape[0], pointer(slots), pointer(table),
+                                 tokens.data_ptr(), embed.data_ptr(), embed.shape[0], taps.data_ptr(),
+                                 len(stack.taps), stack.tapped.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
+                                 positions.data_ptr(), cos.shape[0], pointer(slots), pointer(table),
                                  0 if table is None else table.shape[1], block_size, pointer(mb), pointer(lens), mt,
                                  scale, b, k, n, pointer(c_tables),
                                  0 if c_tables is None else c_tables.shape[1], pointer(c_spans),

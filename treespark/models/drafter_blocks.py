@@ -191,24 +191,22 @@ class NativeBlockPass:
                  context_layer: ContextLayer) -> torch.Tensor:
         """The block's last hidden states [B, blk, h] from its tokens ``ids`` [B, blk] (rows
         of ``embed`` [V, h]) at ``positions`` [B, blk]: one ``blocks.layers`` call where the
-        context is a paged store it takes (the embeddings and the rotation looked up there,
-        from ``rope_tables``), else per layer two native calls around its attention over
-        ``context_layer``'s keys and values, the block's own written at ``positions``."""
+        context is a paged store it takes and the table float32 (the embeddings and the
+        rotation looked up there, from ``rope_tables``), else per layer two native calls
+        around its attention over ``context_layer``'s keys and values, the block's own
+        written at ``positions``."""
         c = self.config
         b, blk = ids.shape
         h = embed.shape[1]
         hq, hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         view = context.paged(blk)
         stack = None if view is None else self._paged_stack(layers, view)
-        if stack is not None:
+        if stack is not None and embed.dtype == torch.float32 and embed.is_contiguous():
             assert view is not None
             bs, table = view.block_size, view.table
-            lookup = embed.dtype == torch.float32 and embed.is_contiguous()
             # each block token written at its position, seeing its row's context and the block
-            x, _ = blocks.layers(stack, None if lookup else F.embedding(ids, embed).float().view(b * blk, h),
-                                 *self.rope_tables(rotary, table.shape[1] * bs), None, table, bs, None, hd ** -0.5,
-                                 tokens=ids.flatten() if lookup else None, embed=embed if lookup else None,
-                                 positions=positions.flatten(), lens=ctx_len + blk)
+            x, _ = blocks.layers(stack, ids.flatten(), embed, *self.rope_tables(rotary, table.shape[1] * bs),
+                                 positions.flatten(), None, table, bs, None, hd ** -0.5, lens=ctx_len + blk)
             return x.view(b, blk, h)
         x = F.embedding(ids, embed).float().view(b * blk, h)
         cos, sin = rotary(positions, x.dtype)
