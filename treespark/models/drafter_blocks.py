@@ -132,11 +132,15 @@ class NativeBlockPass:
         """Whether ``context_kv`` takes the rows of ``x`` [..., h]: float32 on the CPU, no
         gradients, the library built; past the blocks' rows (a prefill's) where the product
         is a float32 weight's (torch's, around the native norms and rotation)."""
-        if not (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-                and blocks.can_run(1, self.config.hidden_act)):
+        if not self._native_rows(x):
             return False
         cw = self._made(layers)[4]
         return self._in_one_call(cw, x.numel() // x.shape[-1]) or not cw.half
+
+    def _native_rows(self, x: torch.Tensor) -> bool:
+        """Whether the native calls take the rows ``x``: float32 on the CPU, no gradients, the library built."""
+        return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+                and blocks.can_run(1, self.config.hidden_act))
 
     def _in_one_call(self, cw: ContextWeights, rows: int) -> bool:
         """Whether ``rows`` context rows take one ``attn_in`` call (the blocks' rows; any on AMX tiles)."""
@@ -150,7 +154,7 @@ class NativeBlockPass:
         (``blocks.context_write``), where the rows take one call (a commit's few) and the
         store is float32 on the CPU; False where not (nothing written: the caller's to)."""
         c = self.config
-        if not self.runs_context(layers, x):
+        if not self._native_rows(x):
             return False
         cw = self._made(layers)[4]
         if not (self._in_one_call(cw, x.shape[0]) and store_k.dtype == torch.float32 and store_k.device.type == "cpu"
