@@ -232,6 +232,35 @@ def test_the_avx512_panels_give_the_avx2_panels_floats(tmp_path):
 
 @needs_native
 @pytest.mark.skipif(not native.tiled(64), reason="no AMX tiles here (the CPU, the compiler or the OS)")
+def test_the_tile_panels_past_16_rows_give_each_row_its_own_floats():
+    """A prefill's rows on the tile form: groups of 16 rows (a partial last one), four panels
+    at a time with a partial last quad, the rows in blocks whose parts fit L2 (K = 1536:
+    160 rows a block, so 300 rows are two), with and without a bias: each row's outputs are
+    the floats it gets alone, at one and at two threads, and the float64 product's value to
+    float32 summation error."""
+    g = torch.Generator().manual_seed(21)
+    threads = torch.get_num_threads()
+    try:
+        for n, k, m in ((80, 576, 17), (576, 1536, 300), (3072, 576, 40)):
+            w = torch.randn(n, k, generator=g).to(torch.bfloat16).float()
+            b = torch.randn(n, generator=g)
+            panels = to_panels(w)
+            x = torch.randn(m, k, generator=g)
+            for bias in (None, b):
+                want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+                scale = F.linear(x.abs().double(), w.abs().double()) + (0 if bias is None else bias.abs().double())
+                alone = torch.cat([native_linear(x[i:i + 1], panels, bias) for i in range(m)])
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    y = native_linear(x, panels, bias)
+                    assert torch.equal(y, alone), (n, k, m, t)
+                assert ((y.double() - want).abs() <= 4 * k * 2.0 ** -24 * scale).all(), (n, k, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+@pytest.mark.skipif(not native.tiled(64), reason="no AMX tiles here (the CPU, the compiler or the OS)")
 def test_the_tile_panels_give_the_weights_products_exactly_summed(tmp_path):
     """On AMX, x is split exactly into three bfloat16 parts and each part's products with the
     weights are exact: every output is the float64 product's value to float32 summation

@@ -331,15 +331,15 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tmm0, tmm1: two panels' sums of x's hi parts [M, 16]; tmm2, tmm3: their sums of the mid
- * and lo parts; tmm4, tmm5: x's parts, 32 k of M rows; tmm6, tmm7: the two panels' 32 k */
+/* tmm0 .. tmm3: four panels' sums [M, 16]; tmm4 .. tmm6: x's hi, mid and lo parts, 32 k
+ * of M rows; tmm7: a panel's 32 k */
 static void configure(long M) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; ++t) {
         c.colsb[t] = 64;
-        c.rows[t] = t < 6 ? (uint8_t)M : 16;
+        c.rows[t] = t < 7 ? (uint8_t)M : 16;
     }
     _tile_loadconfig(&c);
 }
@@ -364,70 +364,79 @@ static void split3(const float *x, bf16 *xs, long M, long K, long G) {
         }
 }
 
-/* y[r + i, n + c] (+ b) = hi sums + rest sums of one panel, its rows i < G that are < M */
-static inline void put(const float *h, const float *rest, const float *b, float *y, long r, long G, long M, long N,
-                       long n) {
-    for (long i = 0; i < G && r + i < M; ++i)
-        for (long c = 0; c < 16; ++c)
-            y[(r + i) * N + n + c] = (h[16 * i + c] + rest[16 * i + c]) + (b ? b[n + c] : 0.0f);
-}
+/* panel t's 32 k at k (tile register T), times x's three parts into sum tile T */
+#define PART_SUMS(T, t)                                                                       \
+    do {                                                                                      \
+        _tile_loadd(7, wp + (t) * 32 * K + 32 * k, 64);                                       \
+        _tile_dpbf16ps(T, 4, 7);                                                              \
+        _tile_dpbf16ps(T, 5, 7);                                                              \
+        _tile_dpbf16ps(T, 6, 7);                                                              \
+    } while (0)
+
+/* y[r .. r + G, n .. n + 16) (+ b) from the sum tile s of rows r.., storing straight into y
+ * where the group is whole and there is no bias */
+#define PUT(T, t)                                                                             \
+    do {                                                                                      \
+        float *yt = y + r * N + n0 + 16 * (t);                                                \
+        if (direct) {                                                                         \
+            _tile_stored(T, yt, N * 4);                                                       \
+        } else {                                                                              \
+            _tile_stored(T, s, 64);                                                           \
+            for (long i = 0; i < G && r + i < M; ++i)                                         \
+                for (long c = 0; c < 16; ++c) yt[i * N + c] = s[16 * i + c] + (b ? b[n0 + 16 * (t) + c] : 0.0f); \
+        }                                                                                     \
+    } while (0)
 
 /* y = x W^T (+ b) on the tile form, M rows: up to 16 in one group of exactly M rows; more
- * in groups of 16 (x padded with zero rows to a multiple of 16, their sums dropped), each
- * panel pair's groups in turn while its weights sit in L2. Each output is two float32 sums
- * over k, 32 k a step, one of x's hi parts and one of its mid then lo parts, then their sum:
- * the same chain at any M. */
+ * in groups of 16 (x padded with zero rows to a multiple of 16, their sums dropped). Four
+ * panels (64 outputs) at a time, each group of rows in turn while their weights sit in L2:
+ * a step of 32 k loads x's three parts once for the four panels (7 tile loads for 12
+ * products, where two panels took 5 for 6). Each output is one float32 sum over k, 32 k a
+ * step, x's hi, mid then lo parts in each: the same chain at any M. Past 16 rows the rows
+ * go in blocks whose parts fit L2 (a prefill's 256 rows at K = 1536 take 2.4 MB: read from
+ * L3 by every pass over the weights, the product ran at ~0.7 of its rate). Past 16 rows a
+ * step's products run at about half the tile unit's rate: both operands come from L2
+ * (neither a group's parts nor four panels' weights fit L1; slicing k so that the weights
+ * do, or prefetching, did not help). */
 static int gemv_tiles(const float *x, const bf16 *w, const float *b, float *y, long M, long N, long K, int nt) {
     const long G = M <= 16 ? M : 16, Mp = (M + G - 1) / G * G;   /* rows a group, rows padded */
     bf16 *xs = (bf16 *)calloc((size_t)(3 * Mp * K), sizeof(bf16));
     if (!xs) return -1;
     split3(x, xs, M, K, G);
-    const long pairs = (N / 16 + 1) / 2, tile = G * 32;   /* bfloat16s an A tile */
+    const long panels = N / 16, quads = (panels + 3) / 4, tile = G * 32;   /* bfloat16s an A tile */
+    /* rows a block: their parts (6 bytes a k) within ~1 MiB */
+    const long rows = Mp <= G ? Mp : (1L << 20) / (6 * K * G) > 1 ? (1L << 20) / (6 * K * G) * G : G;
 #pragma omp parallel num_threads(nt)
     {
         configure(G);
-        float h[2][256], rest[2][256];
+        float s[256];
+        for (long r0 = 0; r0 < Mp; r0 += rows) {
 #pragma omp for schedule(static)
-        for (long j = 0; j < pairs; ++j) {
-            const long n = 32 * j;
-            const char *p0 = (const char *)(w + (size_t)n * K), *p1 = p0 + 32 * K;
-            for (long r = 0; r < Mp; r += G) {
-                const bf16 *a = xs + r * K * 3;   /* the group's tiles, 3 a step of k */
-                _tile_zero(0);
-                _tile_zero(2);
-                if (n + 16 < N) {
+            for (long j = 0; j < quads; ++j) {
+                const long n0 = 64 * j, np = panels - 4 * j < 4 ? panels - 4 * j : 4;
+                const char *wp = (const char *)(w + (size_t)n0 * K);
+                for (long r = r0; r < Mp && r < r0 + rows; r += G) {
+                    const bf16 *a = xs + r * K * 3;   /* the group's tiles, 3 a step of k */
+                    const int direct = !b && r + G <= M;
+                    _tile_zero(0);
                     _tile_zero(1);
+                    _tile_zero(2);
                     _tile_zero(3);
                     for (long k = 0; k < K; k += 32) {
-                        _tile_loadd(6, p0 + 32 * k, 64);
-                        _tile_loadd(7, p1 + 32 * k, 64);
-                        _tile_loadd(4, a + 3 * k / 32 * tile, 64);             /* hi */
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_loadd(5, a + (3 * k / 32 + 1) * tile, 64);       /* mid */
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                        _tile_loadd(4, a + (3 * k / 32 + 2) * tile, 64);       /* lo */
-                        _tile_dpbf16ps(2, 4, 6);
-                        _tile_dpbf16ps(3, 4, 7);
+                        const bf16 *ak = a + 3 * k / 32 * tile;
+                        _tile_loadd(4, ak, 64);
+                        _tile_loadd(5, ak + tile, 64);
+                        _tile_loadd(6, ak + 2 * tile, 64);
+                        PART_SUMS(0, 0);
+                        if (np > 1) PART_SUMS(1, 1);
+                        if (np > 2) PART_SUMS(2, 2);
+                        if (np > 3) PART_SUMS(3, 3);
                     }
-                    _tile_stored(1, h[1], 64);
-                    _tile_stored(3, rest[1], 64);
-                    put(h[1], rest[1], b, y, r, G, M, N, n + 16);
-                } else {
-                    for (long k = 0; k < K; k += 32) {
-                        _tile_loadd(6, p0 + 32 * k, 64);
-                        _tile_loadd(4, a + 3 * k / 32 * tile, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_loadd(5, a + (3 * k / 32 + 1) * tile, 64);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_loadd(4, a + (3 * k / 32 + 2) * tile, 64);
-                        _tile_dpbf16ps(2, 4, 6);
-                    }
+                    PUT(0, 0);
+                    if (np > 1) PUT(1, 1);
+                    if (np > 2) PUT(2, 2);
+                    if (np > 3) PUT(3, 3);
                 }
-                _tile_stored(0, h[0], 64);
-                _tile_stored(2, rest[0], 64);
-                put(h[0], rest[0], b, y, r, G, M, N, n);
             }
         }
         _tile_release();
@@ -435,6 +444,8 @@ static int gemv_tiles(const float *x, const bf16 *w, const float *b, float *y, l
     free(xs);
     return 0;
 }
+#undef PART_SUMS
+#undef PUT
 #endif
 
 /* y = x W^T (+ b), W bfloat16 [N, K] in panels of 16 rows (N a multiple of 16; their tile
