@@ -71,11 +71,13 @@ def test_chunks_are_the_causal_attention_over_their_own_blocks(heads, kv_heads, 
     torch.testing.assert_close(out, _reference(q, kc, vc, tables, spans, bs, scale), atol=2e-6, rtol=1e-5)
 
 
-def test_a_querys_values_do_not_depend_on_the_chunking_the_batch_or_the_threads():
+@pytest.mark.parametrize("hd", [16, 64])
+def test_a_querys_values_do_not_depend_on_the_chunking_the_batch_or_the_threads(hd):
     """One 300-token prompt attended as one chunk, as chunks of 100 / 150 / 50 (each in its
     own call, as successive prefill steps run them), and beside another request's chunk,
-    at one and at two threads: the same floats, bit for bit."""
-    bs, hd = 16, 16
+    at one and at two threads: the same floats, bit for bit (heads of 16: the vector form;
+    of 64: the tile form where the CPU has AMX)."""
+    bs = 16
     kc, vc, order = _pool(2, hd, 48, bs)
     q = torch.randn(1, 4, 300, hd, generator=torch.Generator().manual_seed(2))
     table = order[:19][None]                                    # the prompt's blocks
@@ -96,6 +98,35 @@ def test_a_querys_values_do_not_depend_on_the_chunking_the_batch_or_the_threads(
             assert torch.equal(chunks.chunk_attention(beside, kc, vc, packed, 0.25)[:, :, 170:], parts[1])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_the_tile_and_vector_forms_attend_as_sdpa_does_where_scores_run_far(tmp_path, hd):
+    """Heads of 64 and 128 (the tile form where AMX is here) and the vector form built
+    without it, with queries scaled so that the scores span hundreds of log2 units and a
+    lane's maximum keeps moving past the one its weights are taken against (the tile
+    form's lazy rescale), chunks long and short, over one and several key blocks: each
+    within twice SDPA's own float32 error of the float64 attention (~4e-5 here)."""
+    from tests.kernels.test_native import NO_TILES
+    from treespark.kernels import native
+
+    vector = native.load(native.build(tmp_path, NO_TILES))
+    chunk_list = [(150, 0), (33, 200), (1, 7), (70, 64)]
+    kc, vc, order = _pool(2, hd, 1024 // 16, 16, seed=5)
+    tables, spans, n = _layout(chunk_list, 16, order)
+    q = torch.randn(1, 4, n, hd, generator=torch.Generator().manual_seed(6))
+    q = q * torch.linspace(0.5, 40.0, n)[None, None, :, None]      # later queries' scores far wider
+    scale = hd ** -0.5
+    exact = _reference(q.double(), kc.double(), vc.double(), tables, spans, 16, scale)
+    bound = 2 * (_reference(q, kc, vc, tables, spans, 16, scale).double() - exact).abs().max()
+    packed = _packed(tables, spans, 16)
+    tile = chunks.chunk_attention(q, kc, vc, packed, scale)
+    out = torch.empty(1, 4, n, hd)
+    assert vector.ts_chunk_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), packed.tables.data_ptr(),
+                                     tables.shape[1], 16, packed.spans.data_ptr(), len(spans), scale, out.data_ptr(),
+                                     4, 2, n, hd, 1) == 0
+    for got in (tile, out):
+        assert (got.double() - exact).abs().max() <= bound
 
 
 def test_what_the_native_chunks_take():
