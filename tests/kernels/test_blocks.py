@@ -306,12 +306,12 @@ def test_the_native_attention_reads_the_mask_and_never_makes_the_bias():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _prefill_step(runner: TargetRunner, trees: int, seed: int):
-    """A packed prefill of three chunks (one at its prompt's start, two past earlier
-    chunks of theirs, over shuffled blocks of random keys) over a fresh paged store; with
-    ``trees`` > 0, a decode step's batch of that many rows of 3 tree tokens in the same
-    forward first (``MixedAttention``), as a step whose chunks ride in its verify forward.
-    Returns the forward's logits and taps, and the store."""
+def _prefill_step(runner: TargetRunner, trees: int, seed: int, first: int = 5):
+    """A packed prefill of three chunks (one of ``first`` tokens at its prompt's start, two
+    past earlier chunks of theirs, over shuffled blocks of random keys) over a fresh paged
+    store; with ``trees`` > 0, a decode step's batch of that many rows of 3 tree tokens in
+    the same forward first (``MixedAttention``), as a step whose chunks ride in its verify
+    forward. Returns the forward's logits and taps, and the store."""
     from tests.engine.test_prefill import _request
     from treespark.engine.attend import MixedAttention, chunk_attention, table_attention
     from treespark.engine.kv import PagedKV
@@ -319,14 +319,16 @@ def _prefill_step(runner: TargetRunner, trees: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     bs, v = 4, runner.vocab_size
-    kv = PagedKV(runner.store_shape, runner.store_shape, num_blocks=40, block_size=bs, device=torch.device("cpu"),
-                 dtype=torch.float32)
+    own = -(-(first + 4) // bs)                                         # the first request's blocks
+    kv = PagedKV(runner.store_shape, runner.store_shape, num_blocks=own + 36, block_size=bs,
+                 device=torch.device("cpu"), dtype=torch.float32)
     for t in (kv.target.k, kv.target.v):
         t[:, bs:] = torch.randn(t[:, bs:].shape, generator=g)         # every context before the chunks
-    order = (torch.randperm(39, generator=g) + 1).tolist()
-    prompts = [torch.randint(0, v, (n,), generator=g).tolist() for n in (9, 14, 6)]
-    reqs = [_request(str(i), p, order[4 * i:4 * i + 4], c) for i, (p, c) in enumerate(zip(prompts, (0, 6, 2), strict=True))]
-    batch = prefill_batch(list(zip(reqs, (5, 4, 3), strict=True)), kv)
+    order = (torch.randperm(own + 35, generator=g) + 1).tolist()
+    prompts = [torch.randint(0, v, (n,), generator=g).tolist() for n in (first + 4, 14, 6)]
+    held = [order[:own], order[own:own + 4], order[own + 4:own + 8]]
+    reqs = [_request(str(i), p, held[i], c) for i, (p, c) in enumerate(zip(prompts, (0, 6, 2), strict=True))]
+    batch = prefill_batch(list(zip(reqs, (first, 4, 3), strict=True)), kv)
     pos, slots = torch.as_tensor(batch.positions), torch.as_tensor(batch.slots)
     attend = chunk_attention(runner.attention, kv, slots, pos, torch.as_tensor(batch.tables), list(batch.spans),
                              torch.as_tensor(np.asarray(batch.spans, dtype=np.int64)), groups=runner.groups,
@@ -335,7 +337,7 @@ def _prefill_step(runner: TargetRunner, trees: int, seed: int):
     tokens, positions = torch.as_tensor(batch.tokens), pos
     if trees:
         k, ctx = 3, 7                                                   # each row's 7 keys, then its tree
-        table = torch.as_tensor(order[12:12 + 3 * trees]).view(trees, 3)
+        table = torch.as_tensor(order[own + 8:own + 8 + 3 * trees]).view(trees, 3)
         tree_pos = torch.full((trees, k), ctx) + torch.tensor([0, 1, 1])   # a root and its two children
         mask = torch.zeros(trees, 1, k, ctx + k, dtype=torch.bool)
         mask[..., :ctx] = True
@@ -380,6 +382,38 @@ def test_the_layer_stack_in_one_call_takes_a_packed_prefill_and_a_mixed_step(fam
     assert len(stacked) == 1, "the per-layer calls"
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got[2].target.k, want[2].target.k) and torch.equal(got[2].target.v, want[2].target.v)
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_on_amx_tiles_a_long_packed_prefill_runs_in_the_one_call(family, monkeypatch):
+    """Where every bfloat16 copy is AMX tiles, a packed prefill of more than TILE_ROWS tokens
+    with a decode step's tree riding runs every layer in one native call: a prefill's rows
+    do not count against the trees' limit (its products take any rows, its attention any
+    chunks); the per-layer calls' floats to the bit. Without tiles they count."""
+    from treespark.kernels.chunks import can_attend
+
+    model = _target(family)
+    round_to_bf16(model)
+    plan = ProductPlan.fixed(HALF)
+    taps = (0, model.config.num_hidden_layers - 1)
+    if not TargetRunner(model, taps, plan)._half_tiles() or not can_attend(torch.float32, torch.zeros(1, 1, 16)):
+        pytest.skip("no AMX tiles or native chunk attention here")
+    first = blocks.TILE_ROWS + 36
+    stacked = []
+    real = blocks.layers
+    monkeypatch.setattr(blocks, "layers", lambda *a, **kw: stacked.append(a[1].shape[0]) or real(*a, **kw))
+    got = _prefill_step(TargetRunner(model, taps, plan), 1, seed=23, first=first)
+    assert stacked == [3 + first + 7], "the step's every layer in one call"
+    with monkeypatch.context() as m:
+        m.setattr(target, "stacked", lambda attend: None)
+        want = _prefill_step(TargetRunner(model, taps, plan), 1, seed=23, first=first)
+    assert len(stacked) == 1, "the per-layer calls"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2].target.k, want[2].target.k) and torch.equal(got[2].target.v, want[2].target.v)
+    assert blocks.can_run(blocks.TILE_ROWS + first, "silu", tiles=True, chunk_rows=first)
+    assert not blocks.can_run(blocks.TILE_ROWS + 1 + first, "silu", tiles=True, chunk_rows=first)
+    assert not blocks.can_run(MAX_ROWS + first, "silu", chunk_rows=first)
 
 
 @needs_native

@@ -254,6 +254,14 @@ def _native_store(store: KVStore | PagedStore) -> bool:
     return isinstance(store, PagedStore) and store.k.dtype == torch.float32 and store.k.device.type == "cpu"
 
 
+def prefill_rows(attend: LayerAttention) -> int:
+    """How many of a forward's tokens are a packed prefill's (``ChunkAttention``'s, alone or
+    in a ``MixedAttention``): the rows the native blocks do not count against their limit."""
+    if isinstance(attend, MixedAttention):
+        return prefill_rows(attend.chunks)
+    return attend.slots.shape[0] if isinstance(attend, ChunkAttention) else 0
+
+
 def stacked(attend: LayerAttention) -> Stacked | None:
     """``attend`` as one native call over the layer stack takes it (``Stacked``): a padded
     batch's grouped attention over a block table (a decoding step's trees), a packed

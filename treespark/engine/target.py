@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from treespark.engine.attend import LayerAttention, stacked, store_attention
+from treespark.engine.attend import LayerAttention, prefill_rows, stacked, store_attention
 from treespark.engine.kv import KVStore, PagedRows, PagedStore, StoreShape
 from treespark.engine.products import (
     LayerProducts,
@@ -274,7 +274,7 @@ class TargetRunner:
         n_taps * h]. Shapes come from the inputs only, and nothing here waits for the
         device: the part ``treespark.engine.graphs`` captures."""
         b, k = tokens.shape
-        half = self._on_blocks(b * k)
+        half = self._on_blocks(b * k, prefill_rows(attend))
         embed = self.base.embed_tokens.weight
         if (half is not None and self._rope is not None and embed.dtype == torch.float32 and embed.is_contiguous()
                 and (one := stacked(attend)) is not None):   # the whole stack in one call, lookups included
@@ -313,16 +313,16 @@ class TargetRunner:
             mlp_out = self._mlp(layer.mlp, lp, normed)
         return x, mlp_out, taps
 
-    def _on_blocks(self, rows: int) -> bool | None:
-        """Whether a forward of ``rows`` rows runs its layers on the native blocks
-        (``treespark.kernels.blocks``: where the plan runs these rows on ``gemv.c``, in the
-        fused eager forward of float32 activations) and if so on the bfloat16 copies;
-        None where it does not."""
+    def _on_blocks(self, rows: int, prefill: int = 0) -> bool | None:
+        """Whether a forward of ``rows`` rows (``prefill`` of them a packed prefill's) runs
+        its layers on the native blocks (``treespark.kernels.blocks``: where the plan runs
+        these rows on ``gemv.c``, in the fused eager forward of float32 activations) and if
+        so on the bfloat16 copies; None where it does not."""
         if not self._blocks:
             return None
         layout = self.products.layout(rows)
         tiles = layout == HALF and rows > blocks.MAX_ROWS and self._half_tiles()
-        if layout not in (NATIVE, HALF) or not blocks.can_run(rows, self.act, tiles):
+        if layout not in (NATIVE, HALF) or not blocks.can_run(rows, self.act, tiles, prefill):
             return None
         return layout == HALF
 

@@ -54,9 +54,13 @@ def qk_norm_weight(q_norm: torch.Tensor, k_norm: torch.Tensor, heads: int, kv_he
     return torch.cat([q_norm.detach().expand(heads, -1), k_norm.detach().expand(kv_heads, -1)]).contiguous()
 
 
-# the most rows the blocks take where every product is AMX tiles (``native.most_rows``: their
-# cost flat in the rows), so a batch of trees runs natively too; a prefill chunk, more rows,
-# goes to torch's flash attention
+# the most decoding rows (tree tokens) the blocks take where every product is AMX tiles
+# (``native.most_rows``: their cost flat in the rows), so a batch of trees runs natively too;
+# a wider batch of trees goes to the per-layer path, whose SDPA is faster there than
+# ``paged_attention``. A packed prefill's tokens beside them count for nothing: the
+# products take any rows on tiles and ``chunk_attention`` any chunks (a 256-token prompt
+# chunk in one call ran its prefill step in ~0.88 of the per-layer path's time, the
+# Python between the operators gone)
 TILE_ROWS = 64
 
 
@@ -66,10 +70,12 @@ def max_rows(tiles: bool) -> int:
     return TILE_ROWS if tiles else MAX_ROWS
 
 
-def can_run(rows: int, hidden_act: str, tiles: bool = False) -> bool:
+def can_run(rows: int, hidden_act: str, tiles: bool = False, chunk_rows: int = 0) -> bool:
     """Whether the blocks take a forward of ``rows`` rows with this activation (and the
-    library is built): up to ``max_rows(tiles)``."""
-    return 1 <= rows <= max_rows(tiles) and hidden_act in ACTIVATIONS and library() is not None
+    library is built), ``chunk_rows`` of them a packed prefill's: up to ``max_rows(tiles)``,
+    the prefill's not counted where the weights are ``tiles``."""
+    bounded = rows - chunk_rows if tiles else rows
+    return 1 <= rows and bounded <= max_rows(tiles) and hidden_act in ACTIVATIONS and library() is not None
 
 
 def all_tiles(weights: list[LayerWeights]) -> bool:
@@ -359,7 +365,7 @@ def layers(stack: LayerStack,
         b, k = (0, 0) if slots is None else slots.shape
     n = 0 if chunks is None else chunks.slots.shape[0]
     count = len(stack.weights)
-    assert m == b * k + n and 1 <= m <= max_rows(stack.tiles), (m, b, k, n)
+    assert m == b * k + n and 1 <= m and (b * k if stack.tiles else m) <= max_rows(stack.tiles), (m, b, k, n)
     hq, hkv, hd = stack.heads, stack.kv_heads, stack.head_dim
     if lens is not None:
         mb, mt, table = None, 0, as_long(table)
