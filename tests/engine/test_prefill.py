@@ -133,7 +133,9 @@ def test_chunks_ride_in_the_decode_steps_verify_forward(mimic16):
     """While requests decode, a step's prefill chunks go through the verify forward (one
     target forward a step), and every request's output is what it is alone: greedy rows
     equal plain decoding, a seeded sampled row its own output alone, a first token's
-    logprobs included; a long prompt prefills over several such steps."""
+    logprobs included; a long prompt prefills over several such steps, each forward within
+    the step's token budget (the trees' slots, then at most what they leave of the prompt,
+    a block at least)."""
     from treespark import Budget, generate
     from treespark.engine.config import EngineConfig
     from treespark.engine.core import Engine
@@ -144,13 +146,13 @@ def test_chunks_ride_in_the_decode_steps_verify_forward(mimic16):
     sampled = SamplingParams(temperature=1.0, max_tokens=12, seed=4, logprobs=2)
 
     def serve(arrivals: dict[int, list]) -> tuple[dict, dict, list[int]]:
-        engine = Engine(mimic16, EngineConfig(max_batch_size=4, max_context=160, prefill_chunk=16,
+        engine = Engine(mimic16, EngineConfig(max_batch_size=4, max_context=160, prefill_chunk=16, block_size=8,
                                               max_num_batched_tokens=24), budget=Budget(0.0, 6, 2))
         calls = []
         layers = engine.runner.layers
 
         def counted(tokens, positions, attend):
-            calls.append(tokens.shape[1])
+            calls.append(tokens.numel())
             return layers(tokens, positions, attend)
 
         engine.runner.layers = counted
@@ -166,6 +168,7 @@ def test_chunks_ride_in_the_decode_steps_verify_forward(mimic16):
                 lps.setdefault(o.request_id, []).extend(o.logprobs or ())
             per_step.append(len(calls) - before)
             step += 1
+        assert max(calls) <= 24, "a step's forward stays within its token budget: the trees, then prompt tokens"
         return out, lps, per_step
 
     arrivals = {0: [("a", short[0], SamplingParams(max_tokens=20)), ("s", short[1], sampled)],
