@@ -203,6 +203,12 @@ class AppArgs(_Strict):
     precision: Literal["float32", "bfloat16"] = "float32"
     max_batch_size: int = Field(8, ge=1)
     max_context: int = Field(1024, ge=2)
+    # tokens a step: the running rows' trees, then prompt chunks up to this
+    # (EngineConfig.max_num_batched_tokens). A pair whose prefill is compute-bound (the
+    # default pair on a CPU) does better at 256 in time to first token and inter-token
+    # latency both; a small model's steps, whose fixed cost dominates, at 512
+    # (docs/benchmarks/serving.md)
+    max_num_batched_tokens: int = Field(512, ge=1)
     # KV memory: the fraction of device memory (less what is in use once the weights are
     # loaded) the KV rows may take; an engine runs fewer than max_batch_size requests if
     # that is what it holds (0: max_batch_size rows, no check)

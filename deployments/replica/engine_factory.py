@@ -38,6 +38,7 @@ def build_engine(args: AppArgs) -> EngineBundle:
     pair = pair_by_name(args.model, args.drafter, device=args.device, vocab_size=args.vocab_size,
                         seed=args.seed, precision=args.precision, progress=False)
     engine = Engine(pair, EngineConfig(max_batch_size=args.max_batch_size, max_context=args.max_context,
+                                        max_num_batched_tokens=args.max_num_batched_tokens,
                                         max_tree_nodes=args.max_tree_nodes,
                                         kv_memory_fraction=args.kv_memory_fraction,
                                         prefix_caching=args.prefix_caching, compile_backend=args.compile_backend,

@@ -236,13 +236,15 @@ def test_queue_time_from_the_real_engine():
 def test_prefix_cache_and_kv_series_from_the_real_engine(caching):
     """The same prompt twice on the real engine (16-token blocks): both are looked up; with
     the prefix cache on, the second finds every full block but the one of its last token
-    cached, with it off nothing. ``prefix_caching`` in the app's args reaches the engine."""
+    cached, with it off nothing. ``prefix_caching`` and ``max_num_batched_tokens`` in the
+    app's args reach the engine."""
     from serving.inprocess import LocalApi
 
     a = LocalApi(AppArgs(model="random", vocab_size=512, max_batch_size=2, max_context=256, policy=LADDER,
-                         prefix_caching=caching))
+                         prefix_caching=caching, max_num_batched_tokens=100 + caching))
     try:
         assert a.core.bundle.engine.kv.pool.caching is caching
+        assert a.core.bundle.engine.sched.max_num_batched_tokens == 100 + caching
         body = {"model": MODEL, "prompt": "The shared system prompt of a chat, " * 3, "max_tokens": 4}
         sizes = []
         for _ in range(2):
