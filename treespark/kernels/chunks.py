@@ -15,12 +15,13 @@ import torch
 from treespark.kernels.native import library, operator
 
 PROFILER_NAME = "treespark::chunk_attention"
-# the largest head it is given (chunks.c takes up to 256): its products broadcast a key's
+# the largest head it is given (chunks.c takes up to 256): its vector form broadcasts a key's
 # float per FMA where SDPA's flash kernel blocks them as matrix products, so at long contexts
 # and heads of 128 SDPA is faster. Against the torch path (gather, flash under the bias made
 # once a forward), one layer, one thread, AVX-512 Xeon (`treespark bench attention`): heads
 # of 16 (the tiny pairs) 0.40-0.56 of its time, 64 (the default pair) 0.57-0.83, 128 (Qwen3)
-# 0.80 at no context but 1.29-1.39 over 1,024-1,244 keys
+# 0.80 at no context but 1.29-1.39 over 1,024-1,244 keys. On AMX, heads of a multiple of 64
+# take the tile form instead (~0.65-0.7 of the vector form's time at 64, 1,244-1,500 keys)
 MAX_HEAD = 64
 
 
