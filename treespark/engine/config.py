@@ -15,7 +15,7 @@ class EngineConfig:
     max_tree_nodes: int = 64        # hard cap on draft nodes per tree, whatever the budget
     prefill_chunk: int = 256        # most prompt tokens of one request per step
     # tokens per step: the running rows' trees (their node caps), then prefill chunks of
-    # several requests up to this (always at least a block's prompt tokens)
+    # several requests up to this (always at least a chunk less a token a running row)
     max_num_batched_tokens: int = 512
     # KV memory: a pool of blocks of block_size tokens (target + drafter), as many as the
     # budget holds; requests are admitted, and grow, by free blocks

@@ -9,8 +9,8 @@ Each ``step()``:
    prefix of cached blocks (``treespark.engine.kv``);
 1. prefill chunks: the step's token budget (``max_num_batched_tokens``) goes to the
    running rows' trees first, then to prefill chunks of the admitted requests, oldest
-   first (at least a block's tokens per step, so new arrivals never starve, and at most the
-   budget, so running requests keep their pace), the chunks packed into one row with no
+   first (at least a chunk less a token a running row per step, so new arrivals never
+   starve, and at most the budget, so running requests keep their pace), the chunks packed into one row with no
    padding (``treespark.engine.prefill``). With requests decoding, the chunks ride in
    step 3's verify forward (``treespark.engine.attend.MixedAttention``: the weights
    stream once for both); with none, they run in a forward of their own. A request's

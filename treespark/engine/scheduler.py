@@ -87,13 +87,15 @@ class Scheduler:
 
     def schedule_prefill(self) -> list[tuple[Request, int]]:
         """This step's prefill chunks (request, tokens): what the token budget leaves after
-        the running rows' trees (at least a block's tokens, so that prompts always move), to
-        the admitted requests oldest first, then to waiting requests admitted, first come
-        first served, while a request slot is free and the pool holds their prompts'
-        uncached blocks and a tree. (A whole chunk beside the trees would pass the budget:
-        on a CPU's tiles, 256 prompt tokens and a decoding row are 17 groups of 16 rows.)"""
+        the running rows' trees, and at least a chunk less a token a running row (each row's
+        root, verified whatever its tree), so that prompts move at about a chunk a step even
+        where the rows' node caps reserve the whole budget; to the admitted requests oldest
+        first, then to waiting requests admitted, first come first served, while a request
+        slot is free and the pool holds their prompts' uncached blocks and a tree. (A whole
+        chunk beside decoding rows would pass the budget: on a CPU's tiles, 256 prompt
+        tokens and a decoding row are 17 groups of 16 rows.)"""
         budget = max(self.max_num_batched_tokens - sum(self.tree_slots(r) for r in self.running),
-                     min(self.prefill_chunk, self.kv.block_size))
+                     max(self.prefill_chunk - len(self.running), self.kv.block_size))
         chunks = []
         for req in self.prefilling:
             if budget <= 0:

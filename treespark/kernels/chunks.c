@@ -519,8 +519,9 @@ int ts_chunk_attention(const float *q, const float *kc, const float *vc, const i
         tiles += (size + TL - 1) / TL;
     }
 #if defined(CHUNK_TILES)
-    if (hd % 64 == 0 && ts_tiles()) return chunks_amx(q, kc, vc, tables, nb, bs, spans, C, scale, out, H, kvh, N, hd,
-                                                       threads);
+    if (hd % 64 == 0 && ts_tiles()
+        && chunks_amx(q, kc, vc, tables, nb, bs, spans, C, scale, out, H, kvh, N, hd, threads) == 0)
+        return 0;   /* (without room for the split keys: the vector form) */
 #endif
     const long G = H / kvh, items = tiles * H;
     const int nt = items > 1 ? threads : 1;
