@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tiles.h"
 #include "vexp.h"
 
 #define KB 8     /* keys a block */
@@ -199,15 +200,8 @@ int ts_tiles(void);
  * they are rescaled: its weights stay below 2^LAZY, and past the first blocks a rescale is rare */
 #define LAZY 8.0f
 
-typedef struct {
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} chunk_tile_config;
-
 static void full_tiles(void) {                      /* every tile 16 rows of 64 bytes */
-    chunk_tile_config c;
+    tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; ++t) {
@@ -215,19 +209,6 @@ static void full_tiles(void) {                      /* every tile 16 rows of 64 
         c.rows[t] = 16;
     }
     _tile_loadconfig(&c);
-}
-
-/* v's three exact bfloat16 parts, as the floats they are */
-static inline void split3v(__m512 v, __m512 parts[3]) {
-    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
-    parts[0] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
-    const __m512 r = _mm512_sub_ps(v, parts[0]);
-    parts[1] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), top));
-    parts[2] = _mm512_sub_ps(r, parts[1]);
-}
-
-static inline __m256i bf16_bits(__m512 v) {         /* a bfloat16-valued float's upper half */
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
 }
 
 /* One chunk's keys 0 .. T - 1 over KV head g, split into three parts and laid out as whole

@@ -284,6 +284,7 @@ int ts_gemv(const float *x, const float *w, const float *b, float *y, long M, lo
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <sys/syscall.h>
+#include "tiles.h"
 #include <unistd.h>
 #define TILES 1
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -324,13 +325,6 @@ int ts_panel_tiles(long K) { return tiles_on && K % 32 == 0; }
  * target: 12.3-14.5 ms a pass at 1-16 rows, against 19.1-51.9 for the float32 weights on
  * ts_gemv); past 16 rows it is bound by the tile loads, ~2-2.6x oneDNN's packed float32
  * there (treespark bench linear). */
-typedef struct {
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* tmm0 .. tmm3: four panels' sums [M, 16]; tmm4 .. tmm6: x's hi, mid and lo parts, 32 k
  * of M rows; tmm7: a panel's 32 k */
 static void configure(long M) {
@@ -348,19 +342,12 @@ static void configure(long M) {
  * [part] is a G x 32 tile, its rows 64 bytes apart (one contiguous KiB at G = 16); rows past
  * M left as they are (zeros) */
 static void split3(const float *x, bf16 *xs, long M, long K, long G) {
-    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
     for (long i = 0; i < M; ++i)
         for (long k = 0; k < K; k += 16) {
-            const __m512 v = _mm512_loadu_ps(x + i * K + k);
-            const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
-            const __m512 r1 = _mm512_sub_ps(v, hi);
-            const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), top));
-            const __m512 lo = _mm512_sub_ps(r1, mid);
-            const __m512 parts[3] = {hi, mid, lo};
+            __m512 parts[3];
+            split3v(_mm512_loadu_ps(x + i * K + k), parts);
             bf16 *at = xs + (((i / G) * (K / 32) + k / 32) * 3 * G + i % G) * 32 + k % 32;
-            for (int p = 0; p < 3; ++p)
-                _mm256_storeu_si256((__m256i *)(at + p * G * 32),
-                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(parts[p]), 16)));
+            for (int p = 0; p < 3; ++p) _mm256_storeu_si256((__m256i *)(at + p * G * 32), bf16_bits(parts[p]));
         }
 }
 

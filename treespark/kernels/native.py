@@ -44,7 +44,7 @@ from treespark.kernels.machine import hardware_name
 # per-step allocation's argmax (best.c) and the logits' argmax (vocab.c), one library
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.c", "blocks.c", "waves.c", "chunks.c", "best.c",
                                                       "vocab.c"))
-HEADERS = (Path(__file__).with_name("vexp.h"),)   # what the sources include (in the build's key)
+HEADERS = (Path(__file__).with_name("vexp.h"), Path(__file__).with_name("tiles.h"))   # what the sources include (in the build's key)
 CACHE_DIR = Path.home() / ".cache" / "treespark" / "kernels"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 MAX_ROWS = 16  # the most rows ``native_linear`` takes: W's 4-row block stays in L1 over them
